@@ -1,0 +1,54 @@
+//! Dynamic batching: a token-budgeted queue of sequences shared by one worker thread per device.
+//! Requests are admitted (or refused with 429) in one place, [`Scheduler::submit`]; workers pack
+//! sequences from many requests into batches and hand each request its own slices back.
+
+mod queue;
+mod worker;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use queue::{Queue, SubmitError};
+pub use worker::{spawn_worker, WorkerHandle};
+
+use crate::engine::{HostTensor, OutDType};
+use crate::tokenizer::Tokenized;
+
+/// A validated, tokenized request, ready to queue.
+#[derive(Clone, Debug)]
+pub struct Submission {
+    pub seqs: Vec<Tokenized>,
+    /// Resolved hidden-state indices, in the order the caller asked.
+    pub layers: Vec<usize>,
+    pub dtype: OutDType,
+    pub metadata: HashMap<String, String>,
+}
+
+impl Submission {
+    pub fn tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.ids.len()).sum()
+    }
+}
+
+/// The hidden states of each sequence of a submission, `[len, layers, hidden]` each.
+#[derive(Debug)]
+pub struct Answer {
+    pub parts: Vec<HostTensor>,
+    pub queue_time: Duration,
+    pub inference_time: Duration,
+}
+
+/// Why a queued request failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum BatchError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Internal(String),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// The one admission point, shared by the HTTP layer.
+pub type Scheduler = Arc<Queue>;

@@ -1,0 +1,154 @@
+//! Command-line interface: `layertap extract` (one shot) and `layertap serve`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::engine::OutDType;
+
+#[derive(Parser, Debug)]
+#[command(name = "layertap", version, about = "Hidden states of chosen layers of a decoder LLM, exact to Hugging Face transformers")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run one batch and write the hidden states to a safetensors file.
+    Extract(ExtractArgs),
+    /// Serve the HTTP API.
+    Serve(ServeArgs),
+    /// Print the OpenAPI document of the HTTP API.
+    Openapi,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Model: a Hugging Face folder, a .gguf file, or a hub repo id (owner/name).
+    #[arg(long, env = "LAYERTAP_MODEL")]
+    pub model: String,
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0", env = "LAYERTAP_HOST")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one and logs it).
+    #[arg(long, default_value_t = 8080, env = "LAYERTAP_PORT")]
+    pub port: u16,
+    /// Devices: cpu, cuda:0, cuda:0,1 or cuda:all. One resident model per device.
+    #[arg(long, default_value = "cpu", env = "LAYERTAP_DEVICE")]
+    pub device: String,
+    /// Compute dtype (also the default output dtype): f32, bf16 or f16.
+    #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
+    pub dtype: OutDType,
+    /// Most tokens in one forward pass. Default: 8192 on CPU; on CUDA sized from free memory after loading.
+    #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]
+    pub max_batch_tokens: Option<usize>,
+    /// Longest single input in tokens; longer ones are refused with 413.
+    #[arg(long, default_value_t = 8192, env = "LAYERTAP_MAX_INPUT_TOKENS")]
+    pub max_input_tokens: usize,
+    /// Most tokens waiting in the queue; past it requests are refused with 429 and Retry-After.
+    #[arg(long, default_value_t = 131072, env = "LAYERTAP_MAX_QUEUE_TOKENS")]
+    pub max_queue_tokens: usize,
+    /// Bearer tokens accepted on /v1 routes (comma-separated or repeated). None: no auth.
+    #[arg(long = "api-key", env = "LAYERTAP_API_KEY", value_delimiter = ',', hide_env_values = true)]
+    pub api_keys: Vec<String>,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 64 << 20, env = "LAYERTAP_MAX_BODY_BYTES")]
+    pub max_body_bytes: usize,
+    /// Most hidden-state values in a JSON answer (Accept: application/json).
+    #[arg(long, default_value_t = 4 << 20, env = "LAYERTAP_MAX_JSON_VALUES")]
+    pub max_json_values: usize,
+    /// zstd level for answers (1-19).
+    #[arg(long, default_value_t = 3, env = "LAYERTAP_ZSTD_LEVEL")]
+    pub zstd_level: i32,
+    /// Seconds a request may take end to end before it is answered 503.
+    #[arg(long, default_value_t = 600, env = "LAYERTAP_REQUEST_TIMEOUT")]
+    pub request_timeout_s: u64,
+    /// Seconds to let in-flight requests finish on SIGTERM/SIGINT before exiting.
+    #[arg(long, default_value_t = 30, env = "LAYERTAP_SHUTDOWN_TIMEOUT")]
+    pub shutdown_timeout_s: u64,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "LAYERTAP_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    /// Checks that the limits are consistent; the message says which flag to change.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_input_tokens == 0 {
+            return Err("--max-input-tokens must be positive".into());
+        }
+        if let Some(b) = self.max_batch_tokens {
+            if b < self.max_input_tokens {
+                return Err(format!(
+                    "--max-batch-tokens ({b}) must be at least --max-input-tokens ({})",
+                    self.max_input_tokens
+                ));
+            }
+        }
+        if self.max_queue_tokens < self.max_input_tokens {
+            return Err(format!(
+                "--max-queue-tokens ({}) must be at least --max-input-tokens ({})",
+                self.max_queue_tokens, self.max_input_tokens
+            ));
+        }
+        if !(1..=22).contains(&self.zstd_level) {
+            return Err("--zstd-level must be between 1 and 22".into());
+        }
+        Ok(())
+    }
+
+    /// The device list: `cpu`, `cuda:0`, `cuda:0,1`, or `cuda:all` (every visible GPU).
+    pub fn devices(&self) -> Result<Vec<String>, String> {
+        let d = self.device.trim();
+        if d == "cpu" {
+            return Ok(vec!["cpu".into()]);
+        }
+        let rest = d.strip_prefix("cuda:").ok_or_else(|| format!("unknown --device {d:?}; use cpu, cuda:0, cuda:0,1 or cuda:all"))?;
+        if rest == "all" {
+            let n = crate::engine::cuda_device_count();
+            if n == 0 {
+                return Err("--device cuda:all: no CUDA device is visible (or layertap was built without --features cuda)".into());
+            }
+            return Ok((0..n).map(|i| format!("cuda:{i}")).collect());
+        }
+        rest.split(',')
+            .map(|i| i.trim().parse::<usize>().map(|i| format!("cuda:{i}")).map_err(|_| format!("bad device index {i:?} in --device")))
+            .collect()
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct ExtractArgs {
+    /// Model: a Hugging Face folder, a .gguf file, or a hub repo id (owner/name).
+    #[arg(long, env = "LAYERTAP_MODEL")]
+    pub model: String,
+    /// Hugging Face hidden_states indices, comma-separated: 0 = embeddings, i = output of decoder
+    /// layer i, L (or -1) = final normed output.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
+    pub layers: Vec<i64>,
+    /// Token ids of one sequence, comma-separated; repeat the flag for several sequences.
+    #[arg(long = "input-ids", value_delimiter = ';')]
+    pub input_ids: Vec<String>,
+    /// Text of one sequence, tokenized by the model's tokenizer; repeat for several.
+    #[arg(long)]
+    pub text: Vec<String>,
+    /// Compute and output dtype: f32, bf16, f16 (or float32, bfloat16, float16).
+    #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
+    pub dtype: OutDType,
+    /// Output dtype if different from the compute dtype.
+    #[arg(long = "out-dtype")]
+    pub out_dtype: Option<OutDType>,
+    /// Device: cpu or cuda:N.
+    #[arg(long, default_value = "cpu", env = "LAYERTAP_DEVICE")]
+    pub device: String,
+    /// Where to write the safetensors file.
+    #[arg(long)]
+    pub out: PathBuf,
+}

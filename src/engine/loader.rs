@@ -1,0 +1,250 @@
+//! Finding a model (local folder, GGUF file, or Hugging Face hub repo id) and loading it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device};
+
+use super::config::ModelConfig;
+use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
+use super::model::Decoder;
+use super::weights::{TensorSource, Weights};
+use super::{EngineError, ModelEngine, ModelInfo, OutDType};
+
+/// Where the tokenizer of a model comes from.
+pub enum TokenizerSource {
+    /// `tokenizer.json` plus optional `tokenizer_config.json` and `chat_template.jinja`.
+    HfFiles { tokenizer_json: PathBuf, tokenizer_config: Option<PathBuf>, chat_template: Option<PathBuf> },
+    Gguf(Box<GgufTokenizerData>),
+    /// The model ships no tokenizer: only token ids are accepted.
+    None,
+}
+
+enum Files {
+    Hf { config: ModelConfig, shards: Vec<PathBuf> },
+    Gguf { file: Arc<GgufFile>, config: ModelConfig },
+}
+
+/// A model located and its config read, ready to be loaded onto one or more devices.
+pub struct ModelFiles {
+    /// What the user passed (path or repo id), reported as the model id.
+    pub id: String,
+    files: Files,
+    root: Option<PathBuf>,
+}
+
+/// Everything a one-shot run needs: the engine on its device and the model's description.
+pub struct LoadedModel {
+    pub engine: ModelEngine,
+    pub info: ModelInfo,
+}
+
+fn err(msg: impl Into<String>) -> EngineError {
+    EngineError::Load(msg.into())
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value, EngineError> {
+    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read {}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| err(format!("{} is not valid JSON: {e}", path.display())))
+}
+
+/// Shard files of a Hugging Face folder: `model.safetensors` or those listed by the index.
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, EngineError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Err(err(format!(
+            "{} has neither model.safetensors nor model.safetensors.index.json (only safetensors weights are \
+             supported; convert .bin checkpoints with transformers' save_pretrained)",
+            dir.display()
+        )));
+    }
+    let v = read_json(&index)?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| err(format!("{}: no \"weight_map\" object", index.display())))?;
+    let mut names: Vec<&str> = map.values().filter_map(|s| s.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let files: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
+    if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+        return Err(err(format!("shard {} listed in {} is missing", missing.display(), index.display())));
+    }
+    Ok(files)
+}
+
+/// True when `spec` looks like `owner/name` on the hub rather than a local path.
+fn looks_like_repo_id(spec: &str) -> bool {
+    let parts: Vec<&str> = spec.split('/').collect();
+    parts.len() == 2
+        && parts.iter().all(|p| {
+            !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && !p.starts_with('.')
+        })
+}
+
+/// Fails fast (no hang) when the hub cannot be reached.
+fn check_hub_reachable(endpoint: &str) -> Result<(), String> {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let host = endpoint.trim_start_matches("https://").trim_start_matches("http://");
+    let host = host.split('/').next().unwrap_or(host);
+    let with_port = if host.contains(':') { host.to_string() } else { format!("{host}:443") };
+    let addrs = with_port.to_socket_addrs().map_err(|e| format!("cannot resolve {host}: {e}"))?;
+    for a in addrs {
+        if TcpStream::connect_timeout(&a, Duration::from_secs(10)).is_ok() {
+            return Ok(());
+        }
+    }
+    Err(format!("cannot connect to {host}"))
+}
+
+fn download_from_hub(repo_id: &str) -> Result<PathBuf, EngineError> {
+    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+    let cache = hf_hub::Cache::from_env();
+    let cached = cache.model(repo_id.to_string());
+    let hint = "pass a local folder or .gguf file, or populate the Hugging Face cache (HF_HOME) on a machine with \
+                network access";
+    if let (Some(cfg), true) = (cached.get("config.json"), offline) {
+        return cfg.parent().map(Path::to_path_buf).ok_or_else(|| err("bad cache path"));
+    }
+    if offline {
+        return Err(err(format!("{repo_id:?} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; {hint}")));
+    }
+    let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
+    if let Err(why) = check_hub_reachable(&endpoint) {
+        if let Some(cfg) = cached.get("config.json") {
+            tracing::warn!("hub unreachable ({why}); using the cached copy of {repo_id}");
+            return cfg.parent().map(Path::to_path_buf).ok_or_else(|| err("bad cache path"));
+        }
+        return Err(err(format!("cannot download {repo_id:?} from the Hugging Face hub: {why}; {hint}")));
+    }
+    let api = hf_hub::api::sync::ApiBuilder::from_env()
+        .with_progress(true)
+        .build()
+        .map_err(|e| err(format!("hub client: {e}")))?;
+    let repo = api.model(repo_id.to_string());
+    let get = |f: &str| repo.get(f).map_err(|e| err(format!("downloading {f} of {repo_id:?}: {e}")));
+    let config = get("config.json")?;
+    for optional in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+        let _ = repo.get(optional);
+    }
+    if repo.get("model.safetensors").is_err() {
+        let index = get("model.safetensors.index.json")?;
+        let v = read_json(&index)?;
+        let mut shards: Vec<String> = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .map(|m| m.values().filter_map(|s| s.as_str().map(String::from)).collect())
+            .unwrap_or_default();
+        shards.sort();
+        shards.dedup();
+        for s in shards {
+            get(&s)?;
+        }
+    }
+    config.parent().map(Path::to_path_buf).ok_or_else(|| err("bad cache path"))
+}
+
+impl ModelFiles {
+    /// Locates the model named by `spec`: a folder, a `.gguf` file, or a hub repo id.
+    pub fn locate(spec: &str) -> Result<Self, EngineError> {
+        let path = Path::new(spec);
+        let dir = if path.is_file() {
+            if path.extension().is_some_and(|e| e == "gguf") {
+                let file = Arc::new(GgufFile::open(path)?);
+                let config = file.model_config()?;
+                return Ok(ModelFiles { id: spec.into(), files: Files::Gguf { file, config }, root: None });
+            }
+            return Err(err(format!("{spec} is a file but not a .gguf file; pass a model folder or a .gguf file")));
+        } else if path.is_dir() {
+            path.to_path_buf()
+        } else if looks_like_repo_id(spec) {
+            download_from_hub(spec)?
+        } else {
+            return Err(err(format!("{spec:?} is neither an existing path nor a Hugging Face repo id (owner/name)")));
+        };
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            let ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)
+                .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|e| e == "gguf")).collect())
+                .unwrap_or_default();
+            if let [one] = ggufs.as_slice() {
+                return Self::locate(&one.to_string_lossy()).map(|mut m| {
+                    m.id = spec.into();
+                    m
+                });
+            }
+            return Err(err(format!("{} has no config.json (and not exactly one .gguf file)", dir.display())));
+        }
+        let config = ModelConfig::from_hf_json(&read_json(&config_path)?)?;
+        let shards = shard_files(&dir)?;
+        Ok(ModelFiles { id: spec.into(), files: Files::Hf { config, shards }, root: Some(dir) })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        match &self.files {
+            Files::Hf { config, .. } | Files::Gguf { config, .. } => config,
+        }
+    }
+
+    pub fn tokenizer_source(&self) -> Result<TokenizerSource, EngineError> {
+        match (&self.files, &self.root) {
+            (Files::Gguf { file, .. }, _) => Ok(TokenizerSource::Gguf(Box::new(file.tokenizer_data()?))),
+            (Files::Hf { .. }, Some(root)) => {
+                let tj = root.join("tokenizer.json");
+                if !tj.is_file() {
+                    return Ok(TokenizerSource::None);
+                }
+                let opt = |n: &str| Some(root.join(n)).filter(|p| p.is_file());
+                Ok(TokenizerSource::HfFiles {
+                    tokenizer_json: tj,
+                    tokenizer_config: opt("tokenizer_config.json"),
+                    chat_template: opt("chat_template.jinja"),
+                })
+            }
+            _ => Ok(TokenizerSource::None),
+        }
+    }
+
+    /// Loads the decoder onto `device` in `dtype`, with a progress bar on a terminal.
+    pub fn load(&self, device: &Device, dtype: DType) -> Result<LoadedModel, EngineError> {
+        let (source, config) = match &self.files {
+            Files::Hf { config, shards } => {
+                // SAFETY: the files are memory-mapped read-only; layertap does not modify them while loaded.
+                let tensors = unsafe { MmapedSafetensors::multi(shards) }
+                    .map_err(|e| err(format!("cannot open safetensors shards: {e}")))?;
+                (TensorSource::Safetensors { files: shards.clone(), tensors }, config.clone())
+            }
+            Files::Gguf { file, config } => (TensorSource::Gguf(GgufTensors::new(file.clone(), config)), config.clone()),
+        };
+        let weights = Weights::new(source, device.clone(), dtype);
+        let bar = indicatif::ProgressBar::new(config.num_hidden_layers as u64).with_style(
+            indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar.set_message(self.id.clone());
+        let decoder = Decoder::load(config.clone(), &weights, |_, _| bar.inc(1))?;
+        bar.finish_and_clear();
+        let info = ModelInfo {
+            model_id: self.id.clone(),
+            architecture: config.architecture.clone(),
+            num_layers: config.num_hidden_layers,
+            hidden_size: config.hidden_size,
+            vocab_size: config.vocab_size,
+            dtype: OutDType::from_candle(dtype),
+        };
+        Ok(LoadedModel { engine: ModelEngine { decoder }, info })
+    }
+}
+
+/// Locates and loads in one step (the one-shot path).
+pub fn load(spec: &str, device: &Device, dtype: DType) -> Result<(LoadedModel, TokenizerSource), EngineError> {
+    let files = ModelFiles::locate(spec)?;
+    let model = files.load(device, dtype)?;
+    Ok((model, files.tokenizer_source()?))
+}

@@ -1,0 +1,268 @@
+//! The model engine: the only part of layertap that touches candle. It loads a decoder and runs
+//! forward passes over packed batches, keeping the hidden states of the requested layers.
+
+pub mod attention;
+pub mod config;
+pub mod gguf;
+pub mod loader;
+pub mod model;
+pub mod rope;
+pub mod weights;
+
+use candle_core::Tensor;
+pub use candle_core::{DType, Device};
+
+pub use config::{resolve_layers, Family, ModelConfig, SUPPORTED_ARCHITECTURES};
+pub use loader::{load, LoadedModel, TokenizerSource};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The model could not be loaded; the message says what is wrong and how to fix it.
+    #[error("{0}")]
+    Load(String),
+    /// The caller asked for something the model cannot do (layer out of range, token id too large).
+    #[error("{0}")]
+    InvalidInput(String),
+    #[error("model computation failed: {0}")]
+    Compute(#[from] candle_core::Error),
+}
+
+/// Output dtypes a caller can ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutDType {
+    #[serde(alias = "f32")]
+    Float32,
+    #[serde(alias = "bf16")]
+    Bfloat16,
+    #[serde(alias = "f16")]
+    Float16,
+}
+
+impl OutDType {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Some(OutDType::Float32),
+            "bf16" | "bfloat16" => Some(OutDType::Bfloat16),
+            "f16" | "float16" => Some(OutDType::Float16),
+            _ => None,
+        }
+    }
+
+    pub fn candle(self) -> DType {
+        match self {
+            OutDType::Float32 => DType::F32,
+            OutDType::Bfloat16 => DType::BF16,
+            OutDType::Float16 => DType::F16,
+        }
+    }
+
+    pub fn from_candle(d: DType) -> Self {
+        match d {
+            DType::BF16 => OutDType::Bfloat16,
+            DType::F16 => OutDType::Float16,
+            _ => OutDType::Float32,
+        }
+    }
+
+    /// The name used in safetensors metadata and the API ("float32", …).
+    pub fn name(self) -> &'static str {
+        match self {
+            OutDType::Float32 => "float32",
+            OutDType::Bfloat16 => "bfloat16",
+            OutDType::Float16 => "float16",
+        }
+    }
+}
+
+impl std::str::FromStr for OutDType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        OutDType::parse(s).ok_or_else(|| format!("unknown dtype {s:?}; use f32, bf16 or f16 (or float32, bfloat16, float16)"))
+    }
+}
+
+/// Parses `cpu` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device, EngineError> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        _ => {
+            let idx = s
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse::<usize>().ok())
+                .ok_or_else(|| EngineError::Load(format!("unknown device {s:?}; use cpu or cuda:N")))?;
+            Device::new_cuda(idx).map_err(|e| {
+                EngineError::Load(format!(
+                    "cannot open {s}: {e} (was layertap built with `--features cuda`, and is the GPU visible?)"
+                ))
+            })
+        }
+    }
+}
+
+/// Number of visible CUDA devices (0 without the `cuda` feature).
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().map(|n| n as usize).unwrap_or(0)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
+
+/// Memory used and total on a device, in bytes, or None where it cannot be read (the CPU).
+pub fn device_memory(device: &Device) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    {
+        if let Device::Cuda(d) = device {
+            use candle_core::cuda_backend::cudarc::driver::result;
+            let _ = d.cuda_stream().context().bind_to_thread();
+            return result::mem_get_info().ok().map(|(free, total)| ((total - free) as u64, total as u64));
+        }
+    }
+    let _ = device;
+    None
+}
+
+/// [`device_memory`] for a device named `cpu` or `cuda:N`.
+pub fn device_memory_by_name(name: &str) -> Option<(u64, u64)> {
+    if name == "cpu" {
+        return None;
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let idx = name.strip_prefix("cuda:")?.parse::<usize>().ok()?;
+        return Device::new_cuda(idx).ok().and_then(|d| device_memory(&d));
+    }
+    #[allow(unreachable_code)]
+    None
+}
+
+/// Sequences packed along one token dimension, and the layers wanted from them.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub input_ids: Vec<u32>,
+    /// `n + 1` offsets: sequence `i` is `input_ids[cu_seqlens[i]..cu_seqlens[i + 1]]`.
+    pub cu_seqlens: Vec<usize>,
+    /// Resolved hidden-state indices in `0..=num_layers`, each at most once.
+    pub layers: Vec<usize>,
+}
+
+/// Hidden states of a batch: for each entry of `Batch::layers`, a `[total_tokens, hidden]`
+/// tensor on the CPU in the compute dtype.
+pub struct Taps {
+    pub layers: Vec<usize>,
+    pub states: Vec<Tensor>,
+    /// Decoder layers actually run (early exit stops after the deepest requested index).
+    pub layers_run: usize,
+}
+
+impl Taps {
+    /// `[rows, layers.len(), hidden]` for tokens `start..start + rows`, layers in the given order
+    /// (each must be one of `self.layers`), cast to `dtype`, as little-endian bytes.
+    pub fn gather(&self, start: usize, rows: usize, layers: &[usize], dtype: OutDType) -> Result<HostTensor, EngineError> {
+        let parts = layers
+            .iter()
+            .map(|l| {
+                let k = self.layers.iter().position(|x| x == l).ok_or_else(|| {
+                    EngineError::InvalidInput(format!("layer {l} was not part of this batch"))
+                })?;
+                Ok(self.states[k].narrow(0, start, rows)?)
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let t = Tensor::stack(&parts, 1)?.to_dtype(dtype.candle())?;
+        HostTensor::from_tensor(&t, dtype)
+    }
+}
+
+/// A `[rows, hidden]` CPU f32 tensor from values (for engines other than the model, e.g. test fakes).
+pub fn host_tensor_from_f32(values: &[f32], shape: &[usize]) -> Result<Tensor, EngineError> {
+    Ok(Tensor::from_slice(values, shape, &Device::Cpu)?)
+}
+
+/// A dense tensor in host memory as little-endian bytes: what the codec writes out.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub dtype: OutDType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl HostTensor {
+    fn from_tensor(t: &Tensor, dtype: OutDType) -> Result<Self, EngineError> {
+        let flat = t.flatten_all()?;
+        let mut data = Vec::with_capacity(flat.elem_count() * dtype.candle().size_in_bytes());
+        match dtype {
+            OutDType::Float32 => flat.to_vec1::<f32>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes())),
+            OutDType::Bfloat16 => {
+                flat.to_vec1::<half::bf16>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes()))
+            }
+            OutDType::Float16 => flat.to_vec1::<half::f16>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes())),
+        }
+        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
+    }
+
+    /// Values as f32 (for tests and JSON output).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.dtype {
+            OutDType::Float32 => self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            OutDType::Bfloat16 => {
+                self.data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+            }
+            OutDType::Float16 => self.data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        }
+    }
+}
+
+/// Static description of the loaded model.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ModelInfo {
+    pub model_id: String,
+    pub architecture: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    pub dtype: OutDType,
+}
+
+/// What the batching layer needs from a device worker. The real implementation wraps the
+/// decoder; tests use a fake.
+pub trait Engine: Send {
+    fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError>;
+}
+
+/// The real engine: a resident decoder on one device.
+pub struct ModelEngine {
+    pub decoder: model::Decoder,
+}
+
+impl Engine for ModelEngine {
+    fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError> {
+        let vocab = self.decoder.cfg.vocab_size;
+        if let Some(bad) = batch.input_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} is out of range: the vocabulary has {vocab} entries (0..{})",
+                vocab - 1
+            )));
+        }
+        let cu = &batch.cu_seqlens;
+        if cu.first() != Some(&0) || cu.last() != Some(&batch.input_ids.len()) || cu.windows(2).any(|w| w[1] <= w[0]) {
+            return Err(EngineError::InvalidInput(
+                "cu_seqlens must start at 0, end at the token count and grow strictly (no empty sequence)".into(),
+            ));
+        }
+        let n = self.decoder.cfg.num_hidden_layers;
+        if let Some(l) = batch.layers.iter().find(|&&l| l > n) {
+            return Err(EngineError::InvalidInput(format!("layer index {l} is out of range 0..={n}")));
+        }
+        let device = self.decoder.device().clone();
+        let ids = Tensor::new(batch.input_ids.as_slice(), &device)?;
+        let packing = self.decoder.packing(cu)?;
+        let mut layers_run = 0;
+        let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run)?;
+        let states = states.into_iter().map(|s| s.to_device(&Device::Cpu)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Taps { layers: batch.layers.clone(), states, layers_run })
+    }
+}

@@ -1,0 +1,217 @@
+//! The decoder (Llama, Mistral, Qwen2, Qwen3) with layer taps over packed sequences.
+
+use candle_core::{DType, Tensor};
+
+use super::attention::sequence_attention;
+use super::config::ModelConfig;
+use super::rope::Rope;
+use super::weights::Weights;
+use super::EngineError;
+
+struct Linear {
+    weight_t: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(w: &Weights, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, EngineError> {
+        let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
+        let bias = w.get_opt(&format!("{name}.bias"), &[out], bias)?;
+        // Stored transposed once so every forward is a plain [T, in] x [in, out] matmul.
+        Ok(Linear { weight_t: weight.t()?.contiguous()?, bias })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&self.weight_t)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(w: &Weights, name: &str, size: usize, eps: f64) -> Result<Self, EngineError> {
+        Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps: eps as f32 })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(x, &self.weight, self.eps)
+    }
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// Where each packed sequence sits in the token dimension, and the per-token rotary tables.
+pub struct Packing {
+    pub seqs: Vec<(usize, usize)>,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+pub struct Decoder {
+    pub cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    rope: Rope,
+}
+
+impl Layer {
+    fn load(w: &Weights, c: &ModelConfig, i: usize) -> Result<Self, EngineError> {
+        let p = format!("layers.{i}");
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let a = format!("{p}.self_attn");
+        let attn = Attention {
+            q: Linear::load(w, &format!("{a}.q_proj"), nq * hd, h, c.qkv_bias)?,
+            k: Linear::load(w, &format!("{a}.k_proj"), nkv * hd, h, c.qkv_bias)?,
+            v: Linear::load(w, &format!("{a}.v_proj"), nkv * hd, h, c.qkv_bias)?,
+            o: Linear::load(w, &format!("{a}.o_proj"), h, nq * hd, c.o_bias)?,
+            q_norm: c.qk_norm.then(|| RmsNorm::load(w, &format!("{a}.q_norm"), hd, c.rms_norm_eps)).transpose()?,
+            k_norm: c.qk_norm.then(|| RmsNorm::load(w, &format!("{a}.k_norm"), hd, c.rms_norm_eps)).transpose()?,
+            heads: nq,
+            kv_heads: nkv,
+            head_dim: hd,
+            window: c.sliding_window,
+        };
+        let m = format!("{p}.mlp");
+        let mlp = Mlp {
+            gate: Linear::load(w, &format!("{m}.gate_proj"), c.intermediate_size, h, c.mlp_bias)?,
+            up: Linear::load(w, &format!("{m}.up_proj"), c.intermediate_size, h, c.mlp_bias)?,
+            down: Linear::load(w, &format!("{m}.down_proj"), h, c.intermediate_size, c.mlp_bias)?,
+        };
+        Ok(Layer {
+            input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm"), h, c.rms_norm_eps)?,
+            attn,
+            post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm"), h, c.rms_norm_eps)?,
+            mlp,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, pk: &Packing) -> candle_core::Result<Tensor> {
+        let a = &self.attn;
+        let t = x.dim(0)?;
+        let h = self.input_norm.forward(x)?;
+        let mut q = a.q.forward(&h)?.reshape((t, a.heads, a.head_dim))?;
+        let mut k = a.k.forward(&h)?.reshape((t, a.kv_heads, a.head_dim))?;
+        let v = a.v.forward(&h)?.reshape((t, a.kv_heads, a.head_dim))?;
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, &pk.cos, &pk.sin)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, &pk.cos, &pk.sin)?.squeeze(0)?;
+        let scale = 1.0 / (a.head_dim as f64).sqrt();
+        let mut outs = Vec::with_capacity(pk.seqs.len());
+        for &(start, len) in &pk.seqs {
+            outs.push(sequence_attention(
+                &q.narrow(0, start, len)?,
+                &k.narrow(0, start, len)?,
+                &v.narrow(0, start, len)?,
+                scale,
+                a.window,
+            )?);
+        }
+        let attn = if outs.len() == 1 { outs.pop().unwrap_or_else(|| unreachable!()) } else { Tensor::cat(&outs, 0)? };
+        let x = (x + a.o.forward(&attn)?)?;
+        let h = self.post_norm.forward(&x)?;
+        let m = &self.mlp;
+        let act = (candle_nn::ops::silu(&m.gate.forward(&h)?)? * m.up.forward(&h)?)?;
+        x + m.down.forward(&act)?
+    }
+}
+
+impl Decoder {
+    /// Loads every tensor the decoder needs (never `lm_head`), with a progress callback per layer.
+    pub fn load(cfg: ModelConfig, w: &Weights, mut progress: impl FnMut(usize, usize)) -> Result<Self, EngineError> {
+        let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
+        let n = cfg.num_hidden_layers;
+        let mut layers = Vec::with_capacity(n);
+        for i in 0..n {
+            layers.push(Layer::load(w, &cfg, i)?);
+            progress(i + 1, n);
+        }
+        let norm = RmsNorm::load(w, "norm", cfg.hidden_size, cfg.rms_norm_eps)?;
+        let rope = Rope::new(&cfg);
+        Ok(Decoder { cfg, embed, layers, norm, rope })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    pub fn device(&self) -> &candle_core::Device {
+        self.embed.device()
+    }
+
+    pub fn packing(&self, cu_seqlens: &[usize]) -> candle_core::Result<Packing> {
+        let seqs: Vec<(usize, usize)> = cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
+        let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
+        let (cos, sin) = self.rope.tables(&positions, self.dtype(), self.embed.device())?;
+        Ok(Packing { seqs, cos, sin })
+    }
+
+    /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in
+    /// `0..=L`, any order, repeats allowed), the `[T, hidden]` state Hugging Face reports as
+    /// `hidden_states[i]`. Layers past the deepest tap are not run. `layers_run` counts the
+    /// decoder layers executed.
+    pub fn forward_taps(
+        &self,
+        ids: &Tensor,
+        pk: &Packing,
+        taps: &[usize],
+        layers_run: &mut usize,
+    ) -> candle_core::Result<Vec<Tensor>> {
+        let n = self.layers.len();
+        let deepest = taps.iter().copied().max().unwrap_or(0);
+        let mut kept: Vec<Option<Tensor>> = vec![None; n + 1];
+        let mut x = self.embed.index_select(ids, 0)?;
+        if taps.contains(&0) {
+            kept[0] = Some(x.clone());
+        }
+        for (i, layer) in self.layers.iter().enumerate().take(deepest) {
+            x = layer.forward(&x, pk)?;
+            *layers_run += 1;
+            let idx = i + 1;
+            if idx == n {
+                x = self.norm.forward(&x)?;
+            }
+            if taps.contains(&idx) {
+                kept[idx] = Some(x.clone());
+            }
+        }
+        taps.iter()
+            .map(|&i| kept[i].clone().ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed"))))
+            .collect()
+    }
+}

@@ -1,0 +1,72 @@
+//! Operational routes: health, readiness, model info, metrics.
+
+use std::sync::atomic::Ordering;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::Json;
+
+use super::types::{InfoResponse, StatusResponse};
+use super::{status_code_ok, AppState};
+use crate::codec::CONVENTION;
+
+#[utoipa::path(get, path = "/health", tag = "operations", description = "The process is alive.",
+    responses((status = 200, body = StatusResponse)))]
+pub async fn health() -> Json<StatusResponse> {
+    Json(StatusResponse { status: "ok".into() })
+}
+
+#[utoipa::path(get, path = "/ready", tag = "operations",
+    description = "200 when every device has loaded the model and the server is not draining; 503 otherwise.",
+    responses((status = 200, body = StatusResponse), (status = 503, body = StatusResponse)))]
+pub async fn ready(State(s): State<AppState>) -> impl IntoResponse {
+    let status = if s.draining.load(Ordering::SeqCst) {
+        "draining"
+    } else if !s.loaded.load(Ordering::SeqCst) {
+        "loading"
+    } else {
+        "ok"
+    };
+    (status_code_ok(s.is_ready()), Json(StatusResponse { status: status.into() }))
+}
+
+#[utoipa::path(get, path = "/v1/info", tag = "layertap", description = "The served model and the server's limits.",
+    responses((status = 200, body = InfoResponse), (status = 401, body = crate::error::ErrorBody)),
+    security((), ("bearer" = [])))]
+pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
+    let i = &s.info;
+    Json(InfoResponse {
+        model_id: i.model_id.clone(),
+        architecture: i.architecture.clone(),
+        num_layers: i.num_layers,
+        hidden_size: i.hidden_size,
+        vocab_size: i.vocab_size,
+        dtype: i.dtype.name().into(),
+        devices: s.devices.as_ref().clone(),
+        max_batch_tokens: s.limits.max_batch_tokens,
+        max_input_tokens: s.limits.max_input_tokens,
+        max_queue_tokens: s.limits.max_queue_tokens,
+        has_tokenizer: s.tokenizer.is_some(),
+        has_chat_template: s.tokenizer.as_ref().is_some_and(|t| t.has_chat_template()),
+        convention: CONVENTION.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+    })
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "operations", description = "Prometheus text exposition.",
+    responses((status = 200, content_type = "text/plain", body = String)))]
+pub async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    for d in s.devices.iter() {
+        let sample = match crate::engine::device_memory_by_name(d) {
+            Some(v) => Some(v),
+            None if d == "cpu" => Some(crate::metrics::host_memory()),
+            None => None,
+        };
+        if let Some((used, total)) = sample {
+            s.metrics.device_memory_used.with_label_values(&[d]).set(used as i64);
+            s.metrics.device_memory_total.with_label_values(&[d]).set(total as i64);
+        }
+    }
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render())
+}

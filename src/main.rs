@@ -1,0 +1,81 @@
+use std::process::ExitCode;
+
+use clap::Parser;
+use layertap::cli::{Cli, Command, ExtractArgs, LogFormat, ServeArgs};
+use layertap::engine::{self, ModelEngine};
+use layertap::extract::{run_once, tokenize, Input};
+use layertap::tokenizer::TextTokenizer;
+
+fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
+    s.split(',')
+        .map(|t| t.trim().parse::<u32>().map_err(|e| anyhow::anyhow!("bad token id {t:?} in --input-ids: {e}")))
+        .collect()
+}
+
+fn extract(a: ExtractArgs) -> anyhow::Result<()> {
+    let mut inputs: Vec<Input> = Vec::new();
+    for s in &a.input_ids {
+        inputs.push(Input::Ids(parse_ids(s)?));
+    }
+    inputs.extend(a.text.iter().cloned().map(Input::Text));
+    if inputs.is_empty() {
+        anyhow::bail!("give at least one --input-ids or --text");
+    }
+    let device = engine::parse_device(&a.device)?;
+    let (mut model, tok_src) = engine::load(&a.model, &device, a.dtype.candle())?;
+    let tok = TextTokenizer::from_source(&tok_src)?;
+    let layers = model.engine.decoder.cfg.resolve_layers(&a.layers)?;
+    let seqs = inputs.iter().map(|i| tokenize(tok.as_ref(), i)).collect::<Result<Vec<_>, _>>()?;
+    let out_dtype = a.out_dtype.unwrap_or(a.dtype);
+    let engine: &mut ModelEngine = &mut model.engine;
+    let x = run_once(engine, &model.info, &seqs, &layers, out_dtype)?;
+    let bytes = layertap::codec::to_safetensors(&x)?;
+    std::fs::write(&a.out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", a.out.display()))?;
+    eprintln!(
+        "wrote {} ({} tokens, layers {:?}, {}, {} bytes)",
+        a.out.display(),
+        x.input_ids.len(),
+        layers,
+        out_dtype.name(),
+        bytes.len()
+    );
+    Ok(())
+}
+
+fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("layertap-http").build()?;
+    rt.block_on(layertap::run(a))
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LAYERTAP_LOG").unwrap_or_else(|_| "info".into());
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => b.json().init(),
+        LogFormat::Text => b.init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let format = match &cli.command {
+        Command::Serve(a) => a.log_format,
+        _ => LogFormat::Text,
+    };
+    init_logging(format);
+    let r = match cli.command {
+        Command::Extract(a) => extract(a),
+        Command::Serve(a) => serve(a),
+        Command::Openapi => {
+            print!("{}", layertap::http::openapi::openapi_pretty());
+            Ok(())
+        }
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! `layertap serve`: load the model on every device, start one worker per device, serve HTTP,
+//! and shut down gracefully.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::batching::{spawn_worker, Queue, WorkerHandle};
+use crate::cli::ServeArgs;
+use crate::engine::loader::ModelFiles;
+use crate::engine::{parse_device, Engine, EngineError, ModelInfo, OutDType};
+use crate::http::{app, AppState, Limits};
+use crate::metrics::Metrics;
+use crate::tokenizer::TextTokenizer;
+
+/// Default batch budget on the CPU.
+const CPU_MAX_BATCH_TOKENS: usize = 8192;
+
+/// A running server, for tests and embedding: its address, state and a way to stop it.
+pub struct Running {
+    pub addr: std::net::SocketAddr,
+    pub state: AppState,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Serves `state` on `listener` until `shutdown` is cancelled, then drains (bounded by
+/// `drain_timeout`), closes the queue and joins the workers.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    workers: Vec<WorkerHandle>,
+    shutdown: CancellationToken,
+    drain_timeout: Duration,
+) -> anyhow::Result<()> {
+    let router = app(state.clone());
+    let token = shutdown.clone();
+    let draining = state.draining.clone();
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        token.cancelled().await;
+        draining.store(true, Ordering::SeqCst);
+        tracing::info!("shutting down: readiness is now 503, letting in-flight requests finish");
+    });
+    let mut server_task = tokio::spawn(async move { server.await });
+    tokio::select! {
+        r = &mut server_task => { r??; }
+        _ = shutdown.cancelled() => {
+            match tokio::time::timeout(drain_timeout, &mut server_task).await {
+                Ok(r) => r??,
+                Err(_) => {
+                    tracing::warn!(timeout_s = drain_timeout.as_secs(), "in-flight requests did not finish in time; closing");
+                    server_task.abort();
+                }
+            }
+        }
+    }
+    state.scheduler.close();
+    tokio::task::spawn_blocking(move || workers.into_iter().for_each(WorkerHandle::join)).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Resolves when SIGTERM or SIGINT arrives.
+pub async fn termination_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// The parts of a server that do not depend on the engine: used by `run` and by tests with a
+/// fake engine.
+pub struct Setup {
+    pub info: ModelInfo,
+    pub tokenizer: Option<TextTokenizer>,
+    pub devices: Vec<String>,
+    pub limits: Limits,
+    pub api_keys: Vec<String>,
+}
+
+/// Starts workers built by `make_engine(device)` and an HTTP server on `listener`.
+pub fn start<F>(listener: TcpListener, setup: Setup, make_engine: F, drain_timeout: Duration) -> anyhow::Result<Running>
+where
+    F: Fn(&str) -> Box<dyn FnOnce() -> Result<Box<dyn Engine>, EngineError> + Send> ,
+{
+    let metrics = Arc::new(Metrics::new());
+    let info = setup.info;
+    metrics
+        .model_info
+        .with_label_values(&[
+            &info.model_id,
+            &info.architecture,
+            &info.num_layers.to_string(),
+            &info.hidden_size.to_string(),
+            info.dtype.name(),
+        ])
+        .set(1);
+    let queue = Queue::new(setup.limits.max_batch_tokens, setup.limits.max_queue_tokens, metrics.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut workers = Vec::new();
+    for d in &setup.devices {
+        workers.push(spawn_worker(d.clone(), queue.clone(), make_engine(d), tx.clone())?);
+    }
+    drop(tx);
+    let state = AppState {
+        info: Arc::new(info),
+        devices: Arc::new(setup.devices.clone()),
+        tokenizer: setup.tokenizer.map(Arc::new),
+        scheduler: queue,
+        metrics,
+        limits: Arc::new(setup.limits),
+        api_keys: Arc::new(setup.api_keys),
+        loaded: Arc::new(AtomicBool::new(false)),
+        draining: Arc::new(AtomicBool::new(false)),
+    };
+    let shutdown = CancellationToken::new();
+    // Readiness flips once every worker has its model; a failed load stops the server.
+    {
+        let loaded = state.loaded.clone();
+        let n = setup.devices.len();
+        let stop = shutdown.clone();
+        std::thread::spawn(move || {
+            let mut ok = 0;
+            for r in rx.iter() {
+                match r {
+                    Ok(d) => {
+                        ok += 1;
+                        tracing::info!(device = %d, "model loaded");
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "loading the model failed");
+                        stop.cancel();
+                        return;
+                    }
+                }
+            }
+            if ok == n {
+                loaded.store(true, Ordering::SeqCst);
+                tracing::info!("ready");
+            }
+        });
+    }
+    let addr = listener.local_addr()?;
+    let task = tokio::spawn(serve(listener, state.clone(), workers, shutdown.clone(), drain_timeout));
+    Ok(Running { addr, state, shutdown, task })
+}
+
+/// `layertap serve`.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    args.validate().map_err(anyhow::Error::msg)?;
+    let devices = args.devices().map_err(anyhow::Error::msg)?;
+    let spec = args.model.clone();
+    let files = Arc::new(tokio::task::spawn_blocking(move || ModelFiles::locate(&spec)).await??);
+    let tokenizer = TextTokenizer::from_source(&files.tokenizer_source()?)?;
+    let cfg = files.config().clone();
+    if let Some(t) = &tokenizer {
+        if t.vocab_size() > cfg.vocab_size {
+            tracing::warn!(tokenizer = t.vocab_size(), model = cfg.vocab_size, "the tokenizer knows more ids than the model");
+        }
+    }
+    let max_batch_tokens = args.max_batch_tokens.unwrap_or(CPU_MAX_BATCH_TOKENS).max(args.max_input_tokens);
+    let info = ModelInfo {
+        model_id: files.id.clone(),
+        architecture: cfg.architecture.clone(),
+        num_layers: cfg.num_hidden_layers,
+        hidden_size: cfg.hidden_size,
+        vocab_size: cfg.vocab_size,
+        dtype: args.dtype,
+    };
+    let limits = Limits {
+        max_batch_tokens,
+        max_input_tokens: args.max_input_tokens,
+        max_queue_tokens: args.max_queue_tokens,
+        max_body_bytes: args.max_body_bytes,
+        max_json_values: args.max_json_values,
+        zstd_level: args.zstd_level,
+        request_timeout: Duration::from_secs(args.request_timeout_s),
+    };
+    let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
+    tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
+    let dtype: OutDType = args.dtype;
+    let make = move |d: &str| -> Box<dyn FnOnce() -> Result<Box<dyn Engine>, EngineError> + Send> {
+        let files = files.clone();
+        let d = d.to_string();
+        Box::new(move || {
+            let device = parse_device(&d)?;
+            let m = files.load(&device, dtype.candle())?;
+            Ok(Box::new(m.engine) as Box<dyn Engine>)
+        })
+    };
+    let setup = Setup { info, tokenizer, devices, limits, api_keys: args.api_keys.clone() };
+    let running = start(listener, setup, make, Duration::from_secs(args.shutdown_timeout_s))?;
+    let stop = running.shutdown.clone();
+    tokio::spawn(async move {
+        termination_signal().await;
+        stop.cancel();
+    });
+    running.task.await?
+}

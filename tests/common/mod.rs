@@ -1,0 +1,188 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::Dtype;
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A tensor read back from a safetensors file, independently of the engine.
+#[derive(Clone, Debug)]
+pub struct Read {
+    pub shape: Vec<usize>,
+    pub f32: Vec<f32>,
+    pub i64: Vec<i64>,
+}
+
+pub fn read_safetensors_bytes(bytes: &[u8]) -> (HashMap<String, Read>, HashMap<String, String>) {
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).expect("safetensors header");
+    let st = safetensors::SafeTensors::deserialize(bytes).expect("valid safetensors");
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        let d = view.data();
+        let (f, i) = match view.dtype() {
+            Dtype::F32 => (d.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(), vec![]),
+            Dtype::BF16 => {
+                (d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![])
+            }
+            Dtype::F16 => (d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![]),
+            Dtype::I64 => (vec![], d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
+            Dtype::U8 => (vec![], d.iter().map(|&b| i64::from(b)).collect()),
+            other => panic!("unexpected dtype {other:?} for {name}"),
+        };
+        out.insert(name, Read { shape: view.shape().to_vec(), f32: f, i64: i });
+    }
+    (out, meta.metadata().clone().unwrap_or_default())
+}
+
+pub fn read_safetensors(path: &Path) -> HashMap<String, Read> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    read_safetensors_bytes(&bytes).0
+}
+
+/// ‖a − b‖₂ / ‖b‖₂.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (f64::from(*x) - f64::from(*y)).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use layertap::engine::{Batch, Engine, EngineError, ModelInfo, OutDType, Taps};
+use layertap::http::Limits;
+use layertap::server::{start, Running, Setup};
+use layertap::tokenizer::TextTokenizer;
+
+pub const FAKE_LAYERS: usize = 4;
+pub const FAKE_HIDDEN: usize = 8;
+pub const FAKE_VOCAB: usize = 512;
+
+/// The value the fake engine reports for token `id` at index `layer`, component `h`.
+pub fn fake_value(id: u32, layer: usize, h: usize) -> f32 {
+    (layer * 1000) as f32 + id as f32 + h as f32 / 8.0
+}
+
+/// Shared knobs of the fake engine.
+#[derive(Default)]
+pub struct FakeControl {
+    /// Each forward sleeps this long (ms).
+    pub delay_ms: AtomicUsize,
+    /// Token ids seen by the engine, in order.
+    pub seen: Mutex<Vec<u32>>,
+    pub batches: AtomicUsize,
+}
+
+/// An engine whose hidden states are a known function of the token and layer.
+pub struct FakeEngine(pub Arc<FakeControl>);
+
+impl Engine for FakeEngine {
+    fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError> {
+        let d = self.0.delay_ms.load(Ordering::SeqCst);
+        if d > 0 {
+            std::thread::sleep(Duration::from_millis(d as u64));
+        }
+        self.0.seen.lock().unwrap().extend_from_slice(&batch.input_ids);
+        self.0.batches.fetch_add(1, Ordering::SeqCst);
+        let states = batch
+            .layers
+            .iter()
+            .map(|&l| {
+                let v: Vec<f32> =
+                    batch.input_ids.iter().flat_map(|&id| (0..FAKE_HIDDEN).map(move |h| fake_value(id, l, h))).collect();
+                layertap::engine::host_tensor_from_f32(&v, &[batch.input_ids.len(), FAKE_HIDDEN])
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Taps { layers: batch.layers.clone(), states, layers_run: batch.layers.iter().copied().max().unwrap_or(0) })
+    }
+}
+
+pub fn tiny_tokenizer() -> TextTokenizer {
+    let dir = fixtures().join("tiny/qwen3_qknorm");
+    let src = layertap::engine::TokenizerSource::HfFiles {
+        tokenizer_json: dir.join("tokenizer.json"),
+        tokenizer_config: Some(dir.join("tokenizer_config.json")),
+        chat_template: Some(dir.join("chat_template.jinja")).filter(|p| p.is_file()),
+    };
+    TextTokenizer::from_source(&src).unwrap().unwrap()
+}
+
+pub fn limits() -> Limits {
+    Limits {
+        max_batch_tokens: 256,
+        max_input_tokens: 128,
+        max_queue_tokens: 1024,
+        max_body_bytes: 1 << 20,
+        max_json_values: 1 << 16,
+        zstd_level: 3,
+        request_timeout: Duration::from_secs(30),
+    }
+}
+
+pub struct FakeServer {
+    pub running: Running,
+    pub control: Arc<FakeControl>,
+    pub base: String,
+}
+
+/// A real server on 127.0.0.1:0 backed by the fake engine.
+pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
+    let control = Arc::new(FakeControl::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let setup = Setup {
+        info: ModelInfo {
+            model_id: "fake".into(),
+            architecture: "FakeForCausalLM".into(),
+            num_layers: FAKE_LAYERS,
+            hidden_size: FAKE_HIDDEN,
+            vocab_size: FAKE_VOCAB,
+            dtype: OutDType::Float32,
+        },
+        tokenizer: Some(tiny_tokenizer()),
+        devices: vec!["cpu".into()],
+        limits,
+        api_keys,
+    };
+    let c = control.clone();
+    let running = start(
+        listener,
+        setup,
+        move |_d| {
+            let c = c.clone();
+            Box::new(move || Ok(Box::new(FakeEngine(c)) as Box<dyn Engine>))
+        },
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let base = format!("http://{}", running.addr);
+    wait_ready(&base).await;
+    FakeServer { running, control, base }
+}
+
+pub async fn wait_ready(base: &str) {
+    let c = reqwest::Client::new();
+    for _ in 0..600 {
+        if let Ok(r) = c.get(format!("{base}/ready")).send().await {
+            if r.status() == 200 {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("server at {base} never became ready");
+}
+
+pub fn unzstd(bytes: &[u8]) -> Vec<u8> {
+    zstd::stream::decode_all(bytes).expect("valid zstd")
+}
+

@@ -1,0 +1,162 @@
+//! Fidelity of the engine against Hugging Face transformers on tiny random checkpoints of every
+//! family and variant (tests/fixtures/tiny, made by scripts/make_fixtures.py), batch invariance
+//! and early exit.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{fixtures, read_safetensors, rel_err};
+use layertap::engine::loader::ModelFiles;
+use layertap::engine::{Batch, DType, Device, Engine, ModelEngine, OutDType};
+
+const F32_TOLERANCE: f64 = 1e-5;
+
+fn variants() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures().join("tiny"))
+        .expect("tests/fixtures/tiny exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.safetensors").is_file())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 5, "expected the five tiny fixtures, found {v:?}");
+    v
+}
+
+fn load(dir: &Path) -> (ModelEngine, usize) {
+    let files = ModelFiles::locate(&dir.to_string_lossy()).expect("locate fixture");
+    let m = files.load(&Device::Cpu, DType::F32).expect("load fixture");
+    let n = m.info.num_layers;
+    (m.engine, n)
+}
+
+/// Hidden states `[T, n_layers, H]` of sequences packed in one batch, per sequence.
+fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<f32>> {
+    let mut cu = vec![0];
+    for s in seqs {
+        cu.push(cu.last().unwrap() + s.len());
+    }
+    let batch = Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: layers.to_vec() };
+    let taps = engine.forward(&batch).expect("forward");
+    (0..seqs.len())
+        .map(|i| taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).expect("gather").to_f32())
+        .collect()
+}
+
+#[test]
+fn every_family_matches_transformers_at_every_index() {
+    for dir in variants() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let (mut engine, n) = load(&dir);
+        let reference = read_safetensors(&dir.join("reference.safetensors"));
+        let all: Vec<usize> = (0..=n).collect();
+        let mut worst = 0f64;
+        for i in 0.. {
+            let Some(ids) = reference.get(&format!("seq{i}.input_ids")) else { break };
+            let hs = &reference[&format!("seq{i}.hidden_states")];
+            let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+            assert_eq!(l1, n + 1, "{name}: reference has {l1} hidden states for {n} layers");
+            let seq: Vec<u32> = ids.i64.iter().map(|&x| x as u32).collect();
+            let got = run(&mut engine, &[seq], &all).remove(0);
+            for layer in 0..=n {
+                let want = &hs.f32[layer * t * h..(layer + 1) * t * h];
+                let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 1) + layer) * h..][..h].to_vec()).collect();
+                let e = rel_err(&ours, want);
+                worst = worst.max(e);
+                assert!(e <= F32_TOLERANCE, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e}");
+            }
+        }
+        println!("{name}: worst relative error over all indices {worst:.3e}");
+    }
+}
+
+#[test]
+fn packed_sequences_equal_solo_runs_bitwise() {
+    for dir in variants() {
+        let (mut engine, n) = load(&dir);
+        let reference = read_safetensors(&dir.join("reference.safetensors"));
+        let seqs: Vec<Vec<u32>> = (0..3)
+            .map(|i| reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect())
+            .collect();
+        let layers = vec![n, 0, 1];
+        let packed = run(&mut engine, &[seqs[2].clone(), seqs[0].clone(), seqs[1].clone()], &layers);
+        let solo: Vec<Vec<f32>> = seqs.iter().map(|s| run(&mut engine, &[s.clone()], &layers).remove(0)).collect();
+        for (p, s) in [(0, 2), (1, 0), (2, 1)] {
+            assert_eq!(
+                packed[p].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                solo[s].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{}: sequence {s} differs when packed",
+                dir.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_indices_resolve_like_python_and_reject_out_of_range() {
+    let dir = variants().remove(0);
+    let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+    let cfg = files.config();
+    let n = cfg.num_hidden_layers;
+    assert_eq!(cfg.resolve_layers(&[0, -1, 2, -(n as i64) - 1]).unwrap(), vec![0, n, 2, 0]);
+    for bad in [n as i64 + 1, -(n as i64) - 2] {
+        let e = cfg.resolve_layers(&[bad]).unwrap_err().to_string();
+        assert!(e.contains("out of range"), "{e}");
+    }
+    assert!(cfg.resolve_layers(&[]).is_err());
+}
+
+#[test]
+fn token_ids_past_the_vocabulary_are_an_input_error() {
+    let dir = variants().remove(0);
+    let (mut engine, n) = load(&dir);
+    let vocab = engine.decoder.cfg.vocab_size as u32;
+    let batch = Batch { input_ids: vec![1, vocab], cu_seqlens: vec![0, 2], layers: vec![n] };
+    match engine.forward(&batch) {
+        Err(layertap::engine::EngineError::InvalidInput(m)) => assert!(m.contains(&vocab.to_string()), "{m}"),
+        other => panic!("expected an input error, got {:?}", other.map(|t| t.layers)),
+    }
+}
+
+/// Copies a fixture with every weight of decoder layers `from..` set to NaN.
+fn poisoned_copy(src: &Path, from: usize) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, v) in st.tensors() {
+        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+        let data = match layer {
+            Some(l) if l >= from => f32::NAN.to_le_bytes().repeat(v.data().len() / 4),
+            _ => v.data().to_vec(),
+        };
+        owned.push((name, v.dtype(), v.shape().to_vec(), data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::tensor::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    dir
+}
+
+#[test]
+fn layers_past_the_deepest_requested_index_are_not_run() {
+    let src = fixtures().join("tiny/qwen3_qknorm");
+    let reference = read_safetensors(&src.join("reference.safetensors"));
+    let seq: Vec<u32> = reference["seq2.input_ids"].i64.iter().map(|&x| x as u32).collect();
+    // Decoder layer index 1 (hidden_states[2]) onwards is NaN: asking for index <= 1 must not touch it.
+    let dir = poisoned_copy(&src, 1);
+    let (mut engine, n) = load(dir.path());
+    let batch = Batch { input_ids: seq.clone(), cu_seqlens: vec![0, seq.len()], layers: vec![1, 0] };
+    let taps = engine.forward(&batch).unwrap();
+    assert_eq!(taps.layers_run, 1, "only decoder layer 1 should run");
+    let got = taps.gather(0, seq.len(), &[1], OutDType::Float32).unwrap().to_f32();
+    assert!(got.iter().all(|x| x.is_finite()), "a poisoned layer leaked into an earlier index");
+    // The control: asking for a deeper index does run the poisoned layer.
+    let batch = Batch { input_ids: seq.clone(), cu_seqlens: vec![0, seq.len()], layers: vec![n] };
+    let taps = engine.forward(&batch).unwrap();
+    assert_eq!(taps.layers_run, n);
+    assert!(taps.gather(0, seq.len(), &[n], OutDType::Float32).unwrap().to_f32().iter().any(|x| x.is_nan()));
+}

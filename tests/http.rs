@@ -1,0 +1,319 @@
+//! The HTTP API and batching against a fake engine on a real socket: fast and exhaustive.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+async fn post(base: &str, path: &str, body: Value) -> reqwest::Response {
+    client().post(format!("{base}{path}")).json(&body).send().await.unwrap()
+}
+
+async fn error_of(r: reqwest::Response) -> (u16, String, String) {
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.expect("error bodies are JSON");
+    (status, v["type"].as_str().unwrap().to_string(), v["error"].as_str().unwrap().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_request_returns_zstd_safetensors_with_every_tensor() {
+    let s = fake_server(limits(), vec![]).await;
+    let msgs = json!([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "General Kenobi"}]);
+    let body = json!({
+        "inputs": [{"input_ids": [1, 2, 3]}, {"text": "plain text, tokenized"}, {"messages": msgs}],
+        "layers": [2, -1, 0],
+        "dtype": "bfloat16"
+    });
+    let r = post(&s.base, "/v1/hidden-states", body).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-encoding"], "zstd");
+    for h in ["x-queue-time", "x-inference-time", "x-tokens", "x-request-id"] {
+        assert!(r.headers().contains_key(h), "missing header {h}");
+    }
+    let bytes = unzstd(&r.bytes().await.unwrap());
+    let (t, meta) = read_safetensors_bytes(&bytes);
+    // The same inputs through /v1/tokenize give the ids and mask the answer must carry.
+    let tk: Value = post(&s.base, "/v1/tokenize", json!({"inputs": [{"input_ids": [1, 2, 3]}, {"text": "plain text, tokenized"}, {"messages": msgs}]}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let results = tk["results"].as_array().unwrap();
+    let ids: Vec<i64> = results.iter().flat_map(|r| r["input_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap())).collect();
+    let mask: Vec<i64> = results.iter().flat_map(|r| r["loss_mask"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap())).collect();
+    assert_eq!(t["input_ids"].i64, ids);
+    assert_eq!(t["loss_mask"].i64, mask);
+    let lens: Vec<i64> = results.iter().map(|r| r["input_ids"].as_array().unwrap().len() as i64).collect();
+    assert_eq!(t["cu_seqlens"].i64, vec![0, lens[0], lens[0] + lens[1], lens[0] + lens[1] + lens[2]]);
+    // Plain inputs count every token; the chat counts only the assistant's part.
+    assert!(mask[..(lens[0] + lens[1]) as usize].iter().all(|&m| m == 1));
+    let chat_mask = &mask[(lens[0] + lens[1]) as usize..];
+    assert!(chat_mask.contains(&0) && chat_mask.contains(&1), "chat mask {chat_mask:?}");
+    let total = ids.len();
+    assert_eq!(t["hidden_states"].shape, vec![total, 3, FAKE_HIDDEN]);
+    for (row, &id) in ids.iter().enumerate() {
+        for (k, layer) in [2usize, FAKE_LAYERS, 0].into_iter().enumerate() {
+            for h in 0..FAKE_HIDDEN {
+                let want = half::bf16::from_f32(fake_value(id as u32, layer, h)).to_f32();
+                assert_eq!(t["hidden_states"].f32[(row * 3 + k) * FAKE_HIDDEN + h], want);
+            }
+        }
+    }
+    assert_eq!(meta["layers"], "[2,4,0]");
+    assert_eq!(meta["dtype"], "bfloat16");
+    assert!(meta["convention"].contains("index 0 = embedding output"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_and_json_modes() {
+    let s = fake_server(limits(), vec![]).await;
+    let body = json!({"inputs": [{"input_ids": [5, 6]}], "layers": [1]});
+    let r = client().post(format!("{}/v1/hidden-states", s.base)).header("accept-encoding", "identity").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("content-encoding").is_none());
+    let (t, _) = read_safetensors_bytes(&r.bytes().await.unwrap());
+    assert_eq!(t["hidden_states"].f32[0], fake_value(5, 1, 0));
+    let r = client().post(format!("{}/v1/hidden-states", s.base)).header("accept-encoding", "gzip, zstd;q=0").json(&body).send().await.unwrap();
+    assert!(r.headers().get("content-encoding").is_none(), "zstd;q=0 refuses zstd");
+    let r = client().post(format!("{}/v1/hidden-states", s.base)).header("accept", "application/json").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["shape"], json!([2, 1, FAKE_HIDDEN]));
+    assert_eq!(v["hidden_states"][FAKE_HIDDEN].as_f64().unwrap() as f32, fake_value(6, 1, 0));
+    assert_eq!(v["input_ids"], json!([5, 6]));
+    assert_eq!(v["cu_seqlens"], json!([0, 2]));
+    // A JSON answer past the cap is refused with a hint.
+    let mut small = limits();
+    small.max_json_values = 10;
+    let s2 = fake_server(small, vec![]).await;
+    let r = client().post(format!("{}/v1/hidden-states", s2.base)).header("accept", "application/json").json(&body).send().await.unwrap();
+    let (code, kind, msg) = error_of(r).await;
+    assert_eq!((code, kind.as_str()), (413, "too_large"));
+    assert!(msg.contains("safetensors"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_class_has_its_status_and_a_json_body() {
+    let s = fake_server(limits(), vec![]).await;
+    let url = format!("{}/v1/hidden-states", s.base);
+    let c = client();
+    let r = c.post(&url).header("content-type", "application/json").body("{not json").send().await.unwrap();
+    assert_eq!(error_of(r).await.0, 400);
+    let r = c.post(&url).header("content-type", "text/plain").body("{}").send().await.unwrap();
+    assert_eq!(error_of(r).await.0, 415);
+    let cases = [
+        (json!({"inputs": [{"input_ids": [1]}], "layers": [FAKE_LAYERS + 1]}), "out of range"),
+        (json!({"inputs": [{"input_ids": [1]}], "layers": [-(FAKE_LAYERS as i64) - 2]}), "out of range"),
+        (json!({"inputs": [{"input_ids": [1]}], "layers": []}), "at least one"),
+        (json!({"inputs": [{"input_ids": [FAKE_VOCAB]}], "layers": [1]}), "vocabulary"),
+        (json!({"inputs": [{"input_ids": [-1]}], "layers": [1]}), "vocabulary"),
+        (json!({"inputs": [], "layers": [1]}), "empty"),
+        (json!({"inputs": [{"input_ids": []}], "layers": [1]}), "no tokens"),
+        (json!({"inputs": [{"input_ids": [1]}], "layers": [1], "dtype": "int8"}), "unknown dtype"),
+        (json!({"inputs": [{"input_ids": [1], "text": "x"}], "layers": [1]}), "exactly one"),
+        (json!({"inputs": [{}], "layers": [1]}), "give one of"),
+        (json!({"inputs": [{"messages": []}], "layers": [1]}), "at least one message"),
+        (json!({"inputs": [{"input_ids": [1]}], "layers": "all"}), "layers"),
+        (json!({"inputs": [{"input_ids": [1]}], "layers": [1], "extra": 1}), "unknown field"),
+    ];
+    for (body, needle) in cases {
+        let (code, kind, msg) = error_of(post(&s.base, "/v1/hidden-states", body.clone()).await).await;
+        assert_eq!((code, kind.as_str()), (422, "invalid_request"), "{body}: {msg}");
+        assert!(msg.contains(needle), "{body}: {msg:?} should mention {needle:?}");
+    }
+    let long: Vec<u32> = vec![1; limits().max_input_tokens + 1];
+    let (code, _, msg) = error_of(post(&s.base, "/v1/hidden-states", json!({"inputs": [{"input_ids": long}], "layers": [1]})).await).await;
+    assert_eq!(code, 413, "{msg}");
+    let huge = "x".repeat(limits().max_body_bytes + 10);
+    let (code, _, _) = error_of(post(&s.base, "/v1/hidden-states", json!({"inputs": [{"text": huge}], "layers": [1]})).await).await;
+    assert_eq!(code, 413);
+    let (code, kind, _) = error_of(c.get(format!("{}/nope", s.base)).send().await.unwrap()).await;
+    assert_eq!((code, kind.as_str()), (404, "not_found"));
+    let (code, _, _) = error_of(c.get(&url).send().await.unwrap()).await;
+    assert_eq!(code, 405);
+    // None of it reached the engine.
+    assert!(s.control.seen.lock().unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_with_retry_after() {
+    let mut l = limits();
+    l.max_queue_tokens = 150;
+    l.max_batch_tokens = 128;
+    let s = fake_server(l, vec![]).await;
+    s.control.delay_ms.store(400, Ordering::SeqCst);
+    let body = json!({"inputs": [{"input_ids": vec![1; 100]}], "layers": [1]});
+    let base = s.base.clone();
+    let first = tokio::spawn({
+        let b = body.clone();
+        let base = base.clone();
+        async move { post(&base, "/v1/hidden-states", b).await.status() }
+    });
+    // Wait until the worker has taken the first request; the second then waits in the queue.
+    while s.control.batches.load(Ordering::SeqCst) == 0 && s.control.seen.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let second = tokio::spawn({
+        let b = body.clone();
+        let base = base.clone();
+        async move { post(&base, "/v1/hidden-states", b).await.status() }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = post(&base, "/v1/hidden-states", body.clone()).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert_eq!(error_of(r).await.1, "overloaded");
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(second.await.unwrap(), 200);
+    let m = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains(r#"layertap_requests_total{route="/v1/hidden-states",status="429"} 1"#), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_is_dropped_before_its_sequences_run() {
+    let s = fake_server(limits(), vec![]).await;
+    s.control.delay_ms.store(500, Ordering::SeqCst);
+    let base = s.base.clone();
+    let blocker = tokio::spawn({
+        let base = base.clone();
+        async move { post(&base, "/v1/hidden-states", json!({"inputs": [{"input_ids": [7]}], "layers": [1]})).await.status() }
+    });
+    while s.control.seen.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // This client gives up while its request waits behind the blocker.
+    let gone = client()
+        .post(format!("{base}/v1/hidden-states"))
+        .timeout(Duration::from_millis(150))
+        .json(&json!({"inputs": [{"input_ids": [99, 98]}], "layers": [1]}))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the request should have timed out on the client");
+    assert_eq!(blocker.await.unwrap(), 200);
+    // A later request runs; the abandoned ids never reached the engine.
+    s.control.delay_ms.store(0, Ordering::SeqCst);
+    assert_eq!(post(&base, "/v1/hidden-states", json!({"inputs": [{"input_ids": [8]}], "layers": [1]})).await.status(), 200);
+    let seen = s.control.seen.lock().unwrap().clone();
+    assert_eq!(seen, vec![7, 8], "the abandoned request ran: {seen:?}");
+    let m = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains("layertap_cancelled_sequences_total 1"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_are_batched_and_each_gets_its_own_slices() {
+    let s = fake_server(limits(), vec![]).await;
+    s.control.delay_ms.store(50, Ordering::SeqCst);
+    let mut tasks = Vec::new();
+    for i in 0..12u32 {
+        let base = s.base.clone();
+        tasks.push(tokio::spawn(async move {
+            let ids: Vec<u32> = (0..(i % 5 + 1)).map(|k| i * 10 + k).collect();
+            let layers = if i % 2 == 0 { vec![0, 3] } else { vec![4] };
+            let r = post(&base, "/v1/hidden-states", json!({"inputs": [{"input_ids": ids}], "layers": layers})).await;
+            assert_eq!(r.status(), 200);
+            let (t, _) = read_safetensors_bytes(&unzstd(&r.bytes().await.unwrap()));
+            for (row, &id) in ids.iter().enumerate() {
+                for (k, &l) in layers.iter().enumerate() {
+                    let got = t["hidden_states"].f32[(row * layers.len() + k) * FAKE_HIDDEN];
+                    assert_eq!(got, fake_value(id, l, 0));
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let batches = s.control.batches.load(Ordering::SeqCst);
+    assert!(batches < 12, "12 concurrent requests should share batches, ran {batches}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_in_flight_requests_and_turns_readiness_off() {
+    let s = fake_server(limits(), vec![]).await;
+    s.control.delay_ms.store(300, Ordering::SeqCst);
+    let base = s.base.clone();
+    let inflight = tokio::spawn({
+        let base = base.clone();
+        async move { post(&base, "/v1/hidden-states", json!({"inputs": [{"input_ids": [3]}], "layers": [1]})).await.status() }
+    });
+    while s.control.seen.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    s.running.shutdown.cancel();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!s.running.state.is_ready());
+    assert_eq!(inflight.await.unwrap(), 200, "the in-flight request must finish");
+    tokio::time::timeout(Duration::from_secs(10), s.running.task).await.expect("server stops").unwrap().unwrap();
+    assert!(client().get(format!("{base}/health")).send().await.is_err(), "the socket is closed after shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_guard_v1_routes_only() {
+    let s = fake_server(limits(), vec!["k1".into(), "secret".into()]).await;
+    let c = client();
+    let url = format!("{}/v1/info", s.base);
+    let (code, kind, _) = error_of(c.get(&url).send().await.unwrap()).await;
+    assert_eq!((code, kind.as_str()), (401, "unauthorized"));
+    assert_eq!(c.get(&url).bearer_auth("wrong").send().await.unwrap().status(), 401);
+    assert_eq!(c.get(&url).bearer_auth("secret").send().await.unwrap().status(), 200);
+    assert_eq!(c.get(&url).bearer_auth("k1").send().await.unwrap().status(), 200);
+    for open in ["/health", "/ready", "/metrics", "/openapi.json", "/docs"] {
+        assert_eq!(c.get(format!("{}{open}", s.base)).send().await.unwrap().status(), 200, "{open}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_and_metrics_report_the_model_and_move_with_traffic() {
+    let s = fake_server(limits(), vec![]).await;
+    let c = client();
+    let info: Value = c.get(format!("{}/v1/info", s.base)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(info["num_layers"], FAKE_LAYERS);
+    assert_eq!(info["hidden_size"], FAKE_HIDDEN);
+    assert_eq!(info["max_input_tokens"], limits().max_input_tokens);
+    let before = c.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    for name in [
+        "layertap_model_info",
+        "layertap_device_memory_used_bytes",
+        "layertap_device_memory_total_bytes",
+        "process_resident_memory_bytes",
+    ] {
+        assert!(before.contains(name), "missing {name}");
+    }
+    assert!(!before.contains("layertap_tokens_total 5"));
+    let r = post(&s.base, "/v1/hidden-states", json!({"inputs": [{"input_ids": [1, 2, 3, 4, 5]}], "layers": [1]})).await;
+    assert_eq!(r.status(), 200);
+    let after = c.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    for needle in [
+        "layertap_tokens_total 5",
+        r#"layertap_requests_total{route="/v1/hidden-states",status="200"} 1"#,
+        "layertap_batch_tokens_count 1",
+        "layertap_batch_sequences_count 1",
+        "layertap_inference_duration_seconds_count 1",
+        "layertap_queue_duration_seconds_count 1",
+        r#"layertap_request_duration_seconds_count{route="/v1/hidden-states"} 1"#,
+        r#"layertap_hidden_state_bytes_total{stage="raw"} 160"#,
+    ] {
+        assert!(after.contains(needle), "missing {needle:?} in\n{after}");
+    }
+}
+
+#[test]
+fn openapi_file_matches_the_code() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi/openapi.json");
+    let generated = layertap::http::openapi::openapi_pretty();
+    if std::env::var("LAYERTAP_UPDATE_OPENAPI").is_ok() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "openapi/openapi.json is out of date: run `make openapi` and commit the result"
+    );
+}

@@ -1,0 +1,215 @@
+//! The real server with the real engine: tiny fixture models in-process on 127.0.0.1:0, and the
+//! `layertap` binary itself (serve with SIGTERM, extract).
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use layertap::engine::loader::ModelFiles;
+use layertap::engine::{DType, Device, Engine};
+use layertap::server::{start, Running, Setup};
+use layertap::tokenizer::TextTokenizer;
+use serde_json::{json, Value};
+
+async fn real_server(model: &str) -> (Running, String) {
+    let files = std::sync::Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
+    let cfg = files.config().clone();
+    let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
+    let info = layertap::engine::ModelInfo {
+        model_id: model.into(),
+        architecture: cfg.architecture.clone(),
+        num_layers: cfg.num_hidden_layers,
+        hidden_size: cfg.hidden_size,
+        vocab_size: cfg.vocab_size,
+        dtype: layertap::engine::OutDType::Float32,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let setup = Setup { info, tokenizer, devices: vec!["cpu".into()], limits: limits(), api_keys: vec![] };
+    let running = start(
+        listener,
+        setup,
+        move |_| {
+            let f = files.clone();
+            Box::new(move || Ok(Box::new(f.load(&Device::Cpu, DType::F32)?.engine) as Box<dyn Engine>))
+        },
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let base = format!("http://{}", running.addr);
+    wait_ready(&base).await;
+    (running, base)
+}
+
+async fn hidden(base: &str, body: Value) -> std::collections::HashMap<String, Read> {
+    let r = reqwest::Client::new().post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    read_safetensors_bytes(&unzstd(&r.bytes().await.unwrap())).0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_equal_solo_requests_bitwise_and_match_transformers() {
+    let (running, base) = real_server("tiny/qwen3_qknorm").await;
+    let reference = read_safetensors(&fixtures().join("tiny/qwen3_qknorm/reference.safetensors"));
+    let seqs: Vec<Vec<i64>> = (0..3).map(|i| reference[&format!("seq{i}.input_ids")].i64.clone()).collect();
+    let n = running.state.info.num_layers;
+    let layers = json!([-1, 0, 2]);
+    let mut solo = Vec::new();
+    for s in &seqs {
+        solo.push(hidden(&base, json!({"inputs": [{"input_ids": s}], "layers": layers})).await["hidden_states"].f32.clone());
+    }
+    // Many concurrent requests in mixed orders share batches with different mates.
+    let mut tasks = Vec::new();
+    for k in 0..9 {
+        let base = base.clone();
+        let s = seqs[k % 3].clone();
+        let layers = layers.clone();
+        tasks.push(tokio::spawn(async move { (k % 3, hidden(&base, json!({"inputs": [{"input_ids": s}], "layers": layers})).await) }));
+    }
+    for t in tasks {
+        let (i, got) = t.await.unwrap();
+        let a: Vec<u32> = got["hidden_states"].f32.iter().map(|x| x.to_bits()).collect();
+        let b: Vec<u32> = solo[i].iter().map(|x| x.to_bits()).collect();
+        assert_eq!(a, b, "sequence {i} changed when batched with others");
+    }
+    // And the served values are transformers' values.
+    let hs = &reference["seq2.hidden_states"];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    for (k, idx) in [n, 0, 2].into_iter().enumerate() {
+        let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+        let ours: Vec<f32> = (0..t).flat_map(|r| solo[2][(r * 3 + k) * h..][..h].to_vec()).collect();
+        assert!(rel_err(&ours, want) <= 1e-5, "index {idx}");
+    }
+    running.shutdown.cancel();
+    running.task.await.unwrap().unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_then_drains_on_sigterm() {
+    let port = free_port();
+    let model = fixtures().join("tiny/llama_gqa_rope3");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["serve", "--model", &model.to_string_lossy(), "--host", "127.0.0.1", "--port", &port.to_string()])
+        .env("LAYERTAP_MAX_INPUT_TOKENS", "64")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&base).await;
+    let c = reqwest::Client::new();
+    let info: Value = c.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(info["architecture"], "LlamaForCausalLM");
+    assert_eq!(info["max_input_tokens"], 64, "the LAYERTAP_ env variable is read");
+    let t = hidden(
+        &base,
+        json!({"inputs": [{"text": "hello world"}, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+               "layers": [1, -1], "dtype": "float16"}),
+    )
+    .await;
+    assert_eq!(t["hidden_states"].shape[1..], [2, 64]);
+    assert_eq!(t["cu_seqlens"].i64.len(), 3);
+    // A request in flight when SIGTERM arrives still gets its answer.
+    let long: Vec<u32> = (0..60).collect();
+    let inflight = tokio::spawn({
+        let base = base.clone();
+        async move {
+            let mut n = 0;
+            for _ in 0..20 {
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/v1/hidden-states"))
+                    .json(&json!({"inputs": [{"input_ids": long}], "layers": [-1]}))
+                    .send()
+                    .await;
+                match r {
+                    Ok(r) if r.status() == 200 => n += 1,
+                    _ => break,
+                }
+            }
+            n
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let code = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    assert!(code.success(), "exit status {code:?}");
+    assert!(inflight.await.unwrap() >= 1, "requests before the signal were served");
+}
+
+#[test]
+fn extract_writes_the_same_tensors_as_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.safetensors");
+    let model = fixtures().join("tiny/mistral_sliding");
+    let reference = read_safetensors(&model.join("reference.safetensors"));
+    let ids: Vec<String> = reference["seq2.input_ids"].i64.iter().map(|x| x.to_string()).collect();
+    let st = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["extract", "--model", &model.to_string_lossy(), "--layers", "0,-1,2", "--input-ids", &ids.join(",")])
+        .args(["--dtype", "float32", "--out", &out.to_string_lossy()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let t = read_safetensors(&out);
+    let hs = &reference["seq2.hidden_states"];
+    let (l1, tt, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    assert_eq!(t["hidden_states"].shape, vec![tt, 3, h]);
+    assert_eq!(t["input_ids"].i64, reference["seq2.input_ids"].i64);
+    assert_eq!(t["cu_seqlens"].i64, vec![0, tt as i64]);
+    assert!(t["loss_mask"].i64.iter().all(|&m| m == 1));
+    for (k, idx) in [0, l1 - 1, 2].into_iter().enumerate() {
+        let want = &hs.f32[idx * tt * h..(idx + 1) * tt * h];
+        let ours: Vec<f32> = (0..tt).flat_map(|r| t["hidden_states"].f32[(r * 3 + k) * h..][..h].to_vec()).collect();
+        assert!(rel_err(&ours, want) <= 1e-5, "index {idx}");
+    }
+    // Bad input is a clear error, not a panic.
+    let o = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["extract", "--model", &model.to_string_lossy(), "--layers", "99", "--input-ids", "1,2"])
+        .args(["--out", &out.to_string_lossy()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("out of range"));
+}
+
+#[test]
+fn loading_errors_name_what_is_wrong() {
+    let e = |spec: &str| ModelFiles::locate(spec).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e("/definitely/not/here").contains("neither an existing path"));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), r#"{"architectures": ["GPT2LMHeadModel"]}"#).unwrap();
+    let msg = e(&dir.path().to_string_lossy());
+    assert!(msg.contains("unsupported architecture") && msg.contains("Qwen3ForCausalLM"), "{msg}");
+    // A checkpoint missing a tensor names it.
+    let src = fixtures().join("tiny/qwen2_bias_tied");
+    let d2 = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), d2.path().join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| n != "model.layers.1.self_attn.k_proj.bias").collect();
+    safetensors::tensor::serialize_to_file(kept, None, &d2.path().join("model.safetensors")).unwrap();
+    let files = ModelFiles::locate(&d2.path().to_string_lossy()).unwrap();
+    let msg = files.load(&Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("model.layers.1.self_attn.k_proj.bias") && msg.contains("missing"), "{msg}");
+}
+
+#[test]
+fn an_unreachable_hub_fails_fast_with_a_clear_error() {
+    let start = std::time::Instant::now();
+    let o = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["extract", "--model", "nobody-here/no-such-model", "--layers", "1", "--input-ids", "1", "--out", "/dev/null"])
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env("HF_HOME", tempfile::tempdir().unwrap().path())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("nobody-here/no-such-model") && err.contains("hub"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(30));
+}

@@ -7,7 +7,11 @@ use clap::{Args, Parser, Subcommand};
 use crate::engine::OutDType;
 
 #[derive(Parser, Debug)]
-#[command(name = "layertap", version, about = "Hidden states of chosen layers of a decoder LLM, exact to Hugging Face transformers")]
+#[command(
+    name = "layertap",
+    version,
+    about = "Hidden states of chosen layers of a decoder LLM, exact to Hugging Face transformers"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -110,16 +114,26 @@ impl ServeArgs {
         if d == "cpu" {
             return Ok(vec!["cpu".into()]);
         }
-        let rest = d.strip_prefix("cuda:").ok_or_else(|| format!("unknown --device {d:?}; use cpu, cuda:0, cuda:0,1 or cuda:all"))?;
+        let rest = d
+            .strip_prefix("cuda:")
+            .ok_or_else(|| format!("unknown --device {d:?}; use cpu, cuda:0, cuda:0,1 or cuda:all"))?;
         if rest == "all" {
             let n = crate::engine::cuda_device_count();
             if n == 0 {
-                return Err("--device cuda:all: no CUDA device is visible (or layertap was built without --features cuda)".into());
+                return Err(
+                    "--device cuda:all: no CUDA device is visible (or layertap was built without --features cuda)"
+                        .into(),
+                );
             }
             return Ok((0..n).map(|i| format!("cuda:{i}")).collect());
         }
         rest.split(',')
-            .map(|i| i.trim().parse::<usize>().map(|i| format!("cuda:{i}")).map_err(|_| format!("bad device index {i:?} in --device")))
+            .map(|i| {
+                i.trim()
+                    .parse::<usize>()
+                    .map(|i| format!("cuda:{i}"))
+                    .map_err(|_| format!("bad device index {i:?} in --device"))
+            })
             .collect()
     }
 }

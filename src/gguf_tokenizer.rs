@@ -67,14 +67,19 @@ pub fn build(d: &GgufTokenizerData) -> Result<TextTokenizer, TokenizeError> {
         vocab.insert(spell(t), json!(i));
     }
     let types = |want: i32| {
-        d.tokens.iter().enumerate().filter(move |(i, _)| d.token_types.get(*i) == Some(&want)).map(|(i, t)| (i, t.clone()))
+        d.tokens
+            .iter()
+            .enumerate()
+            .filter(move |(i, _)| d.token_types.get(*i) == Some(&want))
+            .map(|(i, t)| (i, t.clone()))
     };
     let mut added: Vec<Value> = types(3)
         .filter(|(_, t)| t.chars().all(|c| alphabet.contains(&c)))
         .map(|(i, t)| added_token(i, &t, true))
         .collect();
     added.extend(types(4).map(|(i, t)| added_token(i, &t, false)));
-    let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
+    let byte_level =
+        |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
     let pre_tokenizer = match d.pre.as_deref().and_then(split_regex) {
         Some(re) => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false},

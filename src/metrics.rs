@@ -41,12 +41,13 @@ impl Metrics {
             let _ = r.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()));
         }
         let secs = buckets(0.001, 2.0, 18); // 1 ms .. ~131 s
-        let m = Metrics {
+        Metrics {
             requests: reg(
                 &r,
-                IntCounterVec::new(Opts::new("layertap_requests_total", "HTTP requests by route and status"), &[
-                    "route", "status",
-                ])
+                IntCounterVec::new(
+                    Opts::new("layertap_requests_total", "HTTP requests by route and status"),
+                    &["route", "status"],
+                )
                 .unwrap(),
             ),
             request_duration: reg(
@@ -66,8 +67,11 @@ impl Metrics {
             queue_duration: reg(
                 &r,
                 Histogram::with_opts(
-                    HistogramOpts::new("layertap_queue_duration_seconds", "Time a request waits before its first batch")
-                        .buckets(secs.clone()),
+                    HistogramOpts::new(
+                        "layertap_queue_duration_seconds",
+                        "Time a request waits before its first batch",
+                    )
+                    .buckets(secs.clone()),
                 )
                 .unwrap(),
             ),
@@ -94,7 +98,8 @@ impl Metrics {
             batch_sequences: reg(
                 &r,
                 Histogram::with_opts(
-                    HistogramOpts::new("layertap_batch_sequences", "Sequences per batch").buckets(buckets(1.0, 2.0, 11)),
+                    HistogramOpts::new("layertap_batch_sequences", "Sequences per batch")
+                        .buckets(buckets(1.0, 2.0, 11)),
                 )
                 .unwrap(),
             ),
@@ -139,18 +144,14 @@ impl Metrics {
             ),
             model_info: reg(
                 &r,
-                IntGaugeVec::new(Opts::new("layertap_model_info", "The served model (value 1)"), &[
-                    "model",
-                    "architecture",
-                    "num_layers",
-                    "hidden_size",
-                    "dtype",
-                ])
+                IntGaugeVec::new(
+                    Opts::new("layertap_model_info", "The served model (value 1)"),
+                    &["model", "architecture", "num_layers", "hidden_size", "dtype"],
+                )
                 .unwrap(),
             ),
             registry: r,
-        };
-        m
+        }
     }
 
     /// The text exposition of every collector.

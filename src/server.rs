@@ -95,7 +95,7 @@ pub struct Setup {
 /// Starts workers built by `make_engine(device)` and an HTTP server on `listener`.
 pub fn start<F>(listener: TcpListener, setup: Setup, make_engine: F, drain_timeout: Duration) -> anyhow::Result<Running>
 where
-    F: Fn(&str) -> Box<dyn FnOnce() -> Result<Box<dyn Engine>, EngineError> + Send> ,
+    F: Fn(&str) -> Box<dyn FnOnce() -> Result<Box<dyn Engine>, EngineError> + Send>,
 {
     let metrics = Arc::new(Metrics::new());
     let info = setup.info;
@@ -134,24 +134,23 @@ where
         let n = setup.devices.len();
         let stop = shutdown.clone();
         std::thread::spawn(move || {
-            let mut ok = 0;
-            for r in rx.iter() {
-                match r {
-                    Ok(d) => {
-                        ok += 1;
-                        tracing::info!(device = %d, "model loaded");
+            for _ in 0..n {
+                match rx.recv() {
+                    Ok(Ok(d)) => tracing::info!(device = %d, "model loaded"),
+                    Ok(Err(e)) => {
+                        tracing::error!(error = %e, "loading the model failed; stopping");
+                        stop.cancel();
+                        return;
                     }
-                    Err(e) => {
-                        tracing::error!(error = %e, "loading the model failed");
+                    Err(_) => {
+                        tracing::error!("a worker exited before loading its model; stopping");
                         stop.cancel();
                         return;
                     }
                 }
             }
-            if ok == n {
-                loaded.store(true, Ordering::SeqCst);
-                tracing::info!("ready");
-            }
+            loaded.store(true, Ordering::SeqCst);
+            tracing::info!("ready");
         });
     }
     let addr = listener.local_addr()?;
@@ -169,7 +168,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = files.config().clone();
     if let Some(t) = &tokenizer {
         if t.vocab_size() > cfg.vocab_size {
-            tracing::warn!(tokenizer = t.vocab_size(), model = cfg.vocab_size, "the tokenizer knows more ids than the model");
+            tracing::warn!(
+                tokenizer = t.vocab_size(),
+                model = cfg.vocab_size,
+                "the tokenizer knows more ids than the model"
+            );
         }
     }
     let max_batch_tokens = args.max_batch_tokens.unwrap_or(CPU_MAX_BATCH_TOKENS).max(args.max_input_tokens);

@@ -80,13 +80,16 @@ impl TextTokenizer {
             .map_err(|e| TokenizeError::Load(format!("{}: {e}", json.display())))?;
         let cfg: Value = match config {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| TokenizeError::Load(format!("{}: {e}", p.display())))?;
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| TokenizeError::Load(format!("{}: {e}", p.display())))?;
                 serde_json::from_str(&text).map_err(|e| TokenizeError::Load(format!("{}: {e}", p.display())))?
             }
             None => Value::Null,
         };
         let chat_template = match template {
-            Some(p) => Some(std::fs::read_to_string(p).map_err(|e| TokenizeError::Load(format!("{}: {e}", p.display())))?),
+            Some(p) => {
+                Some(std::fs::read_to_string(p).map_err(|e| TokenizeError::Load(format!("{}: {e}", p.display())))?)
+            }
             None => template_from_config(&cfg),
         };
         Ok(TextTokenizer {
@@ -130,7 +133,11 @@ impl TextTokenizer {
         });
         env.add_function("strftime_now", |fmt: String| -> String {
             // Templates use it for "today's date"; a fixed, well-formed value keeps outputs reproducible.
-            fmt.replace("%d", "01").replace("%B", "January").replace("%b", "Jan").replace("%Y", "2025").replace("%m", "01")
+            fmt.replace("%d", "01")
+                .replace("%B", "January")
+                .replace("%b", "Jan")
+                .replace("%Y", "2025")
+                .replace("%m", "01")
         });
         env.add_template("chat", template)
             .map_err(|e| TokenizeError::Unsupported(format!("the model's chat template does not parse: {e}")))?;
@@ -160,7 +167,8 @@ impl TextTokenizer {
             let before = self.render_chat(&messages[..i], false).unwrap_or_default();
             let header = self.render_chat(&messages[..i], true).unwrap_or_default();
             let upto = self.render_chat(&messages[..=i], false)?;
-            let start = if full.starts_with(&header) && header.len() >= before.len() { header.len() } else { before.len() };
+            let start =
+                if full.starts_with(&header) && header.len() >= before.len() { header.len() } else { before.len() };
             let end = if full.starts_with(&upto) { upto.len() } else { full.len() };
             if full.starts_with(&before) {
                 spans.push((start, end.max(start)));
@@ -169,7 +177,10 @@ impl TextTokenizer {
                 spans.push((pos, pos + m.content.len()));
             }
         }
-        let enc = self.tok.encode(full.as_str(), false).map_err(|e| TokenizeError::Invalid(format!("tokenizing chat: {e}")))?;
+        let enc = self
+            .tok
+            .encode(full.as_str(), false)
+            .map_err(|e| TokenizeError::Invalid(format!("tokenizing chat: {e}")))?;
         let loss_mask = enc
             .get_offsets()
             .iter()

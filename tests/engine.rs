@@ -75,12 +75,12 @@ fn packed_sequences_equal_solo_runs_bitwise() {
     for dir in variants() {
         let (mut engine, n) = load(&dir);
         let reference = read_safetensors(&dir.join("reference.safetensors"));
-        let seqs: Vec<Vec<u32>> = (0..3)
-            .map(|i| reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect())
-            .collect();
+        let seqs: Vec<Vec<u32>> =
+            (0..3).map(|i| reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()).collect();
         let layers = vec![n, 0, 1];
         let packed = run(&mut engine, &[seqs[2].clone(), seqs[0].clone(), seqs[1].clone()], &layers);
-        let solo: Vec<Vec<f32>> = seqs.iter().map(|s| run(&mut engine, &[s.clone()], &layers).remove(0)).collect();
+        let solo: Vec<Vec<f32>> =
+            seqs.iter().map(|s| run(&mut engine, std::slice::from_ref(s), &layers).remove(0)).collect();
         for (p, s) in [(0, 2), (1, 0), (2, 1)] {
             assert_eq!(
                 packed[p].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -126,7 +126,8 @@ fn poisoned_copy(src: &Path, from: usize) -> tempfile::TempDir {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, v) in st.tensors() {
-        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+        let layer =
+            name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
         let data = match layer {
             Some(l) if l >= from => f32::NAN.to_le_bytes().repeat(v.data().len() / 4),
             _ => v.data().to_vec(),

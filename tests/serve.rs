@@ -57,7 +57,9 @@ async fn concurrent_requests_equal_solo_requests_bitwise_and_match_transformers(
     let layers = json!([-1, 0, 2]);
     let mut solo = Vec::new();
     for s in &seqs {
-        solo.push(hidden(&base, json!({"inputs": [{"input_ids": s}], "layers": layers})).await["hidden_states"].f32.clone());
+        solo.push(
+            hidden(&base, json!({"inputs": [{"input_ids": s}], "layers": layers})).await["hidden_states"].f32.clone(),
+        );
     }
     // Many concurrent requests in mixed orders share batches with different mates.
     let mut tasks = Vec::new();
@@ -65,7 +67,9 @@ async fn concurrent_requests_equal_solo_requests_bitwise_and_match_transformers(
         let base = base.clone();
         let s = seqs[k % 3].clone();
         let layers = layers.clone();
-        tasks.push(tokio::spawn(async move { (k % 3, hidden(&base, json!({"inputs": [{"input_ids": s}], "layers": layers})).await) }));
+        tasks.push(tokio::spawn(async move {
+            (k % 3, hidden(&base, json!({"inputs": [{"input_ids": s}], "layers": layers})).await)
+        }));
     }
     for t in tasks {
         let (i, got) = t.await.unwrap();
@@ -203,7 +207,17 @@ fn loading_errors_name_what_is_wrong() {
 fn an_unreachable_hub_fails_fast_with_a_clear_error() {
     let start = std::time::Instant::now();
     let o = Command::new(env!("CARGO_BIN_EXE_layertap"))
-        .args(["extract", "--model", "nobody-here/no-such-model", "--layers", "1", "--input-ids", "1", "--out", "/dev/null"])
+        .args([
+            "extract",
+            "--model",
+            "nobody-here/no-such-model",
+            "--layers",
+            "1",
+            "--input-ids",
+            "1",
+            "--out",
+            "/dev/null",
+        ])
         .env("HF_ENDPOINT", "http://127.0.0.1:9")
         .env("HF_HOME", tempfile::tempdir().unwrap().path())
         .output()

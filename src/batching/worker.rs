@@ -40,6 +40,7 @@ where
         let mut engine = match make_engine() {
             Ok(e) => {
                 let _ = loaded.send(Ok(name.clone()));
+                drop(loaded);
                 e
             }
             Err(e) => {

@@ -6,12 +6,8 @@ use serde_json::Value;
 use super::EngineError;
 
 /// Architectures the engine can run, as Hugging Face names them in `config.json`.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-];
+pub const SUPPORTED_ARCHITECTURES: &[&str] =
+    &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -41,15 +37,8 @@ impl Family {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
-    Linear {
-        factor: f64,
-    },
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: f64,
-    },
+    Linear { factor: f64 },
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -108,21 +97,13 @@ fn parse_rope(cfg: &Value) -> Result<(f64, Option<RopeScaling>), EngineError> {
         .get("rope_parameters")
         .filter(|v| v.is_object())
         .or_else(|| cfg.get("rope_scaling").filter(|v| v.is_object()));
-    let theta = params
-        .and_then(|p| opt_f64(p, "rope_theta"))
-        .or_else(|| opt_f64(cfg, "rope_theta"))
-        .unwrap_or(10000.0);
+    let theta = params.and_then(|p| opt_f64(p, "rope_theta")).or_else(|| opt_f64(cfg, "rope_theta")).unwrap_or(10000.0);
     let Some(p) = params else {
         return Ok((theta, None));
     };
-    let kind = p
-        .get("rope_type")
-        .or_else(|| p.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let factor = || {
-        opt_f64(p, "factor").ok_or_else(|| bad(format!("config.json: rope type {kind:?} needs \"factor\"")))
-    };
+    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let factor =
+        || opt_f64(p, "factor").ok_or_else(|| bad(format!("config.json: rope type {kind:?} needs \"factor\"")));
     let scaling = match kind {
         "default" => None,
         "linear" => Some(RopeScaling::Linear { factor: factor()? }),
@@ -166,9 +147,7 @@ impl ModelConfig {
         let sliding_window = match family {
             Family::Mistral => opt_usize(cfg, "sliding_window"),
             Family::Qwen2 | Family::Qwen3 if opt_bool(cfg, "use_sliding_window") == Some(true) => {
-                return Err(bad(
-                    "config.json: use_sliding_window=true is not supported for Qwen models",
-                ))
+                return Err(bad("config.json: use_sliding_window=true is not supported for Qwen models"))
             }
             _ => None,
         };
@@ -227,26 +206,26 @@ impl ModelConfig {
     }
 }
 
-    /// Turns caller layer indices (Hugging Face `hidden_states` indices, negative from the end)
-    /// into indices in `0..=num_hidden_layers`, keeping the caller's order.
+/// Turns caller layer indices (Hugging Face `hidden_states` indices, negative from the end)
+/// into indices in `0..=num_hidden_layers`, keeping the caller's order.
 pub fn resolve_layers(layers: &[i64], num_layers: usize) -> Result<Vec<usize>, EngineError> {
-        let n = num_layers as i64;
-        if layers.is_empty() {
-            return Err(EngineError::InvalidInput("\"layers\" must name at least one index".into()));
-        }
-        layers
-            .iter()
-            .map(|&i| {
-                let r = if i < 0 { n + 1 + i } else { i };
-                if (0..=n).contains(&r) {
-                    Ok(r as usize)
-                } else {
-                    Err(EngineError::InvalidInput(format!(
-                        "layer index {i} is out of range: this model has {n} layers, so indices go from \
-                         {} to {n} (0 = embeddings, {n} = final normed output)",
-                        -(n + 1)
-                    )))
-                }
-            })
-            .collect()
+    let n = num_layers as i64;
+    if layers.is_empty() {
+        return Err(EngineError::InvalidInput("\"layers\" must name at least one index".into()));
     }
+    layers
+        .iter()
+        .map(|&i| {
+            let r = if i < 0 { n + 1 + i } else { i };
+            if (0..=n).contains(&r) {
+                Ok(r as usize)
+            } else {
+                Err(EngineError::InvalidInput(format!(
+                    "layer index {i} is out of range: this model has {n} layers, so indices go from \
+                         {} to {n} (0 = embeddings, {n} = final normed output)",
+                    -(n + 1)
+                )))
+            }
+        })
+        .collect()
+}

@@ -75,7 +75,8 @@ impl GgufFile {
         let hidden_size = self.req_usize(&k("embedding_length"))?;
         let heads = self.req_usize(&k("attention.head_count"))?;
         let kv_heads = self.meta_u64(&k("attention.head_count_kv")).map(|v| v as usize).unwrap_or(heads);
-        let head_dim = self.meta_u64(&k("attention.key_length")).map(|v| v as usize).unwrap_or(hidden_size / heads.max(1));
+        let head_dim =
+            self.meta_u64(&k("attention.key_length")).map(|v| v as usize).unwrap_or(hidden_size / heads.max(1));
         let vocab_size = match self.content.tensor_infos.get("token_embd.weight") {
             Some(info) => info.shape.dims()[0],
             None => return Err(EngineError::Load("GGUF: tensor \"token_embd.weight\" is missing".into())),
@@ -89,9 +90,9 @@ impl GgufFile {
         }
         let rope_scaling = match self.meta_str(&k("rope.scaling.type")) {
             None | Some("none") => None,
-            Some("linear") => Some(RopeScaling::Linear {
-                factor: self.meta_f64(&k("rope.scaling.factor")).unwrap_or(1.0),
-            }),
+            Some("linear") => {
+                Some(RopeScaling::Linear { factor: self.meta_f64(&k("rope.scaling.factor")).unwrap_or(1.0) })
+            }
             Some(other) => {
                 return Err(EngineError::Load(format!("GGUF: rope scaling {other:?} is not supported")));
             }

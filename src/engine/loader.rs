@@ -16,7 +16,11 @@ use super::{EngineError, ModelEngine, ModelInfo, OutDType};
 /// Where the tokenizer of a model comes from.
 pub enum TokenizerSource {
     /// `tokenizer.json` plus optional `tokenizer_config.json` and `chat_template.jinja`.
-    HfFiles { tokenizer_json: PathBuf, tokenizer_config: Option<PathBuf>, chat_template: Option<PathBuf> },
+    HfFiles {
+        tokenizer_json: PathBuf,
+        tokenizer_config: Option<PathBuf>,
+        chat_template: Option<PathBuf>,
+    },
     Gguf(Box<GgufTokenizerData>),
     /// The model ships no tokenizer: only token ids are accepted.
     None,
@@ -171,7 +175,11 @@ impl ModelFiles {
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             let ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)
-                .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|e| e == "gguf")).collect())
+                .map(|rd| {
+                    rd.filter_map(|e| e.ok().map(|e| e.path()))
+                        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+                        .collect()
+                })
                 .unwrap_or_default();
             if let [one] = ggufs.as_slice() {
                 return Self::locate(&one.to_string_lossy()).map(|mut m| {
@@ -220,7 +228,9 @@ impl ModelFiles {
                     .map_err(|e| err(format!("cannot open safetensors shards: {e}")))?;
                 (TensorSource::Safetensors { files: shards.clone(), tensors }, config.clone())
             }
-            Files::Gguf { file, config } => (TensorSource::Gguf(GgufTensors::new(file.clone(), config)), config.clone()),
+            Files::Gguf { file, config } => {
+                (TensorSource::Gguf(GgufTensors::new(file.clone(), config)), config.clone())
+            }
         };
         let weights = Weights::new(source, device.clone(), dtype);
         let bar = indicatif::ProgressBar::new(config.num_hidden_layers as u64).with_style(

@@ -78,7 +78,8 @@ impl OutDType {
 impl std::str::FromStr for OutDType {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        OutDType::parse(s).ok_or_else(|| format!("unknown dtype {s:?}; use f32, bf16 or f16 (or float32, bfloat16, float16)"))
+        OutDType::parse(s)
+            .ok_or_else(|| format!("unknown dtype {s:?}; use f32, bf16 or f16 (or float32, bfloat16, float16)"))
     }
 }
 
@@ -162,13 +163,21 @@ pub struct Taps {
 impl Taps {
     /// `[rows, layers.len(), hidden]` for tokens `start..start + rows`, layers in the given order
     /// (each must be one of `self.layers`), cast to `dtype`, as little-endian bytes.
-    pub fn gather(&self, start: usize, rows: usize, layers: &[usize], dtype: OutDType) -> Result<HostTensor, EngineError> {
+    pub fn gather(
+        &self,
+        start: usize,
+        rows: usize,
+        layers: &[usize],
+        dtype: OutDType,
+    ) -> Result<HostTensor, EngineError> {
         let parts = layers
             .iter()
             .map(|l| {
-                let k = self.layers.iter().position(|x| x == l).ok_or_else(|| {
-                    EngineError::InvalidInput(format!("layer {l} was not part of this batch"))
-                })?;
+                let k = self
+                    .layers
+                    .iter()
+                    .position(|x| x == l)
+                    .ok_or_else(|| EngineError::InvalidInput(format!("layer {l} was not part of this batch")))?;
                 Ok(self.states[k].narrow(0, start, rows)?)
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
@@ -199,7 +208,9 @@ impl HostTensor {
             OutDType::Bfloat16 => {
                 flat.to_vec1::<half::bf16>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes()))
             }
-            OutDType::Float16 => flat.to_vec1::<half::f16>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes())),
+            OutDType::Float16 => {
+                flat.to_vec1::<half::f16>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes()))
+            }
         }
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
     }
@@ -207,11 +218,15 @@ impl HostTensor {
     /// Values as f32 (for tests and JSON output).
     pub fn to_f32(&self) -> Vec<f32> {
         match self.dtype {
-            OutDType::Float32 => self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            OutDType::Float32 => {
+                self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
             OutDType::Bfloat16 => {
                 self.data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
             }
-            OutDType::Float16 => self.data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            OutDType::Float16 => {
+                self.data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+            }
         }
     }
 }

@@ -13,8 +13,7 @@ impl Rope {
     pub fn new(cfg: &ModelConfig) -> Self {
         let d = cfg.head_dim;
         let base = cfg.rope_theta as f32;
-        let mut inv_freq: Vec<f32> =
-            (0..d).step_by(2).map(|i| 1.0f32 / base.powf(i as f32 / d as f32)).collect();
+        let mut inv_freq: Vec<f32> = (0..d).step_by(2).map(|i| 1.0f32 / base.powf(i as f32 / d as f32)).collect();
         match &cfg.rope_scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => {
@@ -40,7 +39,8 @@ impl Rope {
                     let scaled = if wavelen > low_freq_wavelen { *x / factor } else { *x };
                     let smooth = (old / wavelen - low) / (high - low);
                     let smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled;
-                    let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                    // Finite wavelengths: this is transformers' `~(w < high) & ~(w > low)`.
+                    let medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
                     *x = if medium { smoothed } else { scaled };
                 }
             }

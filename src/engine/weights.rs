@@ -44,10 +44,8 @@ impl Weights {
     fn where_from(&self) -> String {
         match &self.source {
             TensorSource::Safetensors { files, .. } => {
-                let names: Vec<_> = files
-                    .iter()
-                    .filter_map(|f| f.file_name().map(|n| n.to_string_lossy().into_owned()))
-                    .collect();
+                let names: Vec<_> =
+                    files.iter().filter_map(|f| f.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
                 names.join(", ")
             }
             TensorSource::Gguf(g) => g.describe(),

@@ -5,7 +5,9 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::types::{HiddenStatesJson, HiddenStatesRequest, InputItem, TokenizeRequest, TokenizeResponse, TokenizedInput};
+use super::types::{
+    HiddenStatesJson, HiddenStatesRequest, InputItem, TokenizeRequest, TokenizeResponse, TokenizedInput,
+};
 use super::{require_ready, ApiJson, AppState};
 use crate::batching::Submission;
 use crate::codec::{self, Extraction};
@@ -57,7 +59,9 @@ async fn tokenize_all(s: &AppState, inputs: Vec<InputItem>) -> Result<Vec<Tokeni
             .map(|(i, input)| {
                 let t = tokenize_input(tok.as_deref(), input).map_err(|e| ApiError::from(e).prefixed(i))?;
                 if let Some(bad) = t.ids.iter().find(|&&id| id as usize >= vocab) {
-                    return Err(ApiError::internal(format!("the tokenizer produced id {bad} outside the model's vocabulary")));
+                    return Err(ApiError::internal(format!(
+                        "the tokenizer produced id {bad} outside the model's vocabulary"
+                    )));
                 }
                 if t.ids.len() > max {
                     return Err(ApiError::new(
@@ -83,7 +87,10 @@ impl ApiError {
 #[utoipa::path(post, path = "/v1/tokenize", tag = "layertap", request_body = TokenizeRequest,
     responses((status = 200, body = TokenizeResponse), (status = 422, body = crate::error::ErrorBody)),
     security((), ("bearer" = [])))]
-pub async fn tokenize(State(s): State<AppState>, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Json<TokenizeResponse>, ApiError> {
+pub async fn tokenize(
+    State(s): State<AppState>,
+    ApiJson(req): ApiJson<TokenizeRequest>,
+) -> Result<Json<TokenizeResponse>, ApiError> {
     let seqs = tokenize_all(&s, req.inputs).await?;
     Ok(Json(TokenizeResponse {
         results: seqs.into_iter().map(|t| TokenizedInput { input_ids: t.ids, loss_mask: t.loss_mask }).collect(),
@@ -96,9 +103,7 @@ pub fn wants_zstd(headers: &HeaderMap) -> bool {
     v.split(',').any(|part| {
         let mut it = part.split(';');
         let name = it.next().unwrap_or("").trim().to_ascii_lowercase();
-        let q = it
-            .find_map(|p| p.trim().strip_prefix("q=").and_then(|q| q.trim().parse::<f32>().ok()))
-            .unwrap_or(1.0);
+        let q = it.find_map(|p| p.trim().strip_prefix("q=").and_then(|q| q.trim().parse::<f32>().ok())).unwrap_or(1.0);
         (name == "zstd" || name == "*") && q > 0.0
     })
 }
@@ -164,19 +169,20 @@ pub async fn hidden_states(
             ),
         ));
     }
-    let sub = Submission {
-        seqs: seqs.clone(),
-        layers: layers.clone(),
-        dtype,
-        metadata: metadata(&s.info, &layers, dtype),
-    };
+    let sub =
+        Submission { seqs: seqs.clone(), layers: layers.clone(), dtype, metadata: metadata(&s.info, &layers, dtype) };
     let meta = sub.metadata.clone();
     let rx = s.scheduler.submit(sub)?;
     s.metrics.queue_requests.inc();
     let waited = tokio::time::timeout(s.limits.request_timeout, rx).await;
     s.metrics.queue_requests.dec();
     let answer = match waited {
-        Err(_) => return Err(ApiError::new(ErrorKind::Unavailable, "the request timed out in the server; retry later or send less")),
+        Err(_) => {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                "the request timed out in the server; retry later or send less",
+            ))
+        }
         Ok(Err(_)) => return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down")),
         Ok(Ok(r)) => r?,
     };

@@ -101,7 +101,8 @@ pub fn app(state: AppState) -> Router {
 
 /// Counts requests by matched route and status, times them, and tracks those in flight.
 async fn track(State(s): State<AppState>, req: Request, next: Next) -> Response {
-    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned()).unwrap_or_else(|| "unmatched".into());
+    let route =
+        req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned()).unwrap_or_else(|| "unmatched".into());
     let in_flight = s.metrics.in_flight.with_label_values(&[&route]);
     in_flight.inc();
     struct Guard(prometheus::IntGauge);
@@ -136,8 +137,9 @@ async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
     if ok {
         next.run(req).await
     } else {
-        let mut r = ApiError::new(ErrorKind::Unauthorized, "missing or wrong API key: send Authorization: Bearer <key>")
-            .into_response();
+        let mut r =
+            ApiError::new(ErrorKind::Unauthorized, "missing or wrong API key: send Authorization: Bearer <key>")
+                .into_response();
         r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
         r
     }

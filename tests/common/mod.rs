@@ -29,7 +29,9 @@ pub fn read_safetensors_bytes(bytes: &[u8]) -> (HashMap<String, Read>, HashMap<S
             Dtype::BF16 => {
                 (d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![])
             }
-            Dtype::F16 => (d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![]),
+            Dtype::F16 => {
+                (d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![])
+            }
             Dtype::I64 => (vec![], d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
             Dtype::U8 => (vec![], d.iter().map(|&b| i64::from(b)).collect()),
             other => panic!("unexpected dtype {other:?} for {name}"),
@@ -88,18 +90,22 @@ pub struct FakeEngine(pub Arc<FakeControl>);
 
 impl Engine for FakeEngine {
     fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError> {
+        // Recorded before the delay, so a test can tell that a batch has started.
+        self.0.seen.lock().unwrap().extend_from_slice(&batch.input_ids);
+        self.0.batches.fetch_add(1, Ordering::SeqCst);
         let d = self.0.delay_ms.load(Ordering::SeqCst);
         if d > 0 {
             std::thread::sleep(Duration::from_millis(d as u64));
         }
-        self.0.seen.lock().unwrap().extend_from_slice(&batch.input_ids);
-        self.0.batches.fetch_add(1, Ordering::SeqCst);
         let states = batch
             .layers
             .iter()
             .map(|&l| {
-                let v: Vec<f32> =
-                    batch.input_ids.iter().flat_map(|&id| (0..FAKE_HIDDEN).map(move |h| fake_value(id, l, h))).collect();
+                let v: Vec<f32> = batch
+                    .input_ids
+                    .iter()
+                    .flat_map(|&id| (0..FAKE_HIDDEN).map(move |h| fake_value(id, l, h)))
+                    .collect();
                 layertap::engine::host_tensor_from_f32(&v, &[batch.input_ids.len(), FAKE_HIDDEN])
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -185,4 +191,3 @@ pub async fn wait_ready(base: &str) {
 pub fn unzstd(bytes: &[u8]) -> Vec<u8> {
     zstd::stream::decode_all(bytes).expect("valid zstd")
 }
-

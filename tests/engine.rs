@@ -161,3 +161,29 @@ fn layers_past_the_deepest_requested_index_are_not_run() {
     assert_eq!(taps.layers_run, n);
     assert!(taps.gather(0, seq.len(), &[n], OutDType::Float32).unwrap().to_f32().iter().any(|x| x.is_nan()));
 }
+
+#[test]
+fn half_precision_compute_stays_close_to_the_f32_reference() {
+    for dir in variants() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+        let reference = read_safetensors(&dir.join("reference.safetensors"));
+        let hs = &reference["seq2.hidden_states"];
+        let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+        let seq: Vec<u32> = reference["seq2.input_ids"].i64.iter().map(|&x| x as u32).collect();
+        for (dtype, out) in [(DType::BF16, OutDType::Bfloat16), (DType::F16, OutDType::Float32)] {
+            let mut m = files.load(&Device::Cpu, dtype).unwrap();
+            let layers: Vec<usize> = (0..l1).collect();
+            let batch = Batch { input_ids: seq.clone(), cu_seqlens: vec![0, t], layers: layers.clone() };
+            let x = m.engine.forward(&batch).unwrap().gather(0, t, &layers, out).unwrap();
+            assert_eq!(x.dtype, out, "the output dtype is the one asked for");
+            let got = x.to_f32();
+            for layer in 0..l1 {
+                let want = &hs.f32[layer * t * h..(layer + 1) * t * h];
+                let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * l1 + layer) * h..][..h].to_vec()).collect();
+                let e = rel_err(&ours, want);
+                assert!(e <= 2e-2, "{name} {dtype:?} index {layer}: relative error {e:.3e}");
+            }
+        }
+    }
+}

@@ -3,6 +3,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::model::matmul;
+
 /// Queries per chunk; bounds the score matrix to `heads × CHUNK × seq_len`.
 const QUERY_CHUNK: usize = 1024;
 
@@ -53,10 +55,10 @@ pub fn sequence_attention(
         let k_len = q0 + q_len;
         let qc = q.narrow(1, q0, q_len)?;
         let kc = kt.narrow(2, 0, k_len)?;
-        let scores = (qc.matmul(&kc)? * scale)?.to_dtype(DType::F32)?;
+        let scores = (matmul(&qc, &kc)? * scale)?.to_dtype(DType::F32)?;
         let m = mask(q0, q_len, k_len, window, q.device())?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&m)?)?.to_dtype(dtype)?;
-        outs.push(probs.matmul(&v.narrow(1, 0, k_len)?.contiguous()?)?);
+        outs.push(matmul(&probs, &v.narrow(1, 0, k_len)?.contiguous()?)?);
         q0 += q_len;
     }
     let out = Tensor::cat(&outs, 1)?; // [h, T, d]

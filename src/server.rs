@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::batching::{spawn_worker, Queue, WorkerHandle};
 use crate::cli::ServeArgs;
 use crate::engine::loader::ModelFiles;
-use crate::engine::{parse_device, Engine, EngineError, ModelInfo, OutDType};
+use crate::engine::{device_memory, parse_device, tokens_for_memory, Engine, EngineError, ModelInfo, OutDType};
 use crate::http::{app, AppState, Limits};
 use crate::metrics::Metrics;
 use crate::tokenizer::TextTokenizer;
@@ -90,12 +90,18 @@ pub struct Setup {
     pub devices: Vec<String>,
     pub limits: Limits,
     pub api_keys: Vec<String>,
+    /// Size the batch budget from free device memory once loaded (CUDA without --max-batch-tokens).
+    pub auto_batch_tokens: bool,
 }
+
+/// Builds a device's engine on its worker thread; also returns the batch size that fits in the
+/// device's free memory when it can be measured.
+pub type EngineFactory = Box<dyn FnOnce() -> Result<(Box<dyn Engine>, Option<usize>), EngineError> + Send>;
 
 /// Starts workers built by `make_engine(device)` and an HTTP server on `listener`.
 pub fn start<F>(listener: TcpListener, setup: Setup, make_engine: F, drain_timeout: Duration) -> anyhow::Result<Running>
 where
-    F: Fn(&str) -> Box<dyn FnOnce() -> Result<Box<dyn Engine>, EngineError> + Send>,
+    F: Fn(&str) -> EngineFactory,
 {
     let metrics = Arc::new(Metrics::new());
     let info = setup.info;
@@ -131,12 +137,21 @@ where
     // Readiness flips once every worker has its model; a failed load stops the server.
     {
         let loaded = state.loaded.clone();
+        let scheduler = state.scheduler.clone();
+        let limits = state.limits.clone();
+        let auto_size = setup.auto_batch_tokens;
         let n = setup.devices.len();
         let stop = shutdown.clone();
         std::thread::spawn(move || {
+            let mut fits: Option<usize> = None;
             for _ in 0..n {
                 match rx.recv() {
-                    Ok(Ok(d)) => tracing::info!(device = %d, "model loaded"),
+                    Ok(Ok(l)) => {
+                        tracing::info!(device = %l.device, fits_tokens = ?l.max_batch_tokens, "model loaded");
+                        if let Some(t) = l.max_batch_tokens {
+                            fits = Some(fits.map_or(t, |f| f.min(t)));
+                        }
+                    }
                     Ok(Err(e)) => {
                         tracing::error!(error = %e, "loading the model failed; stopping");
                         stop.cancel();
@@ -148,6 +163,16 @@ where
                         return;
                     }
                 }
+            }
+            if let (true, Some(t)) = (auto_size, fits) {
+                let t = t.max(limits.max_input_tokens);
+                scheduler.set_max_batch_tokens(t);
+                tracing::info!(
+                    max_batch_tokens = t,
+                    "batch budget sized from free device memory after loading: 80% of the smallest free memory \
+                     over the devices, less one attention chunk of the longest input, divided by the activation \
+                     bytes per token (all layers kept, q/k/v, MLP)"
+                );
             }
             loaded.store(true, Ordering::SeqCst);
             tracing::info!("ready");
@@ -176,6 +201,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     let max_batch_tokens = args.max_batch_tokens.unwrap_or(CPU_MAX_BATCH_TOKENS).max(args.max_input_tokens);
+    let auto_batch_tokens = args.max_batch_tokens.is_none() && devices.iter().any(|d| d != "cpu");
+    let max_input_tokens = args.max_input_tokens;
     let info = ModelInfo {
         model_id: files.id.clone(),
         architecture: cfg.architecture.clone(),
@@ -196,16 +223,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
     let dtype: OutDType = args.dtype;
-    let make = move |d: &str| -> Box<dyn FnOnce() -> Result<Box<dyn Engine>, EngineError> + Send> {
+    let make = move |d: &str| -> EngineFactory {
         let files = files.clone();
         let d = d.to_string();
         Box::new(move || {
             let device = parse_device(&d)?;
             let m = files.load(&device, dtype.candle())?;
-            Ok(Box::new(m.engine) as Box<dyn Engine>)
+            let fits = device_memory(&device).map(|(used, total)| {
+                tokens_for_memory(files.config(), dtype.candle(), total.saturating_sub(used), max_input_tokens)
+            });
+            Ok((Box::new(m.engine) as Box<dyn Engine>, fits))
         })
     };
-    let setup = Setup { info, tokenizer, devices, limits, api_keys: args.api_keys.clone() };
+    let setup = Setup { info, tokenizer, devices, limits, api_keys: args.api_keys.clone(), auto_batch_tokens };
     let running = start(listener, setup, make, Duration::from_secs(args.shutdown_timeout_s))?;
     let stop = running.shutdown.clone();
     tokio::spawn(async move {

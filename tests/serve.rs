@@ -26,13 +26,20 @@ async fn real_server(model: &str) -> (Running, String) {
         dtype: layertap::engine::OutDType::Float32,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let setup = Setup { info, tokenizer, devices: vec!["cpu".into()], limits: limits(), api_keys: vec![] };
+    let setup = Setup {
+        info,
+        tokenizer,
+        devices: vec!["cpu".into()],
+        limits: limits(),
+        api_keys: vec![],
+        auto_batch_tokens: false,
+    };
     let running = start(
         listener,
         setup,
         move |_| {
             let f = files.clone();
-            Box::new(move || Ok(Box::new(f.load(&Device::Cpu, DType::F32)?.engine) as Box<dyn Engine>))
+            Box::new(move || Ok((Box::new(f.load(&Device::Cpu, DType::F32)?.engine) as Box<dyn Engine>, None)))
         },
         Duration::from_secs(10),
     )

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use queue::{Queue, SubmitError};
-pub use worker::{spawn_worker, WorkerHandle};
+pub use worker::{spawn_worker, Loaded, WorkerHandle};
 
 use crate::engine::{HostTensor, OutDType};
 use crate::tokenizer::Tokenized;

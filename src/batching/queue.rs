@@ -1,4 +1,5 @@
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -101,7 +102,7 @@ pub struct Queue {
     state: Mutex<State>,
     ready: Condvar,
     max_queue_tokens: usize,
-    pub(super) max_batch_tokens: usize,
+    max_batch_tokens: AtomicUsize,
     pub(super) metrics: Arc<Metrics>,
 }
 
@@ -111,7 +112,7 @@ impl Queue {
             state: Mutex::new(State { items: VecDeque::new(), queued_tokens: 0, closed: false }),
             ready: Condvar::new(),
             max_queue_tokens,
-            max_batch_tokens,
+            max_batch_tokens: AtomicUsize::new(max_batch_tokens),
             metrics,
         })
     }
@@ -164,7 +165,7 @@ impl Queue {
                     self.metrics.sequences_cancelled.inc();
                     continue;
                 }
-                if !batch.is_empty() && tokens + len > self.max_batch_tokens {
+                if !batch.is_empty() && tokens + len > self.max_batch_tokens() {
                     break;
                 }
                 tokens += len;
@@ -186,6 +187,16 @@ impl Queue {
     pub fn close(&self) {
         self.lock().closed = true;
         self.ready.notify_all();
+    }
+
+    /// The current token budget of one batch.
+    pub fn max_batch_tokens(&self) -> usize {
+        self.max_batch_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Changes the batch budget (once the devices have measured their free memory).
+    pub fn set_max_batch_tokens(&self, n: usize) {
+        self.max_batch_tokens.store(n, Ordering::Relaxed);
     }
 
     /// Tokens waiting to be batched.

@@ -8,6 +8,14 @@ use super::BatchError;
 use crate::engine::{Batch, Engine, EngineError};
 use crate::extract::{cu_seqlens, distinct};
 
+/// What a worker reports once its model is resident.
+#[derive(Debug)]
+pub struct Loaded {
+    pub device: String,
+    /// Tokens per batch that fit in the device's free memory, where that can be measured.
+    pub max_batch_tokens: Option<usize>,
+}
+
 /// A device worker thread. Join it after closing the queue.
 pub struct WorkerHandle {
     pub device: String,
@@ -30,16 +38,16 @@ pub fn spawn_worker<F>(
     device: String,
     queue: Arc<Queue>,
     make_engine: F,
-    loaded: std::sync::mpsc::Sender<Result<String, String>>,
+    loaded: std::sync::mpsc::Sender<Result<Loaded, String>>,
 ) -> std::io::Result<WorkerHandle>
 where
-    F: FnOnce() -> Result<Box<dyn Engine>, EngineError> + Send + 'static,
+    F: FnOnce() -> Result<(Box<dyn Engine>, Option<usize>), EngineError> + Send + 'static,
 {
     let name = device.clone();
     let join = std::thread::Builder::new().name(format!("layertap-{device}")).spawn(move || {
         let mut engine = match make_engine() {
-            Ok(e) => {
-                let _ = loaded.send(Ok(name.clone()));
+            Ok((e, fits)) => {
+                let _ = loaded.send(Ok(Loaded { device: name.clone(), max_batch_tokens: fits }));
                 drop(loaded);
                 e
             }

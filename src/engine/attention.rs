@@ -6,21 +6,22 @@ use candle_core::{DType, Device, Tensor};
 use super::model::matmul;
 
 /// Queries per chunk; bounds the score matrix to `heads × CHUNK × seq_len`.
-const QUERY_CHUNK: usize = 1024;
+pub const QUERY_CHUNK: usize = 1024;
 
-/// Additive mask `[q_len, k_len]` for queries at positions `q0..q0+q_len` over keys `0..k_len`.
+/// Additive mask `[q_len, k_len]` (0 or -inf) for queries at positions `q0..q0+q_len` over keys
+/// `0..k_len`: causal, and within `window` positions when set. Built on the device.
 fn mask(q0: usize, q_len: usize, k_len: usize, window: Option<usize>, device: &Device) -> candle_core::Result<Tensor> {
-    let mut m = vec![0f32; q_len * k_len];
-    for r in 0..q_len {
-        let i = q0 + r;
-        for j in 0..k_len {
-            let too_far = window.is_some_and(|w| i >= j + w);
-            if j > i || too_far {
-                m[r * k_len + j] = f32::NEG_INFINITY;
-            }
-        }
+    let qi = Tensor::arange(q0 as i64, (q0 + q_len) as i64, device)?.reshape((q_len, 1))?;
+    let kj = Tensor::arange(0i64, k_len as i64, device)?.reshape((1, k_len))?;
+    let mut allowed = kj.broadcast_le(&qi)?;
+    if let Some(w) = window {
+        // Key j is visible from query i when i - j < w.
+        let lo = (qi - w as f64)?;
+        allowed = (allowed * kj.broadcast_gt(&lo)?)?;
     }
-    Tensor::from_vec(m, (q_len, k_len), device)
+    let zero = Tensor::zeros((q_len, k_len), DType::F32, device)?;
+    let neg = Tensor::full(f32::NEG_INFINITY, (q_len, k_len), device)?;
+    allowed.where_cond(&zero, &neg)
 }
 
 /// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]` (one sequence, rope applied).

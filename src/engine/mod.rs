@@ -141,6 +141,24 @@ pub fn device_memory_by_name(name: &str) -> Option<(u64, u64)> {
     None
 }
 
+/// How many tokens one forward pass can hold in `free_bytes` of device memory: a conservative
+/// estimate of the activations per token (residual stream, norm output, q/k/v, attention output,
+/// the MLP's gate/up/activation, every layer kept as a tap) plus the attention scores of one
+/// query chunk of the longest allowed input (f32 scores and probabilities), using 80% of what
+/// is free.
+pub fn tokens_for_memory(cfg: &ModelConfig, dtype: DType, free_bytes: u64, max_input_tokens: usize) -> usize {
+    let b = dtype.size_in_bytes() as u64;
+    let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim) as u64;
+    let attn = (cfg.num_attention_heads * cfg.head_dim) as u64;
+    // Every index may be tapped (L + 1 states), plus the working set of one layer.
+    let per_token = b * ((cfg.num_hidden_layers as u64 + 1) * h + 4 * h + 2 * qkv + attn + 3 * i) + 8 * 2;
+    let chunk = attention::QUERY_CHUNK.min(max_input_tokens) as u64;
+    let scores = cfg.num_attention_heads as u64 * chunk * max_input_tokens as u64 * (4 + 4 + b) * 2;
+    let budget = (free_bytes as f64 * 0.8) as u64;
+    (budget.saturating_sub(scores) / per_token.max(1)) as usize
+}
+
 /// Sequences packed along one token dimension, and the layers wanted from them.
 #[derive(Clone, Debug)]
 pub struct Batch {

@@ -44,7 +44,7 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         vocab_size: i.vocab_size,
         dtype: i.dtype.name().into(),
         devices: s.devices.as_ref().clone(),
-        max_batch_tokens: s.limits.max_batch_tokens,
+        max_batch_tokens: s.scheduler.max_batch_tokens(),
         max_input_tokens: s.limits.max_input_tokens,
         max_queue_tokens: s.limits.max_queue_tokens,
         has_tokenizer: s.tokenizer.is_some(),

@@ -158,6 +158,7 @@ pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
         devices: vec!["cpu".into()],
         limits,
         api_keys,
+        auto_batch_tokens: false,
     };
     let c = control.clone();
     let running = start(
@@ -165,7 +166,7 @@ pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
         setup,
         move |_d| {
             let c = c.clone();
-            Box::new(move || Ok(Box::new(FakeEngine(c)) as Box<dyn Engine>))
+            Box::new(move || Ok((Box::new(FakeEngine(c)) as Box<dyn Engine>, None)))
         },
         Duration::from_secs(10),
     )

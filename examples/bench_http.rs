@@ -1,0 +1,94 @@
+//! End-to-end HTTP throughput: a concurrent client sends the workload of bench/workload_*.json to a
+//! running layertap server, one sequence per request, and reads and decodes every answer
+//! (zstd + safetensors), checking its shape.
+//!
+//! cargo run --release --example bench_http -- --url http://127.0.0.1:8080
+//!     [--workload bench/workload_cpu.json] [--concurrency 8] [--dtype float32]
+//!
+//! The last stdout line is one JSON object (tokens/s, requests/s, bytes, compression ratio).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::json;
+
+#[path = "bench_engine.rs"]
+#[allow(dead_code)]
+mod engine_bench;
+
+fn arg(name: &str, default: &str) -> String {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| default.to_string())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let url = arg("--url", "http://127.0.0.1:8080");
+    let workload = arg("--workload", "bench/workload_cpu.json");
+    let concurrency: usize = arg("--concurrency", "8").parse()?;
+    let dtype = arg("--dtype", "float32");
+    let (layers, seqs) = engine_bench::read_workload(&workload);
+    let seqs = Arc::new(seqs);
+    let client = reqwest::Client::builder().no_proxy().build()?;
+    let info: serde_json::Value = client.get(format!("{url}/v1/info")).send().await?.json().await?;
+    let hidden = info["hidden_size"].as_u64().unwrap() as usize;
+    // Warm-up: one request, untimed.
+    client
+        .post(format!("{url}/v1/hidden-states"))
+        .json(&json!({"inputs": [{"input_ids": seqs[0]}], "layers": layers, "dtype": dtype}))
+        .send()
+        .await?
+        .error_for_status()?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let encoded = Arc::new(AtomicUsize::new(0));
+    let raw = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (client, url, seqs, next, layers, dtype) =
+            (client.clone(), url.clone(), seqs.clone(), next.clone(), layers.clone(), dtype.clone());
+        let (encoded, raw) = (encoded.clone(), raw.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let Some(s) = seqs.get(i) else { return Ok::<(), anyhow::Error>(()) };
+                let r = client
+                    .post(format!("{url}/v1/hidden-states"))
+                    .header("accept-encoding", "zstd")
+                    .json(&json!({"inputs": [{"input_ids": s}], "layers": layers, "dtype": dtype}))
+                    .send()
+                    .await?
+                    .error_for_status()?;
+                let body = r.bytes().await?;
+                encoded.fetch_add(body.len(), Ordering::SeqCst);
+                let (n_layers, len) = (layers.len(), s.len());
+                let decoded = tokio::task::spawn_blocking(move || -> anyhow::Result<usize> {
+                    let bytes = zstd::stream::decode_all(&body[..])?;
+                    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+                    let hs = st.tensor("hidden_states")?;
+                    anyhow::ensure!(hs.shape() == [len, n_layers, hidden], "bad shape {:?}", hs.shape());
+                    Ok(bytes.len())
+                })
+                .await??;
+                raw.fetch_add(decoded, Ordering::SeqCst);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let tokens: usize = seqs.iter().map(Vec::len).sum();
+    let (enc, rawb) = (encoded.load(Ordering::SeqCst), raw.load(Ordering::SeqCst));
+    println!(
+        "{}",
+        json!({
+            "contender": "layertap-http", "tokens": tokens, "requests": seqs.len(), "seconds": secs,
+            "tokens_per_s": tokens as f64 / secs, "requests_per_s": seqs.len() as f64 / secs,
+            "concurrency": concurrency, "dtype": dtype, "encoded_bytes": enc, "decoded_bytes": rawb,
+            "compression_ratio": rawb as f64 / enc.max(1) as f64,
+        })
+    );
+    Ok(())
+}

@@ -13,10 +13,6 @@ use std::time::Instant;
 
 use serde_json::json;
 
-#[path = "bench_engine.rs"]
-#[allow(dead_code)]
-mod engine_bench;
-
 fn arg(name: &str, default: &str) -> String {
     let args: Vec<String> = std::env::args().collect();
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| default.to_string())
@@ -28,7 +24,7 @@ async fn main() -> anyhow::Result<()> {
     let workload = arg("--workload", "bench/workload_cpu.json");
     let concurrency: usize = arg("--concurrency", "8").parse()?;
     let dtype = arg("--dtype", "float32");
-    let (layers, seqs) = engine_bench::read_workload(&workload);
+    let (layers, seqs) = layertap::bench::read_workload(&workload)?;
     let seqs = Arc::new(seqs);
     let client = reqwest::Client::builder().no_proxy().build()?;
     let info: serde_json::Value = client.get(format!("{url}/v1/info")).send().await?.json().await?;

@@ -25,6 +25,27 @@ pub enum Command {
     Serve(ServeArgs),
     /// Print the OpenAPI document of the HTTP API.
     Openapi,
+    /// Measure the engine's throughput in process on a workload file (see bench/).
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Workload sidecar JSON ({"layers": [...], "file": "x.jsonl"}).
+    #[arg(long, default_value = "bench/workload_cpu.json")]
+    pub workload: PathBuf,
+    /// Model: a Hugging Face folder, a .gguf file, or a hub repo id.
+    #[arg(long, default_value = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    pub model: String,
+    /// Device: cpu or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute and output dtype.
+    #[arg(long, default_value = "f32")]
+    pub dtype: OutDType,
+    /// Most tokens per forward pass.
+    #[arg(long, default_value_t = 4096)]
+    pub max_batch_tokens: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

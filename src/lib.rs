@@ -5,6 +5,7 @@
 //! (the model; the only module that uses candle).
 
 pub mod batching;
+pub mod bench;
 pub mod cli;
 pub mod codec;
 pub mod engine;

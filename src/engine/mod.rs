@@ -118,9 +118,12 @@ pub fn device_memory(device: &Device) -> Option<(u64, u64)> {
     #[cfg(feature = "cuda")]
     {
         if let Device::Cuda(d) = device {
-            use candle_core::cuda_backend::cudarc::driver::result;
-            let _ = d.cuda_stream().context().bind_to_thread();
-            return result::mem_get_info().ok().map(|(free, total)| ((total - free) as u64, total as u64));
+            return d
+                .cuda_stream()
+                .context()
+                .mem_get_info()
+                .ok()
+                .map(|(free, total)| ((total - free) as u64, total as u64));
         }
     }
     let _ = device;

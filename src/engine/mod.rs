@@ -173,7 +173,7 @@ pub struct Batch {
 }
 
 /// Hidden states of a batch: for each entry of `Batch::layers`, a `[total_tokens, hidden]`
-/// tensor on the CPU in the compute dtype.
+/// tensor on the engine's device in the compute dtype; [`Taps::gather`] copies a slice to the host.
 pub struct Taps {
     pub layers: Vec<usize>,
     pub states: Vec<Tensor>,
@@ -212,6 +212,9 @@ pub fn host_tensor_from_f32(values: &[f32], shape: &[usize]) -> Result<Tensor, E
     Ok(Tensor::from_slice(values, shape, &Device::Cpu)?)
 }
 
+#[cfg(target_endian = "big")]
+compile_error!("layertap writes little-endian safetensors from memory and needs a little-endian host");
+
 /// A dense tensor in host memory as little-endian bytes: what the codec writes out.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
@@ -223,16 +226,12 @@ pub struct HostTensor {
 impl HostTensor {
     fn from_tensor(t: &Tensor, dtype: OutDType) -> Result<Self, EngineError> {
         let flat = t.flatten_all()?;
-        let mut data = Vec::with_capacity(flat.elem_count() * dtype.candle().size_in_bytes());
-        match dtype {
-            OutDType::Float32 => flat.to_vec1::<f32>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes())),
-            OutDType::Bfloat16 => {
-                flat.to_vec1::<half::bf16>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes()))
-            }
-            OutDType::Float16 => {
-                flat.to_vec1::<half::f16>()?.iter().for_each(|x| data.extend_from_slice(&x.to_le_bytes()))
-            }
-        }
+        // Little-endian host (checked at compile time below): memory order is the file order.
+        let data = match dtype {
+            OutDType::Float32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
+            OutDType::Bfloat16 => bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
+            OutDType::Float16 => bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
+        };
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
     }
 
@@ -298,7 +297,6 @@ impl Engine for ModelEngine {
         let packing = self.decoder.packing(cu)?;
         let mut layers_run = 0;
         let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run)?;
-        let states = states.into_iter().map(|s| s.to_device(&Device::Cpu)).collect::<Result<Vec<_>, _>>()?;
         Ok(Taps { layers: batch.layers.clone(), states, layers_run })
     }
 }

@@ -212,6 +212,10 @@ pub fn host_tensor_from_f32(values: &[f32], shape: &[usize]) -> Result<Tensor, E
     Ok(Tensor::from_slice(values, shape, &Device::Cpu)?)
 }
 
+fn bits(v: impl Iterator<Item = u16>) -> Vec<u8> {
+    bytemuck::cast_slice(&v.collect::<Vec<u16>>()).to_vec()
+}
+
 #[cfg(target_endian = "big")]
 compile_error!("layertap writes little-endian safetensors from memory and needs a little-endian host");
 
@@ -229,8 +233,8 @@ impl HostTensor {
         // Little-endian host (checked at compile time below): memory order is the file order.
         let data = match dtype {
             OutDType::Float32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
-            OutDType::Bfloat16 => bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
-            OutDType::Float16 => bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
+            OutDType::Bfloat16 => bits(flat.to_vec1::<half::bf16>()?.iter().map(|x| x.to_bits())),
+            OutDType::Float16 => bits(flat.to_vec1::<half::f16>()?.iter().map(|x| x.to_bits())),
         };
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
     }

@@ -212,8 +212,13 @@ pub fn host_tensor_from_f32(values: &[f32], shape: &[usize]) -> Result<Tensor, E
     Ok(Tensor::from_slice(values, shape, &Device::Cpu)?)
 }
 
-fn bits(v: impl Iterator<Item = u16>) -> Vec<u8> {
-    bytemuck::cast_slice(&v.collect::<Vec<u16>>()).to_vec()
+/// The bytes of 16-bit floats in memory order (one copy).
+fn half_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
+    const { assert!(std::mem::size_of::<T>() == 2) };
+    // SAFETY: `T` is half::bf16 or half::f16, both `#[repr(transparent)]` over u16: plain 2-byte
+    // values with no padding, so every byte of the slice is initialised and readable as u8.
+    let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) };
+    bytes.to_vec()
 }
 
 #[cfg(target_endian = "big")]
@@ -233,8 +238,8 @@ impl HostTensor {
         // Little-endian host (checked at compile time below): memory order is the file order.
         let data = match dtype {
             OutDType::Float32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
-            OutDType::Bfloat16 => bits(flat.to_vec1::<half::bf16>()?.iter().map(|x| x.to_bits())),
-            OutDType::Float16 => bits(flat.to_vec1::<half::f16>()?.iter().map(|x| x.to_bits())),
+            OutDType::Bfloat16 => half_bytes(&flat.to_vec1::<half::bf16>()?),
+            OutDType::Float16 => half_bytes(&flat.to_vec1::<half::f16>()?),
         };
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
     }

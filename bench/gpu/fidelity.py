@@ -54,6 +54,13 @@ def main():
         for s in seqs:
             hs = base(torch.tensor([s], device="cuda"), output_hidden_states=True, use_cache=False).hidden_states
             refs.append(torch.stack([hs[i][0] for i in LAYERS], dim=1).cpu())  # [T, L, H]
+        # For scale: transformers' own bf16 forward against its f32 one.
+        base.to(torch.bfloat16)
+        hf_bf16 = {i: 0.0 for i in LAYERS}
+        for k, s in enumerate(seqs):
+            hs = base(torch.tensor([s], device="cuda"), output_hidden_states=True, use_cache=False).hidden_states
+            for j, i in enumerate(LAYERS):
+                hf_bf16[i] = max(hf_bf16[i], rel(hs[i][0].float().cpu(), refs[k][:, j]))
     del base, m
     torch.cuda.empty_cache()
 
@@ -69,6 +76,7 @@ def main():
         diff = (alone["hidden_states"] - ours).abs().max().item()
         result["random_8b"]["packed_vs_alone_max_abs"] = max(result["random_8b"]["packed_vs_alone_max_abs"], diff)
     result["random_8b"]["per_index_rel_err"] = {str(i): round(e, 6) for i, e in worst.items()}
+    result["random_8b"]["hf_bf16_per_index_rel_err"] = {str(i): round(e, 6) for i, e in hf_bf16.items()}
 
     tiny = {}
     for d in sorted(glob.glob("tests/fixtures/tiny/*/reference.safetensors")):

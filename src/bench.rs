@@ -61,10 +61,12 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             cu.push(cu.last().unwrap() + s.len());
         }
         let taps = engine.forward(&Batch { input_ids: b.concat(), cu_seqlens: cu.clone(), layers: layers.clone() })?;
+        let mut since = Instant::now();
         let mut bytes = 0;
         for (i, s) in b.iter().enumerate() {
             bytes += taps.gather(cu[i], s.len(), &layers, dtype)?.data.len();
         }
+        crate::engine::model::profile::mark(&device, 4, &mut since);
         Ok(bytes)
     };
     run(&mut m.engine, &batches[0])?;
@@ -90,5 +92,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             "batches": batches.len(), "max_batch_tokens": max_tokens, "dtype": dtype.name(), "output_bytes": bytes,
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             "device": a.device, "max_device_memory_used_after_batch_bytes": peak,
+            "profile_seconds": crate::engine::model::profile::enabled().then(|| {
+                crate::engine::model::profile::totals().into_iter().collect::<std::collections::HashMap<_, _>>()
+            }),
     }))
 }

@@ -39,6 +39,39 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
+/// Optional phase timing (`LAYERTAP_PROFILE=1`): synchronises the device after each phase of
+/// every layer and adds up the seconds, for finding where time goes. Off by default: the
+/// synchronisations cost throughput.
+pub mod profile {
+    use std::sync::{Mutex, OnceLock};
+    use std::time::Instant;
+
+    pub const PHASES: [&str; 5] = ["norm_qkv", "rope", "attention", "o_proj_mlp", "host_copy"];
+    static ON: OnceLock<bool> = OnceLock::new();
+    static SECS: Mutex<[f64; 5]> = Mutex::new([0.0; 5]);
+
+    pub fn enabled() -> bool {
+        *ON.get_or_init(|| std::env::var("LAYERTAP_PROFILE").is_ok_and(|v| v == "1"))
+    }
+
+    /// Ends a phase: waits for the device, then charges the time since `since` to `phase`.
+    pub fn mark(device: &candle_core::Device, phase: usize, since: &mut Instant) {
+        if enabled() {
+            let _ = device.synchronize();
+            if let Ok(mut s) = SECS.lock() {
+                s[phase] += since.elapsed().as_secs_f64();
+            }
+            *since = Instant::now();
+        }
+    }
+
+    /// Seconds per phase so far, by name.
+    pub fn totals() -> Vec<(&'static str, f64)> {
+        let s = SECS.lock().map(|s| *s).unwrap_or_default();
+        PHASES.iter().copied().zip(s).collect()
+    }
+}
+
 struct RmsNorm {
     weight: Tensor,
     eps: f32,
@@ -129,6 +162,8 @@ impl Layer {
 
     fn forward(&self, x: &Tensor, pk: &Packing) -> candle_core::Result<Tensor> {
         let a = &self.attn;
+        let dev = x.device();
+        let mut since = std::time::Instant::now();
         let t = x.dim(0)?;
         let h = self.input_norm.forward(x)?;
         let mut q = a.q.forward(&h)?.reshape((t, a.heads, a.head_dim))?;
@@ -138,8 +173,10 @@ impl Layer {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
+        profile::mark(dev, 0, &mut since);
         let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, &pk.cos, &pk.sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, &pk.cos, &pk.sin)?.squeeze(0)?;
+        profile::mark(dev, 1, &mut since);
         let scale = 1.0 / (a.head_dim as f64).sqrt();
         let mut outs = Vec::with_capacity(pk.seqs.len());
         for &(start, len) in &pk.seqs {
@@ -152,11 +189,14 @@ impl Layer {
             )?);
         }
         let attn = if outs.len() == 1 { outs.pop().unwrap_or_else(|| unreachable!()) } else { Tensor::cat(&outs, 0)? };
+        profile::mark(dev, 2, &mut since);
         let x = (x + a.o.forward(&attn)?)?;
         let h = self.post_norm.forward(&x)?;
         let m = &self.mlp;
         let act = (candle_nn::ops::silu(&m.gate.forward(&h)?)? * m.up.forward(&h)?)?;
-        x + m.down.forward(&act)?
+        let out = (x + m.down.forward(&act)?)?;
+        profile::mark(dev, 3, &mut since);
+        Ok(out)
     }
 }
 

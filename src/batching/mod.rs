@@ -12,7 +12,7 @@ use std::time::Duration;
 pub use queue::{Queue, SubmitError};
 pub use worker::{spawn_worker, Loaded, WorkerHandle};
 
-use crate::engine::{HostTensor, OutDType};
+use crate::engine::{EngineError, HostTensor, OutDType, Taps};
 use crate::tokenizer::Tokenized;
 
 /// A validated, tokenized request, ready to queue.
@@ -31,10 +31,24 @@ impl Submission {
     }
 }
 
-/// The hidden states of each sequence of a submission, `[len, layers, hidden]` each.
-#[derive(Debug)]
+/// Where one sequence's states sit in its batch's taps.
+#[derive(Clone)]
+pub struct Part {
+    pub taps: Arc<Taps>,
+    pub start: usize,
+    pub rows: usize,
+}
+
+impl Part {
+    /// `[rows, layers, hidden]` in `dtype` (a host copy; run it off the async runtime).
+    pub fn gather(&self, layers: &[usize], dtype: OutDType) -> Result<HostTensor, EngineError> {
+        self.taps.gather(self.start, self.rows, layers, dtype)
+    }
+}
+
+/// Each sequence of a submission, in order, as a slice of its batch's taps.
 pub struct Answer {
-    pub parts: Vec<HostTensor>,
+    pub parts: Vec<Part>,
     pub queue_time: Duration,
     pub inference_time: Duration,
 }

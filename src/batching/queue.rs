@@ -5,8 +5,7 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-use super::{Answer, BatchError, Submission};
-use crate::engine::HostTensor;
+use super::{Answer, BatchError, Part, Submission};
 use crate::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
@@ -26,7 +25,7 @@ pub(super) struct Request {
 }
 
 struct Progress {
-    parts: Vec<Option<HostTensor>>,
+    parts: Vec<Option<Part>>,
     remaining: usize,
     first_start: Option<Instant>,
 }
@@ -60,7 +59,7 @@ impl Request {
     }
 
     /// Stores the result of sequence `idx`; answers the request when it was the last one.
-    pub(super) fn complete(&self, idx: usize, part: HostTensor) {
+    pub(super) fn complete(&self, idx: usize, part: Part) {
         let mut p = self.progress();
         if p.parts[idx].replace(part).is_none() {
             p.remaining -= 1;

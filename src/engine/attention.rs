@@ -26,23 +26,20 @@ fn mask(q0: usize, q_len: usize, k_len: usize, window: Option<usize>, device: &D
 
 /// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]` (one sequence, rope applied).
 /// Returns `[T, heads * d]`.
+/// The masks of every query chunk of a sequence of `t` tokens, `chunk` queries per chunk. They
+/// depend only on the length, so one set serves every layer and every sequence of that length.
+pub fn chunk_masks(t: usize, window: Option<usize>, chunk: usize, device: &Device) -> candle_core::Result<Vec<Tensor>> {
+    (0..t).step_by(chunk.max(1)).map(|q0| mask(q0, chunk.min(t - q0), q0 + chunk.min(t - q0), window, device)).collect()
+}
+
+/// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]` (one sequence, rope applied); `masks` from
+/// [`chunk_masks`] for this length. Returns `[T, heads * d]`.
 pub fn sequence_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
-    window: Option<usize>,
-) -> candle_core::Result<Tensor> {
-    chunked_attention(q, k, v, scale, window, QUERY_CHUNK)
-}
-
-fn chunked_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f64,
-    window: Option<usize>,
-    chunk: usize,
+    masks: &[Tensor],
 ) -> candle_core::Result<Tensor> {
     let (t, heads, d) = q.dims3()?;
     let kv_heads = k.dim(1)?;
@@ -59,22 +56,23 @@ fn chunked_attention(
     };
     let k = expand(k)?;
     let v = expand(v)?;
-    let mut outs = Vec::with_capacity(t.div_ceil(chunk));
+    let mut outs = Vec::with_capacity(masks.len());
     let mut q0 = 0;
-    while q0 < t {
-        let q_len = chunk.min(t - q0);
-        let k_len = q0 + q_len;
+    for m in masks {
+        let (q_len, k_len) = m.dims2()?;
         let qc = q.narrow(1, q0, q_len)?;
         // [h, d, k_len] as a transposed view of the first k_len keys: no copy, and a layout
         // cuBLAS takes directly (batch stride T*d, leading dimension d).
         let kc = k.narrow(1, 0, k_len)?.t()?;
         let scores = (matmul(&qc, &kc)? * scale)?.to_dtype(DType::F32)?;
-        let m = mask(q0, q_len, k_len, window, q.device())?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&m)?)?.to_dtype(dtype)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(m)?)?.to_dtype(dtype)?;
         outs.push(matmul(&probs, &v.narrow(1, 0, k_len)?)?);
         q0 += q_len;
     }
-    let out = Tensor::cat(&outs, 1)?; // [h, T, d]
+    if q0 != t {
+        candle_core::bail!("attention masks cover {q0} queries, the sequence has {t}");
+    }
+    let out = if outs.len() == 1 { outs.swap_remove(0) } else { Tensor::cat(&outs, 1)? }; // [h, T, d]
     out.transpose(0, 1)?.reshape((t, heads * d))
 }
 
@@ -91,16 +89,16 @@ mod tests {
         let k = Tensor::randn(0f32, 1.0, (t, kv, d), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (t, kv, d), &dev)?;
         for window in [None, Some(5)] {
-            let whole = chunked_attention(&q, &k, &v, 0.3, window, 1024)?;
+            let whole = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, window, 1024, &dev)?)?;
             for chunk in [1, 4, 16] {
-                let parts = chunked_attention(&q, &k, &v, 0.3, window, chunk)?;
+                let parts = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, window, chunk, &dev)?)?;
                 let diff = (&whole - &parts)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 assert!(diff < 1e-5, "chunk {chunk} window {window:?}: max diff {diff}");
             }
         }
         // And the window really masks: the last query differs from full causal attention.
-        let full = chunked_attention(&q, &k, &v, 0.3, None, 1024)?;
-        let windowed = chunked_attention(&q, &k, &v, 0.3, Some(5), 1024)?;
+        let full = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, None, 1024, &dev)?)?;
+        let windowed = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, Some(5), 1024, &dev)?)?;
         let diff = (&full - &windowed)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff > 1e-3);
         Ok(())

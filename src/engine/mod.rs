@@ -65,6 +65,10 @@ impl OutDType {
         }
     }
 
+    pub fn size_in_bytes(self) -> usize {
+        self.candle().size_in_bytes()
+    }
+
     /// The name used in safetensors metadata and the API ("float32", …).
     pub fn name(self) -> &'static str {
         match self {
@@ -172,18 +176,20 @@ pub struct Batch {
     pub layers: Vec<usize>,
 }
 
-/// Hidden states of a batch: for each entry of `Batch::layers`, a `[total_tokens, hidden]`
-/// tensor on the engine's device in the compute dtype; [`Taps::gather`] copies a slice to the host.
+/// Hidden states of a batch in host memory: `[total_tokens, layers.len(), hidden]` in the
+/// compute dtype, copied from the device in one transfer. [`Taps::gather`] cuts out one
+/// sequence's rows and layers; it runs wherever the answer is encoded, off the device's thread.
 pub struct Taps {
+    /// The indices in `host`'s second dimension.
     pub layers: Vec<usize>,
-    pub states: Vec<Tensor>,
+    pub host: HostTensor,
     /// Decoder layers actually run (early exit stops after the deepest requested index).
     pub layers_run: usize,
 }
 
 impl Taps {
     /// `[rows, layers.len(), hidden]` for tokens `start..start + rows`, layers in the given order
-    /// (each must be one of `self.layers`), cast to `dtype`, as little-endian bytes.
+    /// (each must be one of `self.layers`), in `dtype`.
     pub fn gather(
         &self,
         start: usize,
@@ -191,25 +197,33 @@ impl Taps {
         layers: &[usize],
         dtype: OutDType,
     ) -> Result<HostTensor, EngineError> {
-        let parts = layers
+        let [total, width, hidden] = self.host.shape[..] else {
+            return Err(EngineError::InvalidInput("taps must be [tokens, layers, hidden]".into()));
+        };
+        if start + rows > total {
+            return Err(EngineError::InvalidInput(format!("rows {start}..{} past {total} tokens", start + rows)));
+        }
+        let cols = layers
             .iter()
             .map(|l| {
-                let k = self
-                    .layers
+                self.layers
                     .iter()
                     .position(|x| x == l)
-                    .ok_or_else(|| EngineError::InvalidInput(format!("layer {l} was not part of this batch")))?;
-                Ok(self.states[k].narrow(0, start, rows)?)
+                    .ok_or_else(|| EngineError::InvalidInput(format!("layer {l} was not part of this batch")))
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
-        let t = Tensor::stack(&parts, 1)?.to_dtype(dtype.candle())?;
-        HostTensor::from_tensor(&t, dtype)
+        let es = self.host.dtype.candle().size_in_bytes();
+        let row_bytes = hidden * es;
+        let mut data = Vec::with_capacity(rows * cols.len() * row_bytes);
+        for r in start..start + rows {
+            for &c in &cols {
+                let at = (r * width + c) * row_bytes;
+                data.extend_from_slice(&self.host.data[at..at + row_bytes]);
+            }
+        }
+        let out = HostTensor { dtype: self.host.dtype, shape: vec![rows, cols.len(), hidden], data };
+        Ok(out.to_dtype(dtype))
     }
-}
-
-/// A `[rows, hidden]` CPU f32 tensor from values (for engines other than the model, e.g. test fakes).
-pub fn host_tensor_from_f32(values: &[f32], shape: &[usize]) -> Result<Tensor, EngineError> {
-    Ok(Tensor::from_slice(values, shape, &Device::Cpu)?)
 }
 
 /// The bytes of 16-bit floats in memory order (one copy).
@@ -242,6 +256,25 @@ impl HostTensor {
             OutDType::Float16 => half_bytes(&flat.to_vec1::<half::f16>()?),
         };
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
+    }
+
+    /// `[..]` f32 values as a host tensor (for engines other than the model, e.g. test fakes).
+    pub fn from_f32(values: &[f32], shape: Vec<usize>) -> Self {
+        HostTensor { dtype: OutDType::Float32, shape, data: bytemuck::cast_slice(values).to_vec() }
+    }
+
+    /// The same values in another dtype (round to nearest even when narrowing).
+    pub fn to_dtype(self, dtype: OutDType) -> Self {
+        if dtype == self.dtype {
+            return self;
+        }
+        let v = self.to_f32();
+        let data = match dtype {
+            OutDType::Float32 => bytemuck::cast_slice(&v).to_vec(),
+            OutDType::Bfloat16 => half_bytes(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>()),
+            OutDType::Float16 => half_bytes(&v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>()),
+        };
+        HostTensor { dtype, shape: self.shape, data }
     }
 
     /// Values as f32 (for tests and JSON output).
@@ -306,6 +339,8 @@ impl Engine for ModelEngine {
         let packing = self.decoder.packing(cu)?;
         let mut layers_run = 0;
         let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run)?;
-        Ok(Taps { layers: batch.layers.clone(), states, layers_run })
+        let stacked = Tensor::stack(&states, 1)?;
+        let host = HostTensor::from_tensor(&stacked, OutDType::from_candle(stacked.dtype()))?;
+        Ok(Taps { layers: batch.layers.clone(), host, layers_run })
     }
 }

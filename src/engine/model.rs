@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::attention::sequence_attention;
+use super::attention::{chunk_masks, sequence_attention, QUERY_CHUNK};
 use super::config::ModelConfig;
 use super::rope::Rope;
 use super::weights::Weights;
@@ -97,7 +97,6 @@ struct Attention {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    window: Option<usize>,
 }
 
 struct Mlp {
@@ -116,6 +115,8 @@ struct Layer {
 /// Where each packed sequence sits in the token dimension, and the per-token rotary tables.
 pub struct Packing {
     pub seqs: Vec<(usize, usize)>,
+    /// Attention masks per distinct sequence length, shared by every layer.
+    masks: std::collections::HashMap<usize, Vec<Tensor>>,
     cos: Tensor,
     sin: Tensor,
 }
@@ -144,7 +145,6 @@ impl Layer {
             heads: nq,
             kv_heads: nkv,
             head_dim: hd,
-            window: c.sliding_window,
         };
         let m = format!("{p}.mlp");
         let mlp = Mlp {
@@ -180,12 +180,14 @@ impl Layer {
         let scale = 1.0 / (a.head_dim as f64).sqrt();
         let mut outs = Vec::with_capacity(pk.seqs.len());
         for &(start, len) in &pk.seqs {
+            let masks =
+                pk.masks.get(&len).ok_or_else(|| candle_core::Error::Msg(format!("no mask for length {len}")))?;
             outs.push(sequence_attention(
                 &q.narrow(0, start, len)?,
                 &k.narrow(0, start, len)?,
                 &v.narrow(0, start, len)?,
                 scale,
-                a.window,
+                masks,
             )?);
         }
         let attn = if outs.len() == 1 { outs.pop().unwrap_or_else(|| unreachable!()) } else { Tensor::cat(&outs, 0)? };
@@ -227,7 +229,13 @@ impl Decoder {
         let seqs: Vec<(usize, usize)> = cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
         let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
         let (cos, sin) = self.rope.tables(&positions, self.dtype(), self.embed.device())?;
-        Ok(Packing { seqs, cos, sin })
+        let mut masks = std::collections::HashMap::new();
+        for &(_, len) in &seqs {
+            if let std::collections::hash_map::Entry::Vacant(e) = masks.entry(len) {
+                e.insert(chunk_masks(len, self.cfg.sliding_window, QUERY_CHUNK, self.embed.device())?);
+            }
+        }
+        Ok(Packing { seqs, masks, cos, sin })
     }
 
     /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in

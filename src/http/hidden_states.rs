@@ -9,7 +9,7 @@ use super::types::{
     HiddenStatesJson, HiddenStatesRequest, InputItem, TokenizeRequest, TokenizeResponse, TokenizedInput,
 };
 use super::{require_ready, ApiJson, AppState};
-use crate::batching::Submission;
+use crate::batching::{Part, Submission};
 use crate::codec::{self, Extraction};
 use crate::engine::{HostTensor, OutDType};
 use crate::error::{ApiError, ErrorKind};
@@ -119,14 +119,14 @@ fn ms(d: std::time::Duration) -> HeaderValue {
     HeaderValue::from_str(&format!("{:.3}", d.as_secs_f64() * 1000.0)).unwrap_or(HeaderValue::from_static("0"))
 }
 
-/// Joins per-sequence parts (`[len, layers, hidden]` each) along the token dimension.
-fn concat(parts: Vec<HostTensor>, layers: usize, hidden: usize, dtype: OutDType) -> HostTensor {
-    let rows: usize = parts.iter().map(|p| p.shape.first().copied().unwrap_or(0)).sum();
-    let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+/// Cuts each sequence out of its batch and joins them along the token dimension.
+fn concat(parts: &[Part], layers: &[usize], hidden: usize, dtype: OutDType) -> Result<HostTensor, ApiError> {
+    let rows: usize = parts.iter().map(|p| p.rows).sum();
+    let mut data = Vec::with_capacity(rows * layers.len() * hidden * dtype.size_in_bytes());
     for p in parts {
-        data.extend_from_slice(&p.data);
+        data.extend_from_slice(&p.gather(layers, dtype)?.data);
     }
-    HostTensor { dtype, shape: vec![rows, layers, hidden], data }
+    Ok(HostTensor { dtype, shape: vec![rows, layers.len(), hidden], data })
 }
 
 #[utoipa::path(post, path = "/v1/hidden-states", tag = "layertap", request_body = HiddenStatesRequest,
@@ -187,13 +187,12 @@ pub async fn hidden_states(
         Ok(Ok(r)) => r?,
     };
     let (queue_time, inference_time) = (answer.queue_time, answer.inference_time);
-    let n_layers = layers.len();
     let zstd = wants_zstd(&headers) && !json;
     let level = s.limits.zstd_level;
     let metrics = s.metrics.clone();
     let body = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, bool), ApiError> {
         let x = Extraction {
-            hidden_states: concat(answer.parts, n_layers, hidden, dtype),
+            hidden_states: concat(&answer.parts, &layers, hidden, dtype)?,
             input_ids: seqs.iter().flat_map(|t| t.ids.iter().map(|&i| i64::from(i))).collect(),
             cu_seqlens: cu_seqlens(seqs.iter().map(|t| t.ids.len()).collect::<Vec<_>>().iter())
                 .into_iter()

@@ -61,7 +61,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use layertap::engine::{Batch, Engine, EngineError, ModelInfo, OutDType, Taps};
+use layertap::engine::{Batch, Engine, EngineError, HostTensor, ModelInfo, OutDType, Taps};
 use layertap::http::Limits;
 use layertap::server::{start, Running, Setup};
 use layertap::tokenizer::TextTokenizer;
@@ -97,19 +97,16 @@ impl Engine for FakeEngine {
         if d > 0 {
             std::thread::sleep(Duration::from_millis(d as u64));
         }
-        let states = batch
-            .layers
-            .iter()
-            .map(|&l| {
-                let v: Vec<f32> = batch
-                    .input_ids
-                    .iter()
-                    .flat_map(|&id| (0..FAKE_HIDDEN).map(move |h| fake_value(id, l, h)))
-                    .collect();
-                layertap::engine::host_tensor_from_f32(&v, &[batch.input_ids.len(), FAKE_HIDDEN])
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Taps { layers: batch.layers.clone(), states, layers_run: batch.layers.iter().copied().max().unwrap_or(0) })
+        // [tokens, layers, hidden], the layout the real engine hands over.
+        let u = batch.layers.len();
+        let mut v = Vec::with_capacity(batch.input_ids.len() * u * FAKE_HIDDEN);
+        for &id in &batch.input_ids {
+            for &l in &batch.layers {
+                v.extend((0..FAKE_HIDDEN).map(|h| fake_value(id, l, h)));
+            }
+        }
+        let host = HostTensor::from_f32(&v, vec![batch.input_ids.len(), u, FAKE_HIDDEN]);
+        Ok(Taps { layers: batch.layers.clone(), host, layers_run: batch.layers.iter().copied().max().unwrap_or(0) })
     }
 }
 

@@ -208,6 +208,15 @@ fn loading_errors_name_what_is_wrong() {
     let files = ModelFiles::locate(&d2.path().to_string_lossy()).unwrap();
     let msg = files.load(&Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(msg.contains("model.layers.1.self_attn.k_proj.bias") && msg.contains("missing"), "{msg}");
+    // A config that does not match the weights names the first tensor whose shape is off.
+    let d3 = tempfile::tempdir().unwrap();
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["intermediate_size"] = json!(100);
+    std::fs::write(d3.path().join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(src.join("model.safetensors"), d3.path().join("model.safetensors")).unwrap();
+    let files = ModelFiles::locate(&d3.path().to_string_lossy()).unwrap();
+    let msg = files.load(&Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("model.layers.0.mlp.gate_proj.weight") && msg.contains("[128, 64]"), "{msg}");
 }
 
 #[test]

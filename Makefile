@@ -53,9 +53,10 @@ test-python:
 test-deploy:
 	$(CARGO) build --quiet --bin layertap
 	bash scripts/validate-k8s.sh
-	bash scripts/validate-docker.sh
 	LAYERTAP_BIN=$(BIN_DIR)/layertap bash scripts/dashboard-metrics-test.sh
+	# installs Debian's prometheus (and with it promtool, used by validate-docker.sh) when missing
 	LAYERTAP_BIN=$(BIN_DIR)/layertap bash scripts/prometheus-scrape-test.sh
+	bash scripts/validate-docker.sh
 
 # Regenerate openapi/openapi.json from the code (a test fails when the two drift).
 openapi:

@@ -25,6 +25,8 @@ pub struct Running {
     pub state: AppState,
     pub shutdown: CancellationToken,
     pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    /// Why loading the model failed, if it did (the server then stops by itself).
+    pub load_error: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 /// Serves `state` on `listener` until `shutdown` is cancelled, then drains (bounded by
@@ -135,7 +137,9 @@ where
     };
     let shutdown = CancellationToken::new();
     // Readiness flips once every worker has its model; a failed load stops the server.
+    let load_error = Arc::new(std::sync::Mutex::new(None::<String>));
     {
+        let failed = load_error.clone();
         let loaded = state.loaded.clone();
         let scheduler = state.scheduler.clone();
         let limits = state.limits.clone();
@@ -154,11 +158,17 @@ where
                     }
                     Ok(Err(e)) => {
                         tracing::error!(error = %e, "loading the model failed; stopping");
+                        if let Ok(mut f) = failed.lock() {
+                            *f = Some(e);
+                        }
                         stop.cancel();
                         return;
                     }
                     Err(_) => {
                         tracing::error!("a worker exited before loading its model; stopping");
+                        if let Ok(mut f) = failed.lock() {
+                            *f = Some("a device worker exited before loading its model".into());
+                        }
                         stop.cancel();
                         return;
                     }
@@ -180,7 +190,7 @@ where
     }
     let addr = listener.local_addr()?;
     let task = tokio::spawn(serve(listener, state.clone(), workers, shutdown.clone(), drain_timeout));
-    Ok(Running { addr, state, shutdown, task })
+    Ok(Running { addr, state, shutdown, task, load_error })
 }
 
 /// `layertap serve`.
@@ -242,5 +252,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         termination_signal().await;
         stop.cancel();
     });
-    running.task.await?
+    running.task.await??;
+    match running.load_error.lock().ok().and_then(|mut e| e.take()) {
+        Some(e) => Err(anyhow::anyhow!("loading the model failed: {e}")),
+        None => Ok(()),
+    }
 }

@@ -264,3 +264,17 @@ fn bench_runs_a_workload_file_and_reports_every_token() {
     assert_eq!(v["batches"], 2, "sorted by length, 1+2 tokens fit in 4 and 3 more do not: two batches");
     assert_eq!(v["output_bytes"], 6 * 2 * 64 * 4);
 }
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_model_that_cannot_load_makes_serve_exit_with_an_error() {
+    // This build has no CUDA (tests run on the CPU build), so loading on cuda:0 fails.
+    let o = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["serve", "--model", &fixtures().join("tiny/qwen3_qknorm").to_string_lossy()])
+        .args(["--host", "127.0.0.1", "--port", "0", "--device", "cuda:0"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "serve must not exit 0 when the model did not load");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("cuda:0") && err.contains("loading the model failed"), "{err}");
+}

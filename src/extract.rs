@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use crate::codec::{Extraction, CONVENTION};
-use crate::engine::{Batch, Engine, EngineError, ModelInfo, OutDType, Taps};
+use crate::engine::{Batch, Engine, EngineError, HostTensor, ModelInfo, OutDType};
 use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizeError, Tokenized};
 
 /// One input sequence, as the caller gave it.
@@ -74,29 +74,16 @@ pub fn metadata(info: &ModelInfo, layers: &[usize], dtype: OutDType) -> HashMap<
     ])
 }
 
-/// Cuts one answer out of a batch's taps: sequences `first..first + seqs.len()` of the batch.
-pub fn assemble(
-    taps: &Taps,
-    batch_cu: &[usize],
-    first: usize,
-    seqs: &[Tokenized],
-    layers: &[usize],
-    dtype: OutDType,
-    metadata: HashMap<String, String>,
-) -> Result<Extraction, EngineError> {
-    let start = batch_cu[first];
-    let rows: usize = seqs.iter().map(|s| s.ids.len()).sum();
-    let hidden_states = taps.gather(start, rows, layers, dtype)?;
-    Ok(Extraction {
+/// The answer for `seqs` given their hidden states `[total_tokens, layers, hidden]`.
+pub fn extraction(seqs: &[Tokenized], hidden_states: HostTensor, metadata: HashMap<String, String>) -> Extraction {
+    let lens: Vec<usize> = seqs.iter().map(|s| s.ids.len()).collect();
+    Extraction {
         hidden_states,
         input_ids: seqs.iter().flat_map(|s| s.ids.iter().map(|&i| i64::from(i))).collect(),
-        cu_seqlens: cu_seqlens(seqs.iter().map(|s| &s.ids).map(Vec::len).collect::<Vec<_>>().iter())
-            .into_iter()
-            .map(|x| x as i64)
-            .collect(),
+        cu_seqlens: cu_seqlens(lens.iter()).into_iter().map(|x| x as i64).collect(),
         loss_mask: seqs.iter().flat_map(|s| s.loss_mask.iter().copied()).collect(),
         metadata,
-    })
+    }
 }
 
 /// Runs all `seqs` as one batch and returns their extraction (the one-shot path).
@@ -114,5 +101,6 @@ pub fn run_once(
         layers: distinct(layers),
     };
     let taps = engine.forward(&batch)?;
-    assemble(&taps, &cu, 0, seqs, layers, dtype, metadata(info, layers, dtype))
+    let hidden = taps.gather(0, batch.input_ids.len(), layers, dtype)?;
+    Ok(extraction(seqs, hidden, metadata(info, layers, dtype)))
 }

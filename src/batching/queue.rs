@@ -197,9 +197,4 @@ impl Queue {
     pub fn set_max_batch_tokens(&self, n: usize) {
         self.max_batch_tokens.store(n, Ordering::Relaxed);
     }
-
-    /// Tokens waiting to be batched.
-    pub fn queued_tokens(&self) -> usize {
-        self.lock().queued_tokens
-    }
 }

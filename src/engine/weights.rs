@@ -37,10 +37,6 @@ impl Weights {
         }
     }
 
-    pub fn has(&self, name: &str) -> bool {
-        self.contains(&format!("{}{name}", self.prefix))
-    }
-
     fn where_from(&self) -> String {
         match &self.source {
             TensorSource::Safetensors { files, .. } => {

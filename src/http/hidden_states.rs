@@ -10,10 +10,10 @@ use super::types::{
 };
 use super::{require_ready, ApiJson, AppState};
 use crate::batching::{Part, Submission};
-use crate::codec::{self, Extraction};
+use crate::codec;
 use crate::engine::{HostTensor, OutDType};
 use crate::error::{ApiError, ErrorKind};
-use crate::extract::{cu_seqlens, metadata, tokenize as tokenize_input, Input};
+use crate::extract::{extraction, metadata, tokenize as tokenize_input, Input};
 use crate::tokenizer::Tokenized;
 
 /// Checks one input's shape (exactly one kind, ids in range) and turns it into an [`Input`].
@@ -191,16 +191,7 @@ pub async fn hidden_states(
     let level = s.limits.zstd_level;
     let metrics = s.metrics.clone();
     let body = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, bool), ApiError> {
-        let x = Extraction {
-            hidden_states: concat(&answer.parts, &layers, hidden, dtype)?,
-            input_ids: seqs.iter().flat_map(|t| t.ids.iter().map(|&i| i64::from(i))).collect(),
-            cu_seqlens: cu_seqlens(seqs.iter().map(|t| t.ids.len()).collect::<Vec<_>>().iter())
-                .into_iter()
-                .map(|v| v as i64)
-                .collect(),
-            loss_mask: seqs.iter().flat_map(|t| t.loss_mask.iter().copied()).collect(),
-            metadata: meta,
-        };
+        let x = extraction(&seqs, concat(&answer.parts, &layers, hidden, dtype)?, meta);
         metrics.hidden_state_bytes.with_label_values(&["raw"]).inc_by(x.hidden_states.data.len() as u64);
         if json {
             let j = HiddenStatesJson {

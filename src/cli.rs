@@ -123,7 +123,7 @@ pub struct ServeArgs {
     /// Most hidden-state values in a JSON answer (Accept: application/json).
     #[arg(long, default_value_t = 4 << 20, env = "LAYERTAP_MAX_JSON_VALUES")]
     pub max_json_values: usize,
-    /// zstd level for answers (1-19).
+    /// zstd level for answers (1-22; higher is smaller and slower).
     #[arg(long, default_value_t = 3, env = "LAYERTAP_ZSTD_LEVEL")]
     pub zstd_level: i32,
     /// Seconds a request may take end to end before it is answered 503.

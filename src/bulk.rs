@@ -237,11 +237,12 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     let secs = start.elapsed().as_secs_f64();
     let tokens = sh.tokens.load(std::sync::atomic::Ordering::Relaxed);
     let bytes = sh.bytes.load(std::sync::atomic::Ordering::Relaxed);
-    let written = read_manifest(&manifest_path).len();
+    let this_run = sh.bar.position() as usize - failures.len();
+    let written = done.len() + this_run;
     eprintln!(
         "done: {written} samples in the manifest ({} this run, {tokens} tokens, {:.1} MB, {:.1} s, {:.0} tokens/s); \
          {} failed{}",
-        sh.bar.position() as usize - failures.len(),
+        this_run,
         bytes as f64 / 1e6,
         secs,
         tokens as f64 / secs.max(1e-9),

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::batching::{spawn_worker, Queue, WorkerHandle};
 use crate::cli::ServeArgs;
 use crate::engine::loader::ModelFiles;
-use crate::engine::{device_memory, parse_device, tokens_for_memory, Engine, EngineError, ModelInfo, OutDType};
+use crate::engine::{parse_device, tokens_for_memory, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType};
 use crate::http::{app, AppState, Limits};
 use crate::metrics::Metrics;
 use crate::tokenizer::TextTokenizer;
@@ -96,9 +96,8 @@ pub struct Setup {
     pub auto_batch_tokens: bool,
 }
 
-/// Builds a device's engine on its worker thread; also returns the batch size that fits in the
-/// device's free memory when it can be measured.
-pub type EngineFactory = Box<dyn FnOnce() -> Result<(Box<dyn Engine>, Option<usize>), EngineError> + Send>;
+/// Builds a device's engine on its worker thread.
+pub type EngineFactory = Box<dyn FnOnce() -> Result<LoadedEngine, EngineError> + Send>;
 
 /// Starts workers built by `make_engine(device)` and an HTTP server on `listener`.
 pub fn start<F>(listener: TcpListener, setup: Setup, make_engine: F, drain_timeout: Duration) -> anyhow::Result<Running>
@@ -133,6 +132,7 @@ where
         limits: Arc::new(setup.limits),
         api_keys: Arc::new(setup.api_keys),
         loaded: Arc::new(AtomicBool::new(false)),
+        memory: Default::default(),
         draining: Arc::new(AtomicBool::new(false)),
     };
     let shutdown = CancellationToken::new();
@@ -142,6 +142,7 @@ where
         let failed = load_error.clone();
         let loaded = state.loaded.clone();
         let scheduler = state.scheduler.clone();
+        let probes = state.memory.clone();
         let limits = state.limits.clone();
         let auto_size = setup.auto_batch_tokens;
         let n = setup.devices.len();
@@ -154,6 +155,9 @@ where
                         tracing::info!(device = %l.device, fits_tokens = ?l.max_batch_tokens, "model loaded");
                         if let Some(t) = l.max_batch_tokens {
                             fits = Some(fits.map_or(t, |f| f.min(t)));
+                        }
+                        if let Ok(mut p) = probes.lock() {
+                            p.push((l.device, l.memory));
                         }
                     }
                     Ok(Err(e)) => {
@@ -239,10 +243,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Box::new(move || {
             let device = parse_device(&d)?;
             let m = files.load(&device, dtype.candle())?;
-            let fits = device_memory(&device).map(|(used, total)| {
+            let memory = MemoryProbe::new(&device);
+            let fits = memory.sample().map(|(used, total)| {
                 tokens_for_memory(files.config(), dtype.candle(), total.saturating_sub(used), max_input_tokens)
             });
-            Ok((Box::new(m.engine) as Box<dyn Engine>, fits))
+            Ok(LoadedEngine { engine: Box::new(m.engine), max_batch_tokens: fits, memory })
         })
     };
     let setup = Setup { info, tokenizer, devices, limits, api_keys: args.api_keys.clone(), auto_batch_tokens };

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{DType, Device, Engine};
+use layertap::engine::{DType, Device, LoadedEngine, MemoryProbe};
 use layertap::server::{start, Running, Setup};
 use layertap::tokenizer::TextTokenizer;
 use serde_json::{json, Value};
@@ -39,7 +39,10 @@ async fn real_server(model: &str) -> (Running, String) {
         setup,
         move |_| {
             let f = files.clone();
-            Box::new(move || Ok((Box::new(f.load(&Device::Cpu, DType::F32)?.engine) as Box<dyn Engine>, None)))
+            Box::new(move || {
+                let engine = Box::new(f.load(&Device::Cpu, DType::F32)?.engine);
+                Ok(LoadedEngine { engine, max_batch_tokens: None, memory: MemoryProbe::new(&Device::Cpu) })
+            })
         },
         Duration::from_secs(10),
     )

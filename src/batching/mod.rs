@@ -5,7 +5,6 @@
 mod queue;
 mod worker;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,14 +14,13 @@ pub use worker::{spawn_worker, Loaded, WorkerHandle};
 use crate::engine::{EngineError, HostTensor, OutDType, Taps};
 use crate::tokenizer::Tokenized;
 
-/// A validated, tokenized request, ready to queue.
+/// A validated, tokenized request, ready to queue. The caller keeps its own handle on `seqs` to
+/// build the answer; the output dtype and metadata never enter the queue.
 #[derive(Clone, Debug)]
 pub struct Submission {
-    pub seqs: Vec<Tokenized>,
+    pub seqs: Arc<Vec<Tokenized>>,
     /// Resolved hidden-state indices, in the order the caller asked.
     pub layers: Vec<usize>,
-    pub dtype: OutDType,
-    pub metadata: HashMap<String, String>,
 }
 
 impl Submission {

@@ -5,15 +5,15 @@ use std::time::Instant;
 
 use super::queue::{Item, Queue};
 use super::{BatchError, Part};
-use crate::engine::{Batch, Engine, EngineError};
+use crate::engine::{Batch, Engine, EngineError, LoadedEngine, MemoryProbe};
 use crate::extract::{cu_seqlens, distinct};
 
 /// What a worker reports once its model is resident.
-#[derive(Debug)]
 pub struct Loaded {
     pub device: String,
     /// Tokens per batch that fit in the device's free memory, where that can be measured.
     pub max_batch_tokens: Option<usize>,
+    pub memory: MemoryProbe,
 }
 
 /// A device worker thread. Join it after closing the queue.
@@ -41,15 +41,16 @@ pub fn spawn_worker<F>(
     loaded: std::sync::mpsc::Sender<Result<Loaded, String>>,
 ) -> std::io::Result<WorkerHandle>
 where
-    F: FnOnce() -> Result<(Box<dyn Engine>, Option<usize>), EngineError> + Send + 'static,
+    F: FnOnce() -> Result<LoadedEngine, EngineError> + Send + 'static,
 {
     let name = device.clone();
     let join = std::thread::Builder::new().name(format!("layertap-{device}")).spawn(move || {
         let mut engine = match make_engine() {
-            Ok((e, fits)) => {
-                let _ = loaded.send(Ok(Loaded { device: name.clone(), max_batch_tokens: fits }));
+            Ok(l) => {
+                let report = Loaded { device: name.clone(), max_batch_tokens: l.max_batch_tokens, memory: l.memory };
+                let _ = loaded.send(Ok(report));
                 drop(loaded);
-                e
+                l.engine
             }
             Err(e) => {
                 let _ = loaded.send(Err(format!("{name}: {e}")));

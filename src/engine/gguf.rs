@@ -179,10 +179,6 @@ impl GgufTensors {
         format!("GGUF file {}", self.file.path.display())
     }
 
-    pub fn contains(&self, hf: &str) -> bool {
-        gguf_name(hf).is_some_and(|g| self.file.content.tensor_infos.contains_key(&g))
-    }
-
     pub fn load(&self, hf: &str) -> Result<Option<Tensor>, EngineError> {
         let Some(g) = gguf_name(hf) else { return Ok(None) };
         if !self.file.content.tensor_infos.contains_key(&g) {

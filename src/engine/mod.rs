@@ -134,18 +134,28 @@ pub fn device_memory(device: &Device) -> Option<(u64, u64)> {
     None
 }
 
-/// [`device_memory`] for a device named `cpu` or `cuda:N`.
-pub fn device_memory_by_name(name: &str) -> Option<(u64, u64)> {
-    if name == "cpu" {
-        return None;
+/// A handle for reading a device's memory from another thread (the metrics endpoint), taken once
+/// the device's model is loaded.
+#[derive(Clone)]
+pub struct MemoryProbe(Device);
+
+impl MemoryProbe {
+    pub fn new(device: &Device) -> Self {
+        MemoryProbe(device.clone())
     }
-    #[cfg(feature = "cuda")]
-    {
-        let idx = name.strip_prefix("cuda:")?.parse::<usize>().ok()?;
-        return Device::new_cuda(idx).ok().and_then(|d| device_memory(&d));
+
+    /// Used and total bytes, where the device reports them (GPUs).
+    pub fn sample(&self) -> Option<(u64, u64)> {
+        device_memory(&self.0)
     }
-    #[allow(unreachable_code)]
-    None
+}
+
+/// A device's engine, once loaded, with what the server sizes itself by.
+pub struct LoadedEngine {
+    pub engine: Box<dyn Engine>,
+    /// Tokens per batch that fit in the device's free memory, where that can be measured.
+    pub max_batch_tokens: Option<usize>,
+    pub memory: MemoryProbe,
 }
 
 /// How many tokens one forward pass can hold in `free_bytes` of device memory: a conservative

@@ -23,18 +23,13 @@ pub struct Weights {
 
 impl Weights {
     pub fn new(source: TensorSource, device: Device, dtype: DType) -> Self {
-        let mut w = Weights { source, prefix: String::new(), device, dtype };
-        if matches!(w.source, TensorSource::Gguf(_)) || w.contains("model.embed_tokens.weight") {
-            w.prefix = "model.".into();
-        }
-        w
-    }
-
-    fn contains(&self, name: &str) -> bool {
-        match &self.source {
-            TensorSource::Safetensors { tensors, .. } => tensors.get(name).is_ok(),
-            TensorSource::Gguf(g) => g.contains(name.strip_prefix("model.").unwrap_or(name)),
-        }
+        // `*ForCausalLM` checkpoints name the decoder "model."; bare decoder checkpoints do not.
+        // GGUF names are mapped without a prefix.
+        let prefix = match &source {
+            TensorSource::Safetensors { tensors, .. } if tensors.get("model.embed_tokens.weight").is_ok() => "model.",
+            _ => "",
+        };
+        Weights { source, prefix: prefix.into(), device, dtype }
     }
 
     fn where_from(&self) -> String {
@@ -58,12 +53,12 @@ impl Weights {
                 }
                 tensors.load(&full, &Device::Cpu)?
             }
-            TensorSource::Gguf(g) => g.load(name)?.ok_or_else(|| self.missing(name))?,
+            TensorSource::Gguf(g) => g.load(name)?.ok_or_else(|| self.missing(&full))?,
         };
         if t.dims() != shape {
             return Err(EngineError::Load(format!(
                 "tensor {full:?} in {} has shape {:?}, but the model config implies {:?}; \
-                 the weights do not match config.json",
+                 the weights do not match the model config",
                 self.where_from(),
                 t.dims(),
                 shape

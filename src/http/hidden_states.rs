@@ -169,9 +169,9 @@ pub async fn hidden_states(
             ),
         ));
     }
-    let sub =
-        Submission { seqs: seqs.clone(), layers: layers.clone(), dtype, metadata: metadata(&s.info, &layers, dtype) };
-    let meta = sub.metadata.clone();
+    let seqs = std::sync::Arc::new(seqs);
+    let sub = Submission { seqs: seqs.clone(), layers: layers.clone() };
+    let meta = metadata(&s.info, &layers, dtype);
     let rx = s.scheduler.submit(sub)?;
     s.metrics.queue_requests.inc();
     let waited = tokio::time::timeout(s.limits.request_timeout, rx).await;

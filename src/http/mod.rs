@@ -24,7 +24,7 @@ use tower_http::trace::TraceLayer;
 pub use extract::ApiJson;
 
 use crate::batching::Scheduler;
-use crate::engine::ModelInfo;
+use crate::engine::{MemoryProbe, ModelInfo};
 use crate::error::{ApiError, ErrorKind};
 use crate::metrics::Metrics;
 use crate::tokenizer::TextTokenizer;
@@ -53,6 +53,8 @@ pub struct AppState {
     pub api_keys: Arc<Vec<String>>,
     /// Every device has loaded its model.
     pub loaded: Arc<AtomicBool>,
+    /// Memory readers of the loaded devices, by device name.
+    pub memory: Arc<std::sync::Mutex<Vec<(String, MemoryProbe)>>>,
     /// Shutdown has begun.
     pub draining: Arc<AtomicBool>,
 }

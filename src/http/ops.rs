@@ -57,12 +57,11 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
 #[utoipa::path(get, path = "/metrics", tag = "operations", description = "Prometheus text exposition.",
     responses((status = 200, content_type = "text/plain", body = String)))]
 pub async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    let probes = s.memory.lock().map(|p| p.clone()).unwrap_or_default();
     for d in s.devices.iter() {
-        let sample = match crate::engine::device_memory_by_name(d) {
-            Some(v) => Some(v),
-            None if d == "cpu" => Some(crate::metrics::host_memory()),
-            None => None,
-        };
+        let probe = probes.iter().find(|(name, _)| name == d).and_then(|(_, p)| p.sample());
+        // The CPU reports no device memory: count the process's resident memory and host RAM.
+        let sample = probe.or_else(|| (d == "cpu").then(crate::metrics::host_memory));
         if let Some((used, total)) = sample {
             s.metrics.device_memory_used.with_label_values(&[d]).set(used as i64);
             s.metrics.device_memory_total.with_label_values(&[d]).set(total as i64);

@@ -61,7 +61,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use layertap::engine::{Batch, Engine, EngineError, HostTensor, ModelInfo, OutDType, Taps};
+use layertap::engine::{
+    Batch, Device, Engine, EngineError, HostTensor, LoadedEngine, MemoryProbe, ModelInfo, OutDType, Taps,
+};
 use layertap::http::Limits;
 use layertap::server::{start, Running, Setup};
 use layertap::tokenizer::TextTokenizer;
@@ -163,7 +165,13 @@ pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
         setup,
         move |_d| {
             let c = c.clone();
-            Box::new(move || Ok((Box::new(FakeEngine(c)) as Box<dyn Engine>, None)))
+            Box::new(move || {
+                Ok(LoadedEngine {
+                    engine: Box::new(FakeEngine(c)),
+                    max_batch_tokens: None,
+                    memory: MemoryProbe::new(&Device::Cpu),
+                })
+            })
         },
         Duration::from_secs(10),
     )

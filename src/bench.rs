@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::cli::BenchArgs;
 use crate::engine::loader::ModelFiles;
-use crate::engine::{device_memory, parse_device, Batch, Engine};
+use crate::engine::{device_memory, parse_device, Batch, Engine, Pending};
 
 /// (layers, sequences) from a workload sidecar and its JSONL file.
 pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
@@ -55,13 +55,21 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         cur += s.len();
         batches.last_mut().unwrap().push(s);
     }
-    let run = |engine: &mut dyn Engine, b: &[Vec<u32>]| -> anyhow::Result<usize> {
+    let cu_of = |b: &[Vec<u32>]| -> Vec<usize> {
         let mut cu = vec![0];
         for s in b {
             cu.push(cu.last().unwrap() + s.len());
         }
-        let taps = engine.forward(&Batch { input_ids: b.concat(), cu_seqlens: cu.clone(), layers: layers.clone() })?;
+        cu
+    };
+    let launch = |engine: &mut dyn Engine, b: &[Vec<u32>]| -> anyhow::Result<Pending> {
+        Ok(engine.launch(&Batch { input_ids: b.concat(), cu_seqlens: cu_of(b), layers: layers.clone() })?)
+    };
+    // Waits for a batch and gathers every sequence's answer, as the server does per request.
+    let finish = |pending: Pending, b: &[Vec<u32>]| -> anyhow::Result<usize> {
         let mut since = Instant::now();
+        let taps = pending.wait()?;
+        let cu = cu_of(b);
         let mut bytes = 0;
         for (i, s) in b.iter().enumerate() {
             bytes += taps.gather(cu[i], s.len(), &layers, dtype)?.data.len();
@@ -69,7 +77,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         crate::engine::model::profile::mark(&device, 4, &mut since);
         Ok(bytes)
     };
-    run(&mut m.engine, &batches[0])?;
+    let warm = launch(&mut m.engine, &batches[0])?;
+    finish(warm, &batches[0])?;
     let tokens: usize = batches.iter().flatten().map(Vec::len).sum();
     let start = Instant::now();
     let mut bytes = 0;
@@ -78,12 +87,22 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} tokens {per_sec} eta {eta}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    // Batch i + 1 is launched before batch i's results are collected, as the server's worker does.
+    let mut prev: Option<(Pending, &Vec<Vec<u32>>)> = None;
     for b in &batches {
-        bytes += run(&mut m.engine, b)?;
-        bar.inc(b.iter().map(Vec::len).sum::<usize>() as u64);
+        let pending = launch(&mut m.engine, b)?;
+        if let Some((p, pb)) = prev.take() {
+            bytes += finish(p, pb)?;
+            bar.inc(pb.iter().map(Vec::len).sum::<usize>() as u64);
+        }
+        prev = Some((pending, b));
         if let Some((used, _)) = device_memory(&device) {
             peak = peak.max(used);
         }
+    }
+    if let Some((p, pb)) = prev.take() {
+        bytes += finish(p, pb)?;
+        bar.inc(pb.iter().map(Vec::len).sum::<usize>() as u64);
     }
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();

@@ -5,7 +5,10 @@
   at several indices; layertap bf16 with the three packed in one batch and each alone: relative
   error per index (||ours - ref|| / ||ref||) and the largest difference between packed and alone;
 - the tiny fixtures of every family (tests/fixtures/tiny): bf16 on CUDA against their committed
-  f32 references.
+  f32 references (their head dimensions take the portable attention path);
+- small random models of every family with head dimensions 64 and 128 (the CUDA attention
+  kernel's cases; Mistral with a sliding window shorter than the longest sequence), made here,
+  against HF f32 (eager attention) on the GPU.
 
 Usage: python3 bench/gpu/fidelity.py --bin .gpu/layertap --model-dir /tmp/qwen3-8b-random
 """
@@ -37,6 +40,45 @@ def extract(binary, model, seqs, layers, out):
     return load_file(out)
 
 
+def kernel_families(binary, tmp):
+    """Worst relative error over every index, layertap bf16 (3 sequences packed) vs HF f32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(intermediate_size=1024, num_hidden_layers=4, vocab_size=1000, max_position_embeddings=4096,
+                  initializer_range=0.05, tie_word_embeddings=False)
+    configs = {
+        "llama_d64_gqa": LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                     **common),
+        "mistral_d128_window100": MistralConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=128, sliding_window=100, **common),
+        "qwen2_d64_bias": Qwen2Config(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, **common),
+        "qwen3_d128_qknorm": Qwen3Config(hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                                         head_dim=128, **common),
+    }
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 150, 700)]
+    out = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        cfg._attn_implementation = "eager"
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        d = os.path.join(tmp, name)
+        m.save_pretrained(d)
+        base = m.model.cuda().eval()
+        n = cfg.num_hidden_layers
+        ours = extract(binary, d, seqs, list(range(n + 1)), os.path.join(tmp, name + ".safetensors"))
+        cu = ours["cu_seqlens"].tolist()
+        worst = 0.0
+        with torch.inference_mode():
+            for k, s in enumerate(seqs):
+                hs = base(torch.tensor([s], device="cuda"), output_hidden_states=True, use_cache=False).hidden_states
+                for i in range(n + 1):
+                    worst = max(worst, rel(ours["hidden_states"][cu[k]:cu[k + 1], i], hs[i][0].cpu()))
+        out[name] = round(worst, 6)
+        del base, m
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -53,6 +95,7 @@ def main():
         hs = ours["hidden_states"]
         tiny[os.path.basename(model)] = round(max(rel(hs[:, i], ref["seq2.hidden_states"][i]) for i in range(n + 1)), 6)
     print(json.dumps({"tiny_bf16_worst_rel_err": tiny}), flush=True)
+    print(json.dumps({"kernel_families_bf16_worst_rel_err": kernel_families(a.bin, tmp)}), flush=True)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(100, 151000, (n,), generator=g).tolist() for n in (64, 400, 1500)]
     from transformers import AutoModelForCausalLM

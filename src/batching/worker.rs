@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::queue::{Item, Queue};
 use super::{BatchError, Part};
-use crate::engine::{Batch, Engine, EngineError, LoadedEngine, MemoryProbe};
+use crate::engine::{Batch, Engine, EngineError, LoadedEngine, MemoryProbe, Pending};
 use crate::extract::{cu_seqlens, distinct};
 
 /// What a worker reports once its model is resident.
@@ -57,15 +57,69 @@ where
                 return;
             }
         };
+        // The device thread launches batches; a second thread waits for each one's results and
+        // hands them out, so the device starts the next batch while the last one is copied out.
+        // The rendezvous channel keeps at most one batch waiting beside the one being launched.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Launched>(0);
+        let finisher = std::thread::Builder::new().name(format!("layertap-{name}-finish")).spawn({
+            let queue = queue.clone();
+            move || rx.into_iter().for_each(|l| finish_batch(&queue, l))
+        });
+        let finisher = match finisher {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(device = %name, error = %e, "cannot start the result thread; serving without it");
+                while let Some(items) = queue.next_batch() {
+                    if let Some(l) = launch_batch(engine.as_mut(), &queue, items) {
+                        finish_batch(&queue, l);
+                    }
+                }
+                return;
+            }
+        };
         while let Some(items) = queue.next_batch() {
-            run_batch(engine.as_mut(), &queue, items);
+            if let Some(l) = launch_batch(engine.as_mut(), &queue, items) {
+                if let Err(back) = tx.send(l) {
+                    finish_batch(&queue, back.0);
+                }
+            }
+        }
+        drop(tx);
+        if finisher.join().is_err() {
+            tracing::error!(device = %name, "result thread panicked");
         }
         tracing::info!(device = %name, "worker stopped");
     })?;
     Ok(WorkerHandle { device, join: Some(join) })
 }
 
-fn run_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>) {
+/// A batch whose device work has been started.
+struct Launched {
+    items: Vec<Item>,
+    pending: Pending,
+    start: Instant,
+    tokens: usize,
+    cu: Vec<usize>,
+    lens: Vec<usize>,
+}
+
+fn fail_all(items: &[Item], e: EngineError, tokens: usize) {
+    tracing::error!(error = %e, tokens, "batch failed");
+    let err = match e {
+        EngineError::InvalidInput(msg) => BatchError::Invalid(msg),
+        other => BatchError::Internal(other.to_string()),
+    };
+    items.iter().for_each(|i| i.req.fail(err.clone()));
+}
+
+fn panicked(items: &[Item], tokens: usize) {
+    tracing::error!(tokens, "the engine panicked on a batch");
+    items.iter().for_each(|i| i.req.fail(BatchError::Internal("the engine failed on this batch".into())));
+}
+
+/// Builds the packed batch and starts it on the device; `None` when it failed at once (the
+/// requests are answered with the error).
+fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>) -> Option<Launched> {
     let m = &queue.metrics;
     let lens: Vec<usize> = items.iter().map(|i| i.ids().len()).collect();
     let cu = cu_seqlens(lens.iter());
@@ -75,32 +129,38 @@ fn run_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>) {
         cu_seqlens: cu.clone(),
         layers: distinct(&all_layers),
     };
+    let tokens = batch.input_ids.len();
     let start = Instant::now();
     for it in &items {
         it.req.started(start, m);
     }
-    let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.forward(&batch)));
+    match std::panic::catch_unwind(AssertUnwindSafe(|| engine.launch(&batch))) {
+        Ok(Ok(pending)) => Some(Launched { items, pending, start, tokens, cu, lens }),
+        Ok(Err(e)) => {
+            fail_all(&items, e, tokens);
+            None
+        }
+        Err(_) => {
+            panicked(&items, tokens);
+            None
+        }
+    }
+}
+
+/// Waits for a launched batch's results and hands each request its part.
+fn finish_batch(queue: &Queue, l: Launched) {
+    let m = &queue.metrics;
+    let Launched { items, pending, start, tokens, cu, lens } = l;
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| pending.wait()));
     m.inference_duration.observe(start.elapsed().as_secs_f64());
-    m.batch_tokens.observe(batch.input_ids.len() as f64);
+    m.batch_tokens.observe(tokens as f64);
     m.batch_sequences.observe(items.len() as f64);
     let taps = match result {
         Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, tokens = batch.input_ids.len(), "batch failed");
-            let err = match e {
-                EngineError::InvalidInput(msg) => BatchError::Invalid(msg),
-                other => BatchError::Internal(other.to_string()),
-            };
-            items.iter().for_each(|i| i.req.fail(err.clone()));
-            return;
-        }
-        Err(_) => {
-            tracing::error!(tokens = batch.input_ids.len(), "the engine panicked on a batch");
-            items.iter().for_each(|i| i.req.fail(BatchError::Internal("the engine failed on this batch".into())));
-            return;
-        }
+        Ok(Err(e)) => return fail_all(&items, e, tokens),
+        Err(_) => return panicked(&items, tokens),
     };
-    m.tokens.inc_by(batch.input_ids.len() as u64);
+    m.tokens.inc_by(tokens as u64);
     let taps = Arc::new(taps);
     for (k, it) in items.iter().enumerate() {
         it.req.complete(it.idx, Part { taps: taps.clone(), start: cu[k], rows: lens[k] });

@@ -248,7 +248,7 @@ impl ModelFiles {
             vocab_size: config.vocab_size,
             dtype: OutDType::from_candle(dtype),
         };
-        Ok(LoadedModel { engine: ModelEngine { decoder }, info })
+        Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }
 }
 

@@ -3,6 +3,8 @@
 
 pub mod attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_attention;
 pub mod gguf;
 pub mod loader;
 pub mod model;
@@ -314,19 +316,68 @@ pub struct ModelInfo {
     pub dtype: OutDType,
 }
 
+/// A batch whose device work is under way; [`Pending::wait`] finishes it (on GPUs: waits for
+/// the copy of its hidden states to host memory, which runs on a second stream while the device
+/// computes the next batch).
+pub struct Pending(Box<dyn FnOnce() -> Result<Taps, EngineError> + Send>);
+
+impl Pending {
+    /// An already finished batch.
+    pub fn ready(result: Result<Taps, EngineError>) -> Self {
+        Pending(Box::new(move || result))
+    }
+
+    pub fn wait(self) -> Result<Taps, EngineError> {
+        (self.0)()
+    }
+}
+
 /// What the batching layer needs from a device worker. The real implementation wraps the
 /// decoder; tests use a fake.
 pub trait Engine: Send {
     fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError>;
+
+    /// Starts `batch` and returns what completes it, so the caller can start the next batch
+    /// before this one's results are in host memory. The default does all the work now.
+    fn launch(&mut self, batch: &Batch) -> Result<Pending, EngineError> {
+        Ok(Pending::ready(self.forward(batch)))
+    }
 }
 
 /// The real engine: a resident decoder on one device.
 pub struct ModelEngine {
     pub decoder: model::Decoder,
+    /// The stream that copies results to the host, on CUDA devices.
+    #[cfg(feature = "cuda")]
+    copy_stream: Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>,
+}
+
+impl ModelEngine {
+    pub fn new(decoder: model::Decoder) -> Result<Self, EngineError> {
+        #[cfg(feature = "cuda")]
+        {
+            let copy_stream = match decoder.device() {
+                Device::Cuda(d) => Some(
+                    d.cuda_stream()
+                        .context()
+                        .new_stream()
+                        .map_err(|e| EngineError::Load(format!("cannot create a CUDA copy stream: {e}")))?,
+                ),
+                _ => None,
+            };
+            Ok(ModelEngine { decoder, copy_stream })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(ModelEngine { decoder })
+    }
 }
 
 impl Engine for ModelEngine {
     fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError> {
+        self.launch(batch)?.wait()
+    }
+
+    fn launch(&mut self, batch: &Batch) -> Result<Pending, EngineError> {
         let vocab = self.decoder.cfg.vocab_size;
         if let Some(bad) = batch.input_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::InvalidInput(format!(
@@ -350,7 +401,73 @@ impl Engine for ModelEngine {
         let mut layers_run = 0;
         let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run)?;
         let stacked = Tensor::stack(&states, 1)?;
-        let host = HostTensor::from_tensor(&stacked, OutDType::from_candle(stacked.dtype()))?;
-        Ok(Taps { layers: batch.layers.clone(), host, layers_run })
+        drop(states);
+        let layers = batch.layers.clone();
+        let dtype = OutDType::from_candle(stacked.dtype());
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = &self.copy_stream {
+            let stream = stream.clone();
+            return Ok(Pending(Box::new(move || {
+                let host = cuda_copy::to_host(&stacked, dtype, &stream)?;
+                Ok(Taps { layers, host, layers_run })
+            })));
+        }
+        let host = HostTensor::from_tensor(&stacked, dtype)?;
+        Ok(Pending::ready(Ok(Taps { layers, host, layers_run })))
+    }
+}
+
+/// Device-to-host copies on a stream of their own.
+#[cfg(feature = "cuda")]
+mod cuda_copy {
+    use super::{EngineError, HostTensor, OutDType};
+    use candle_core::cuda_backend::cudarc::driver::CudaStream;
+    use candle_core::cuda_backend::CudaStorageSlice;
+    use candle_core::{Storage, Tensor};
+
+    fn fail(msg: String) -> EngineError {
+        EngineError::Compute(candle_core::Error::Msg(msg))
+    }
+
+    fn copy<T: candle_core::cuda_backend::cudarc::driver::DeviceRepr + bytemuck::Pod>(
+        s: &candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
+        range: (usize, usize),
+        stream: &std::sync::Arc<CudaStream>,
+    ) -> Result<Vec<u8>, EngineError> {
+        let view = s.slice(range.0..range.1);
+        let mut data = vec![0u8; (range.1 - range.0) * std::mem::size_of::<T>()];
+        let dst: &mut [T] = bytemuck::try_cast_slice_mut(&mut data)
+            .map_err(|e| fail(format!("host buffer cannot hold the copy: {e}")))?;
+        stream.memcpy_dtoh(&view, dst).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+        stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+        Ok(data)
+    }
+
+    /// Copies a contiguous tensor into host memory on `stream`, which first waits for the work
+    /// that wrote it (the context tracks events once a second stream exists).
+    pub fn to_host(
+        t: &Tensor,
+        dtype: OutDType,
+        stream: &std::sync::Arc<CudaStream>,
+    ) -> Result<HostTensor, EngineError> {
+        let (storage, layout) = t.storage_and_layout();
+        let range =
+            layout.contiguous_offsets().ok_or_else(|| fail("hidden states must be contiguous to copy".into()))?;
+        let data = match (&*storage, dtype) {
+            (Storage::Cuda(c), OutDType::Bfloat16) => match &c.slice {
+                CudaStorageSlice::BF16(s) => copy(s, range, stream)?,
+                _ => return Err(fail("dtype mismatch in copy".into())),
+            },
+            (Storage::Cuda(c), OutDType::Float16) => match &c.slice {
+                CudaStorageSlice::F16(s) => copy(s, range, stream)?,
+                _ => return Err(fail("dtype mismatch in copy".into())),
+            },
+            (Storage::Cuda(c), OutDType::Float32) => match &c.slice {
+                CudaStorageSlice::F32(s) => copy(s, range, stream)?,
+                _ => return Err(fail("dtype mismatch in copy".into())),
+            },
+            _ => return Err(fail("copy expects a CUDA tensor".into())),
+        };
+        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
     }
 }

@@ -117,6 +117,12 @@ pub struct Packing {
     pub seqs: Vec<(usize, usize)>,
     /// Attention masks per distinct sequence length, shared by every layer.
     masks: std::collections::HashMap<usize, Vec<Tensor>>,
+    /// The CUDA kernel's tile list, where the kernel serves this model (then `masks` is empty).
+    #[cfg(feature = "cuda")]
+    tiles: Option<(Tensor, usize)>,
+    /// Sliding attention window, if the model has one.
+    #[cfg(feature = "cuda")]
+    window: Option<usize>,
     cos: Tensor,
     sin: Tensor,
 }
@@ -178,6 +184,13 @@ impl Layer {
         let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, &pk.cos, &pk.sin)?.squeeze(0)?;
         profile::mark(dev, 1, &mut since);
         let scale = 1.0 / (a.head_dim as f64).sqrt();
+        #[cfg(feature = "cuda")]
+        if let Some(tiles) = &pk.tiles {
+            let attn = super::cuda_attention::packed_attention(&q, &k, &v, tiles, scale, pk.window)?
+                .reshape((t, a.heads * a.head_dim))?;
+            profile::mark(dev, 2, &mut since);
+            return self.finish(x, &attn, dev, since);
+        }
         let mut outs = Vec::with_capacity(pk.seqs.len());
         for &(start, len) in &pk.seqs {
             let masks =
@@ -192,7 +205,18 @@ impl Layer {
         }
         let attn = if outs.len() == 1 { outs.pop().unwrap_or_else(|| unreachable!()) } else { Tensor::cat(&outs, 0)? };
         profile::mark(dev, 2, &mut since);
-        let x = (x + a.o.forward(&attn)?)?;
+        self.finish(x, &attn, dev, since)
+    }
+
+    /// Output projection, residual, and the MLP block.
+    fn finish(
+        &self,
+        x: &Tensor,
+        attn: &Tensor,
+        dev: &candle_core::Device,
+        mut since: std::time::Instant,
+    ) -> candle_core::Result<Tensor> {
+        let x = (x + self.attn.o.forward(attn)?)?;
         let h = self.post_norm.forward(&x)?;
         let m = &self.mlp;
         let act = (candle_nn::ops::silu(&m.gate.forward(&h)?)? * m.up.forward(&h)?)?;
@@ -230,12 +254,31 @@ impl Decoder {
         let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
         let (cos, sin) = self.rope.tables(&positions, self.dtype(), self.embed.device())?;
         let mut masks = std::collections::HashMap::new();
-        for &(_, len) in &seqs {
+        #[cfg(feature = "cuda")]
+        let tiles = if super::cuda_attention::supported(self.device(), self.dtype(), self.cfg.head_dim) {
+            Some(super::cuda_attention::tiles(&seqs, self.device())?)
+        } else {
+            None
+        };
+        #[cfg(feature = "cuda")]
+        let need_masks = tiles.is_none();
+        #[cfg(not(feature = "cuda"))]
+        let need_masks = true;
+        for &(_, len) in seqs.iter().filter(|_| need_masks) {
             if let std::collections::hash_map::Entry::Vacant(e) = masks.entry(len) {
                 e.insert(chunk_masks(len, self.cfg.sliding_window, QUERY_CHUNK, self.embed.device())?);
             }
         }
-        Ok(Packing { seqs, masks, cos, sin })
+        Ok(Packing {
+            seqs,
+            masks,
+            #[cfg(feature = "cuda")]
+            tiles,
+            #[cfg(feature = "cuda")]
+            window: self.cfg.sliding_window,
+            cos,
+            sin,
+        })
     }
 
     /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in

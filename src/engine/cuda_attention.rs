@@ -1,0 +1,173 @@
+//! Attention over packed sequences on CUDA: one kernel launch per layer (`kernels/attention.cu`),
+//! scores kept on chip, each sequence attending only to itself. Used for bf16 and f16 with head
+//! dimensions 64 and 128; other cases take the portable path in `attention.rs`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Storage, Tensor};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+/// Queries per kernel block (`BM` in the kernel).
+const TILE: usize = 64;
+
+/// Whether the kernel covers this case. `LAYERTAP_CUDA_ATTENTION=0` turns it off (the portable
+/// path then runs on the GPU too), for comparing the two.
+pub fn supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_ATTENTION").is_ok_and(|v| v == "0"));
+    !off && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
+}
+
+/// The kernel's work list for a batch: one `(sequence start, sequence length, tile index)` triple
+/// per 64-query tile, the tiles with the most keys first so long sequences do not finish last.
+pub fn tiles(seqs: &[(usize, usize)], device: &Device) -> candle_core::Result<(Tensor, usize)> {
+    let mut list: Vec<[u32; 3]> = Vec::new();
+    for &(start, len) in seqs {
+        for i in 0..len.div_ceil(TILE) {
+            list.push([start as u32, len as u32, i as u32]);
+        }
+    }
+    list.sort_by_key(|t| std::cmp::Reverse(t[2]));
+    let n = list.len();
+    let flat: Vec<u32> = list.into_iter().flatten().collect();
+    Ok((Tensor::new(flat.as_slice(), device)?, n))
+}
+
+/// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]`, contiguous; `tiles` from [`tiles`].
+/// Returns `[T, heads, d]`.
+pub fn packed_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    tiles: &(Tensor, usize),
+    scale: f64,
+    window: Option<usize>,
+) -> candle_core::Result<Tensor> {
+    let op = PackedAttention { tiles: tiles.0.clone(), n_tiles: tiles.1, scale: scale as f32, window };
+    q.contiguous()?.apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)
+}
+
+struct PackedAttention {
+    tiles: Tensor,
+    n_tiles: usize,
+    scale: f32,
+    window: Option<usize>,
+}
+
+fn view<'a, T: DeviceRepr>(
+    s: &'a CudaSlice<T>,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((a, b)) if a % 8 == 0 => Ok(s.slice(a..b)),
+        _ => candle_core::bail!("packed attention: {what} must be contiguous and 16-byte aligned"),
+    }
+}
+
+impl PackedAttention {
+    #[allow(clippy::too_many_arguments)]
+    fn launch<T: DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        name: &str,
+        q: (&CudaSlice<T>, &Layout),
+        k: (&CudaSlice<T>, &Layout),
+        v: (&CudaSlice<T>, &Layout),
+        tiles: &CudaSlice<u32>,
+    ) -> candle_core::Result<CudaSlice<T>> {
+        let (t, heads, d) = q.1.shape().dims3()?;
+        let (tk, kv_heads, dk) = k.1.shape().dims3()?;
+        if tk != t || dk != d || v.1.shape() != k.1.shape() || kv_heads == 0 || heads % kv_heads != 0 {
+            candle_core::bail!(
+                "packed attention: q {:?}, k {:?}, v {:?} do not fit",
+                q.1.shape(),
+                k.1.shape(),
+                v.1.shape()
+            );
+        }
+        let (qv, kv, vv) = (view(q.0, q.1, "q")?, view(k.0, k.1, "k")?, view(v.0, v.1, "v")?);
+        let func = dev.get_or_load_custom_func(name, "layertap_attention", PTX)?;
+        // SAFETY: every row of every sequence is written by the kernel (each token belongs to a
+        // sequence and each sequence's tiles cover all of its rows for every head).
+        let out = unsafe { dev.alloc::<T>(t * heads * d)? };
+        let mut b = func.builder();
+        b.arg(&qv);
+        b.arg(&kv);
+        b.arg(&vv);
+        b.arg(&out);
+        b.arg(tiles);
+        let (h, kvh) = (heads as i32, kv_heads as i32);
+        let scale_log2 = self.scale * std::f32::consts::LOG2_E;
+        let window = self.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        b.arg(&h);
+        b.arg(&kvh);
+        b.arg(&scale_log2);
+        b.arg(&window);
+        let cfg = LaunchConfig {
+            grid_dim: (self.n_tiles as u32, heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if self.n_tiles > 0 {
+            // SAFETY: argument types and order match the kernel's signature; the tile list was
+            // built from this batch's packing, so every index the kernel forms is inside q/k/v/out.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(out)
+    }
+}
+
+impl candle_core::CustomOp3 for PackedAttention {
+    fn name(&self) -> &'static str {
+        "packed-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("packed attention kernel runs on CUDA devices only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = q.device();
+        let (tiles_storage, tiles_layout) = self.tiles.storage_and_layout();
+        let tiles = match &*tiles_storage {
+            Storage::Cuda(s) if tiles_layout.start_offset() == 0 => s.as_cuda_slice::<u32>()?,
+            _ => candle_core::bail!("packed attention: the tile list must be a u32 tensor on the GPU"),
+        };
+        let d = ql.shape().dims3()?.2;
+        let slice = match (&q.slice, &k.slice, &v.slice) {
+            (CudaStorageSlice::BF16(qs), CudaStorageSlice::BF16(ks), CudaStorageSlice::BF16(vs)) => {
+                CudaStorageSlice::BF16(self.launch(
+                    dev,
+                    &format!("packed_attention_bf16_d{d}"),
+                    (qs, ql),
+                    (ks, kl),
+                    (vs, vl),
+                    tiles,
+                )?)
+            }
+            (CudaStorageSlice::F16(qs), CudaStorageSlice::F16(ks), CudaStorageSlice::F16(vs)) => CudaStorageSlice::F16(
+                self.launch(dev, &format!("packed_attention_f16_d{d}"), (qs, ql), (ks, kl), (vs, vl), tiles)?,
+            ),
+            _ => candle_core::bail!("packed attention: q, k, v must all be bf16 or all f16, got {:?}", q.dtype()),
+        };
+        Ok((CudaStorage { slice, device: dev.clone() }, ql.shape().clone()))
+    }
+}

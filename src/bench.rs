@@ -35,6 +35,47 @@ pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
     Ok((layers, seqs))
 }
 
+/// Encodes each sequence of a batch as an answer (safetensors, zstd at level 3, the server's
+/// default) and reports the compression ratio and zstd throughput (raw MB per second).
+fn compression(
+    taps: &crate::engine::Taps,
+    b: &[Vec<u32>],
+    layers: &[usize],
+    dtype: crate::engine::OutDType,
+) -> anyhow::Result<serde_json::Value> {
+    const LEVEL: i32 = 3;
+    let (mut raw, mut enc, mut at) = (0usize, 0usize, 0usize);
+    let start = Instant::now();
+    for s in b {
+        let copy;
+        let chunk = match taps.view(at, s.len(), layers, dtype) {
+            Some(v) => v,
+            None => {
+                copy = taps.gather(at, s.len(), layers, dtype)?;
+                &copy.data[..]
+            }
+        };
+        let hidden = chunk.len() / (s.len() * layers.len() * dtype.size_in_bytes());
+        let parts = crate::codec::AnswerParts {
+            dtype,
+            shape: vec![s.len(), layers.len(), hidden],
+            chunks: vec![chunk],
+            input_ids: s.iter().map(|&i| i64::from(i)).collect(),
+            cu_seqlens: vec![0, s.len() as i64],
+            loss_mask: vec![1; s.len()],
+            metadata: Default::default(),
+        };
+        raw += chunk.len();
+        enc += crate::codec::encode_answer(&parts, Some(LEVEL))?.len();
+        at += s.len();
+    }
+    let secs = start.elapsed().as_secs_f64();
+    Ok(serde_json::json!({
+        "level": LEVEL, "answers": b.len(), "raw_bytes": raw, "encoded_bytes": enc,
+        "ratio": raw as f64 / enc.max(1) as f64, "seconds": secs, "raw_mb_per_s": raw as f64 / 1e6 / secs,
+    }))
+}
+
 /// Runs the workload through the engine in process and returns the result line.
 pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let (dtype, max_tokens) = (a.dtype, a.max_batch_tokens);
@@ -66,16 +107,19 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         Ok(engine.launch(&Batch { input_ids: b.concat(), cu_seqlens: cu_of(b), layers: layers.clone() })?)
     };
     // Waits for a batch and gathers every sequence's answer, as the server does per request.
-    let finish = |pending: Pending, b: &[Vec<u32>]| -> anyhow::Result<usize> {
+    let finish = |pending: Pending, b: &[Vec<u32>]| -> anyhow::Result<(usize, crate::engine::Taps)> {
         let mut since = Instant::now();
         let taps = pending.wait()?;
         let cu = cu_of(b);
         let mut bytes = 0;
         for (i, s) in b.iter().enumerate() {
-            bytes += taps.gather(cu[i], s.len(), &layers, dtype)?.data.len();
+            bytes += match taps.view(cu[i], s.len(), &layers, dtype) {
+                Some(v) => v.len(),
+                None => taps.gather(cu[i], s.len(), &layers, dtype)?.data.len(),
+            };
         }
         crate::engine::model::profile::mark(&device, 4, &mut since);
-        Ok(bytes)
+        Ok((bytes, taps))
     };
     let warm = launch(&mut m.engine, &batches[0])?;
     finish(warm, &batches[0])?;
@@ -92,7 +136,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     for b in &batches {
         let pending = launch(&mut m.engine, b)?;
         if let Some((p, pb)) = prev.take() {
-            bytes += finish(p, pb)?;
+            bytes += finish(p, pb)?.0;
             bar.inc(pb.iter().map(Vec::len).sum::<usize>() as u64);
         }
         prev = Some((pending, b));
@@ -100,17 +144,23 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             peak = peak.max(used);
         }
     }
+    let mut last = None;
     if let Some((p, pb)) = prev.take() {
-        bytes += finish(p, pb)?;
+        let (n, taps) = finish(p, pb)?;
+        bytes += n;
         bar.inc(pb.iter().map(Vec::len).sum::<usize>() as u64);
+        last = Some((taps, pb));
     }
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
+    // Untimed above: the answers of the last batch encoded as the server does (safetensors +
+    // zstd at the server's default level), for the compression ratio and zstd speed.
+    let zstd = last.map(|(taps, b)| compression(&taps, b, &layers, dtype)).transpose()?;
     Ok(serde_json::json!({
             "contender": "layertap-engine", "tokens": tokens, "seconds": secs, "tokens_per_s": tokens as f64 / secs,
             "batches": batches.len(), "max_batch_tokens": max_tokens, "dtype": dtype.name(), "output_bytes": bytes,
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-            "device": a.device, "max_device_memory_used_after_batch_bytes": peak,
+            "device": a.device, "max_device_memory_used_after_batch_bytes": peak, "zstd": zstd,
             "profile_seconds": crate::engine::model::profile::enabled().then(|| {
                 crate::engine::model::profile::totals().into_iter().collect::<std::collections::HashMap<_, _>>()
             }),

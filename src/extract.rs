@@ -74,16 +74,20 @@ pub fn metadata(info: &ModelInfo, layers: &[usize], dtype: OutDType) -> HashMap<
     ])
 }
 
+/// The token columns of an answer for `seqs`: input ids, offsets, loss mask.
+pub fn token_columns(seqs: &[Tokenized]) -> (Vec<i64>, Vec<i64>, Vec<u8>) {
+    let lens: Vec<usize> = seqs.iter().map(|s| s.ids.len()).collect();
+    (
+        seqs.iter().flat_map(|s| s.ids.iter().map(|&i| i64::from(i))).collect(),
+        cu_seqlens(lens.iter()).into_iter().map(|x| x as i64).collect(),
+        seqs.iter().flat_map(|s| s.loss_mask.iter().copied()).collect(),
+    )
+}
+
 /// The answer for `seqs` given their hidden states `[total_tokens, layers, hidden]`.
 pub fn extraction(seqs: &[Tokenized], hidden_states: HostTensor, metadata: HashMap<String, String>) -> Extraction {
-    let lens: Vec<usize> = seqs.iter().map(|s| s.ids.len()).collect();
-    Extraction {
-        hidden_states,
-        input_ids: seqs.iter().flat_map(|s| s.ids.iter().map(|&i| i64::from(i))).collect(),
-        cu_seqlens: cu_seqlens(lens.iter()).into_iter().map(|x| x as i64).collect(),
-        loss_mask: seqs.iter().flat_map(|s| s.loss_mask.iter().copied()).collect(),
-        metadata,
-    }
+    let (input_ids, cu_seqlens, loss_mask) = token_columns(seqs);
+    Extraction { hidden_states, input_ids, cu_seqlens, loss_mask, metadata }
 }
 
 /// Runs all `seqs` as one batch and returns their extraction (the one-shot path).

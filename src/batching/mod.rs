@@ -38,6 +38,11 @@ pub struct Part {
 }
 
 impl Part {
+    /// The rows' bytes without a copy, when the batch already holds them as asked.
+    pub fn view(&self, layers: &[usize], dtype: OutDType) -> Option<&[u8]> {
+        self.taps.view(self.start, self.rows, layers, dtype)
+    }
+
     /// `[rows, layers, hidden]` in `dtype` (a host copy; run it off the async runtime).
     pub fn gather(&self, layers: &[usize], dtype: OutDType) -> Result<HostTensor, EngineError> {
         self.taps.gather(self.start, self.rows, layers, dtype)

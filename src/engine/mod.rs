@@ -200,6 +200,18 @@ pub struct Taps {
 }
 
 impl Taps {
+    /// The bytes of tokens `start..start + rows` without copying, when they are already laid out
+    /// as asked: the same layers in the same order and the same dtype. Otherwise `None` (use
+    /// [`Taps::gather`]).
+    pub fn view(&self, start: usize, rows: usize, layers: &[usize], dtype: OutDType) -> Option<&[u8]> {
+        let [total, width, hidden] = self.host.shape[..] else { return None };
+        if layers != self.layers.as_slice() || dtype != self.host.dtype || start + rows > total {
+            return None;
+        }
+        let row = width * hidden * dtype.size_in_bytes();
+        self.host.data.get(start * row..(start + rows) * row)
+    }
+
     /// `[rows, layers.len(), hidden]` for tokens `start..start + rows`, layers in the given order
     /// (each must be one of `self.layers`), in `dtype`.
     pub fn gather(
@@ -233,7 +245,7 @@ impl Taps {
                 data.extend_from_slice(&self.host.data[at..at + row_bytes]);
             }
         }
-        let out = HostTensor { dtype: self.host.dtype, shape: vec![rows, cols.len(), hidden], data };
+        let out = HostTensor { dtype: self.host.dtype, shape: vec![rows, cols.len(), hidden], data: data.into() };
         Ok(out.to_dtype(dtype))
     }
 }
@@ -250,12 +262,58 @@ fn half_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
 #[cfg(target_endian = "big")]
 compile_error!("layertap writes little-endian safetensors from memory and needs a little-endian host");
 
+/// A host buffer lent by a device (page-locked memory that goes back to its pool when dropped).
+pub trait LentBuffer: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+/// Bytes in host memory: a vector, or a buffer lent by a device.
+pub enum HostBytes {
+    Vec(Vec<u8>),
+    Lent(Box<dyn LentBuffer>),
+}
+
+impl std::ops::Deref for HostBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            HostBytes::Vec(v) => v,
+            HostBytes::Lent(b) => b.bytes(),
+        }
+    }
+}
+
+impl From<Vec<u8>> for HostBytes {
+    fn from(v: Vec<u8>) -> Self {
+        HostBytes::Vec(v)
+    }
+}
+
+impl Clone for HostBytes {
+    fn clone(&self) -> Self {
+        HostBytes::Vec(self.to_vec())
+    }
+}
+
+impl PartialEq for HostBytes {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostBytes({} bytes)", self.len())
+    }
+}
+
 /// A dense tensor in host memory as little-endian bytes: what the codec writes out.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
     pub dtype: OutDType,
     pub shape: Vec<usize>,
-    pub data: Vec<u8>,
+    pub data: HostBytes,
 }
 
 impl HostTensor {
@@ -267,12 +325,12 @@ impl HostTensor {
             OutDType::Bfloat16 => half_bytes(&flat.to_vec1::<half::bf16>()?),
             OutDType::Float16 => half_bytes(&flat.to_vec1::<half::f16>()?),
         };
-        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
+        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data: data.into() })
     }
 
     /// `[..]` f32 values as a host tensor (for engines other than the model, e.g. test fakes).
     pub fn from_f32(values: &[f32], shape: Vec<usize>) -> Self {
-        HostTensor { dtype: OutDType::Float32, shape, data: bytemuck::cast_slice(values).to_vec() }
+        HostTensor { dtype: OutDType::Float32, shape, data: bytemuck::cast_slice(values).to_vec().into() }
     }
 
     /// The same values in another dtype (round to nearest even when narrowing).
@@ -286,7 +344,7 @@ impl HostTensor {
             OutDType::Bfloat16 => half_bytes(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>()),
             OutDType::Float16 => half_bytes(&v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>()),
         };
-        HostTensor { dtype, shape: self.shape, data }
+        HostTensor { dtype, shape: self.shape, data: data.into() }
     }
 
     /// Values as f32 (for tests and JSON output).
@@ -350,22 +408,25 @@ pub struct ModelEngine {
     /// The stream that copies results to the host, on CUDA devices.
     #[cfg(feature = "cuda")]
     copy_stream: Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>,
+    #[cfg(feature = "cuda")]
+    pinned: Option<std::sync::Arc<cuda_copy::PinnedPool>>,
 }
 
 impl ModelEngine {
     pub fn new(decoder: model::Decoder) -> Result<Self, EngineError> {
         #[cfg(feature = "cuda")]
         {
-            let copy_stream = match decoder.device() {
-                Device::Cuda(d) => Some(
-                    d.cuda_stream()
-                        .context()
+            let (copy_stream, pinned) = match decoder.device() {
+                Device::Cuda(d) => {
+                    let ctx = d.cuda_stream().context().clone();
+                    let stream = ctx
                         .new_stream()
-                        .map_err(|e| EngineError::Load(format!("cannot create a CUDA copy stream: {e}")))?,
-                ),
-                _ => None,
+                        .map_err(|e| EngineError::Load(format!("cannot create a CUDA copy stream: {e}")))?;
+                    (Some(stream), Some(cuda_copy::PinnedPool::new(ctx)))
+                }
+                _ => (None, None),
             };
-            Ok(ModelEngine { decoder, copy_stream })
+            Ok(ModelEngine { decoder, copy_stream, pinned })
         }
         #[cfg(not(feature = "cuda"))]
         Ok(ModelEngine { decoder })
@@ -405,10 +466,10 @@ impl Engine for ModelEngine {
         let layers = batch.layers.clone();
         let dtype = OutDType::from_candle(stacked.dtype());
         #[cfg(feature = "cuda")]
-        if let Some(stream) = &self.copy_stream {
-            let stream = stream.clone();
+        if let (Some(stream), Some(pool)) = (&self.copy_stream, &self.pinned) {
+            let (stream, pool) = (stream.clone(), pool.clone());
             return Ok(Pending(Box::new(move || {
-                let host = cuda_copy::to_host(&stacked, dtype, &stream)?;
+                let host = cuda_copy::to_host(&stacked, dtype, &stream, &pool)?;
                 Ok(Taps { layers, host, layers_run })
             })));
         }
@@ -417,30 +478,111 @@ impl Engine for ModelEngine {
     }
 }
 
-/// Device-to-host copies on a stream of their own.
+/// Device-to-host copies on a stream of their own, into page-locked buffers that are reused.
 #[cfg(feature = "cuda")]
 mod cuda_copy {
-    use super::{EngineError, HostTensor, OutDType};
-    use candle_core::cuda_backend::cudarc::driver::CudaStream;
+    use super::{EngineError, HostBytes, HostTensor, LentBuffer, OutDType};
+    use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
     use candle_core::cuda_backend::CudaStorageSlice;
     use candle_core::{Storage, Tensor};
+    use std::sync::{Arc, Mutex};
 
     fn fail(msg: String) -> EngineError {
         EngineError::Compute(candle_core::Error::Msg(msg))
     }
 
-    fn copy<T: candle_core::cuda_backend::cudarc::driver::DeviceRepr + bytemuck::Pod>(
-        s: &candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
+    /// Page-locked host buffers: the device copies into them directly (no staging, no page
+    /// faults), and a buffer returns here when the last answer cut from it is encoded.
+    pub struct PinnedPool {
+        ctx: Arc<CudaContext>,
+        free: Mutex<Vec<PinnedHostSlice<u8>>>,
+    }
+
+    /// Buffers are sized in steps of this many bytes so batches of similar size share them.
+    const STEP: usize = 64 << 20;
+    /// Idle buffers kept for reuse; more are freed.
+    const KEEP: usize = 4;
+
+    impl PinnedPool {
+        pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+            Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()) })
+        }
+
+        fn take(self: &Arc<Self>, len: usize) -> Result<PinnedBuf, EngineError> {
+            let reused = {
+                let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+                // The smallest idle buffer that fits.
+                let best = free.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len());
+                best.map(|(i, _)| i).map(|i| free.swap_remove(i))
+            };
+            let buf = match reused {
+                Some(b) => b,
+                None => {
+                    let size = len.div_ceil(STEP).max(1) * STEP;
+                    // SAFETY: the memory is uninitialised until the copy writes it; only the first
+                    // `len` bytes, which the copy fills, are ever read.
+                    unsafe { self.ctx.alloc_pinned_with_flags::<u8>(size, 0) }
+                        .map_err(|e| fail(format!("cannot allocate {size} bytes of page-locked host memory: {e}")))?
+                }
+            };
+            Ok(PinnedBuf { buf: Some(buf), len, pool: self.clone() })
+        }
+
+        fn give_back(&self, buf: PinnedHostSlice<u8>) {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            free.push(buf);
+            if free.len() > KEEP {
+                // Drop the smallest: the large ones fit every batch.
+                if let Some(i) = free.iter().enumerate().min_by_key(|(_, b)| b.len()).map(|(i, _)| i) {
+                    free.swap_remove(i);
+                }
+            }
+        }
+    }
+
+    pub struct PinnedBuf {
+        buf: Option<PinnedHostSlice<u8>>,
+        len: usize,
+        pool: Arc<PinnedPool>,
+    }
+
+    impl LentBuffer for PinnedBuf {
+        fn bytes(&self) -> &[u8] {
+            match &self.buf {
+                // The copy into it has been waited for before the buffer is handed out.
+                Some(b) => b.as_slice().map(|s| &s[..self.len]).unwrap_or(&[]),
+                None => &[],
+            }
+        }
+    }
+
+    impl Drop for PinnedBuf {
+        fn drop(&mut self) {
+            if let Some(b) = self.buf.take() {
+                self.pool.give_back(b);
+            }
+        }
+    }
+
+    fn copy<T: DeviceRepr>(
+        s: &CudaSlice<T>,
         range: (usize, usize),
-        stream: &std::sync::Arc<CudaStream>,
-    ) -> Result<Vec<u8>, EngineError> {
+        stream: &Arc<CudaStream>,
+        pool: &Arc<PinnedPool>,
+    ) -> Result<HostBytes, EngineError> {
         let view = s.slice(range.0..range.1);
-        let mut data = vec![0u8; (range.1 - range.0) * std::mem::size_of::<T>()];
-        let dst: &mut [T] = bytemuck::try_cast_slice_mut(&mut data)
-            .map_err(|e| fail(format!("host buffer cannot hold the copy: {e}")))?;
-        stream.memcpy_dtoh(&view, dst).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+        let bytes = (range.1 - range.0) * std::mem::size_of::<T>();
+        let mut dst = pool.take(bytes)?;
+        let buf = dst.buf.as_mut().ok_or_else(|| fail("pinned buffer missing".into()))?;
+        // SAFETY: a view of the same bytes as `T` (16- or 32-bit floats, for which every bit
+        // pattern is valid); the buffer holds at least `bytes` bytes and is page-aligned.
+        let dst_t: &mut [T] = unsafe {
+            let p = buf.as_mut_ptr().map_err(|e| fail(format!("pinned buffer: {e}")))?;
+            std::slice::from_raw_parts_mut(p.cast::<T>(), range.1 - range.0)
+        };
+        stream.memcpy_dtoh(&view, dst_t).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
         stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))?;
-        Ok(data)
+        Ok(HostBytes::Lent(Box::new(dst)))
     }
 
     /// Copies a contiguous tensor into host memory on `stream`, which first waits for the work
@@ -448,25 +590,27 @@ mod cuda_copy {
     pub fn to_host(
         t: &Tensor,
         dtype: OutDType,
-        stream: &std::sync::Arc<CudaStream>,
+        stream: &Arc<CudaStream>,
+        pool: &Arc<PinnedPool>,
     ) -> Result<HostTensor, EngineError> {
         let (storage, layout) = t.storage_and_layout();
         let range =
             layout.contiguous_offsets().ok_or_else(|| fail("hidden states must be contiguous to copy".into()))?;
+        let mismatch = || fail("dtype mismatch in the device-to-host copy".into());
         let data = match (&*storage, dtype) {
             (Storage::Cuda(c), OutDType::Bfloat16) => match &c.slice {
-                CudaStorageSlice::BF16(s) => copy(s, range, stream)?,
-                _ => return Err(fail("dtype mismatch in copy".into())),
+                CudaStorageSlice::BF16(s) => copy(s, range, stream, pool)?,
+                _ => return Err(mismatch()),
             },
             (Storage::Cuda(c), OutDType::Float16) => match &c.slice {
-                CudaStorageSlice::F16(s) => copy(s, range, stream)?,
-                _ => return Err(fail("dtype mismatch in copy".into())),
+                CudaStorageSlice::F16(s) => copy(s, range, stream, pool)?,
+                _ => return Err(mismatch()),
             },
             (Storage::Cuda(c), OutDType::Float32) => match &c.slice {
-                CudaStorageSlice::F32(s) => copy(s, range, stream)?,
-                _ => return Err(fail("dtype mismatch in copy".into())),
+                CudaStorageSlice::F32(s) => copy(s, range, stream, pool)?,
+                _ => return Err(mismatch()),
             },
-            _ => return Err(fail("copy expects a CUDA tensor".into())),
+            _ => return Err(fail("the device-to-host copy expects a CUDA tensor".into())),
         };
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
     }

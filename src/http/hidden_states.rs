@@ -13,7 +13,7 @@ use crate::batching::{Part, Submission};
 use crate::codec;
 use crate::engine::{HostTensor, OutDType};
 use crate::error::{ApiError, ErrorKind};
-use crate::extract::{extraction, metadata, tokenize as tokenize_input, Input};
+use crate::extract::{extraction, metadata, token_columns, tokenize as tokenize_input, Input};
 use crate::tokenizer::Tokenized;
 
 /// Checks one input's shape (exactly one kind, ids in range) and turns it into an [`Input`].
@@ -126,7 +126,7 @@ fn concat(parts: &[Part], layers: &[usize], hidden: usize, dtype: OutDType) -> R
     for p in parts {
         data.extend_from_slice(&p.gather(layers, dtype)?.data);
     }
-    Ok(HostTensor { dtype, shape: vec![rows, layers.len(), hidden], data })
+    Ok(HostTensor { dtype, shape: vec![rows, layers.len(), hidden], data: data.into() })
 }
 
 #[utoipa::path(post, path = "/v1/hidden-states", tag = "layertap", request_body = HiddenStatesRequest,
@@ -191,9 +191,9 @@ pub async fn hidden_states(
     let level = s.limits.zstd_level;
     let metrics = s.metrics.clone();
     let body = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, bool), ApiError> {
-        let x = extraction(&seqs, concat(&answer.parts, &layers, hidden, dtype)?, meta);
-        metrics.hidden_state_bytes.with_label_values(&["raw"]).inc_by(x.hidden_states.data.len() as u64);
         if json {
+            let x = extraction(&seqs, concat(&answer.parts, &layers, hidden, dtype)?, meta);
+            metrics.hidden_state_bytes.with_label_values(&["raw"]).inc_by(x.hidden_states.data.len() as u64);
             let j = HiddenStatesJson {
                 shape: x.hidden_states.shape.clone(),
                 dtype: dtype.name().into(),
@@ -205,13 +205,42 @@ pub async fn hidden_states(
             };
             return serde_json::to_vec(&j).map(|b| (b, false)).map_err(|e| ApiError::internal(e.to_string()));
         }
-        let raw = codec::to_safetensors(&x).map_err(|e| ApiError::internal(format!("encoding safetensors: {e}")))?;
-        if zstd {
-            let c = codec::compress(&raw, level).map_err(|e| ApiError::internal(format!("zstd: {e}")))?;
-            Ok((c, true))
-        } else {
-            Ok((raw, false))
-        }
+        // Each sequence's rows straight from its batch's buffer where the layout already matches
+        // (the usual case); a copy only where layers or dtype must be rearranged.
+        let copies = answer
+            .parts
+            .iter()
+            .map(|p| match p.view(&layers, dtype) {
+                Some(_) => Ok(None),
+                None => p.gather(&layers, dtype).map(Some),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let chunks: Vec<&[u8]> = answer
+            .parts
+            .iter()
+            .zip(&copies)
+            .map(|(p, c)| match c {
+                Some(h) => &h.data[..],
+                None => p.view(&layers, dtype).unwrap_or_default(),
+            })
+            .collect();
+        let (input_ids, cu_seqlens, loss_mask) = token_columns(&seqs);
+        let parts = codec::AnswerParts {
+            dtype,
+            shape: vec![total, layers.len(), hidden],
+            chunks,
+            input_ids,
+            cu_seqlens,
+            loss_mask,
+            metadata: meta,
+        };
+        metrics
+            .hidden_state_bytes
+            .with_label_values(&["raw"])
+            .inc_by(parts.chunks.iter().map(|c| c.len() as u64).sum());
+        let bytes = codec::encode_answer(&parts, zstd.then_some(level))
+            .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
+        Ok((bytes, zstd))
     })
     .await
     .map_err(|e| ApiError::internal(format!("encoder task failed: {e}")))??;

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The baseline users run today, on the GPU: Hugging Face transformers, bf16, SDPA attention, the
-base model without lm_head, forward hooks on the requested layers, sequences sorted by length in
-right-padded batches of at most --max-batch-tokens (padding counted), results copied to pinned
-host memory asynchronously. One untimed warm-up batch; the whole workload timed end to end.
+base model without lm_head and without the layers past the deepest requested one (--no-truncate
+keeps them), forward hooks on the requested layers, sequences sorted by length in right-padded
+batches of at most --max-batch-tokens (padding counted), results copied to pinned host memory
+asynchronously. One untimed warm-up batch; the whole workload timed end to end.
 
 Usage: python3 bench/gpu/hf_baseline.py --model-dir DIR --workload bench/out/gpu/workload_gpu.json
            [--max-batch-tokens 16384]
@@ -29,12 +30,20 @@ def main():
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--workload", required=True)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
+    ap.add_argument("--no-truncate", action="store_true", help="run every layer, as output_hidden_states would")
     a = ap.parse_args()
     layers, seqs = load_workload(a.workload)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     base = model.model.cuda().eval()
     del model.lm_head
     n = base.config.num_hidden_layers
+    deepest = max(layers)
+    if not a.no_truncate and deepest < n:
+        # Layers past the deepest hook cannot change what is captured: drop them.
+        base.layers = base.layers[:deepest]
+        base.config.num_hidden_layers = deepest
+        if hasattr(base.config, "layer_types") and base.config.layer_types:
+            base.config.layer_types = base.config.layer_types[:deepest]
     captured = {}
 
     def hook(idx):
@@ -91,6 +100,7 @@ def main():
         "contender": "hf-transformers-hooks", "tokens": tokens, "seconds": round(secs, 3),
         "tokens_per_s": round(tokens / secs, 1), "max_batch_tokens": a.max_batch_tokens, "batches": len(batches),
         "padded_tokens": sum(len(b) * len(seqs[b[-1]]) for b in batches), "output_bytes": out_bytes,
+        "layers_run": len(base.layers),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
         "transformers": transformers.__version__,
     }))

@@ -5,6 +5,8 @@ pub mod attention;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda_attention;
+#[cfg(feature = "cuda")]
+pub mod cuda_ops;
 pub mod gguf;
 pub mod loader;
 pub mod model;

@@ -21,6 +21,26 @@ impl Linear {
         Ok(Linear { weight_t: weight.t()?.contiguous()?, bias })
     }
 
+    /// One projection computing all of `parts` side by side (their outputs concatenated), so a
+    /// single larger matmul replaces several.
+    fn fuse(parts: Vec<Linear>) -> Result<Self, EngineError> {
+        let weights: Vec<&Tensor> = parts.iter().map(|p| &p.weight_t).collect();
+        let weight_t = Tensor::cat(&weights, 1)?;
+        let bias = if parts.iter().any(|p| p.bias.is_some()) {
+            let b = parts
+                .iter()
+                .map(|p| match &p.bias {
+                    Some(b) => Ok(b.clone()),
+                    None => Tensor::zeros(p.weight_t.dim(1)?, p.weight_t.dtype(), p.weight_t.device()),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&b, 0)?)
+        } else {
+            None
+        };
+        Ok(Linear { weight_t, bias })
+    }
+
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = matmul(x, &self.weight_t)?;
         match &self.bias {
@@ -87,10 +107,26 @@ impl RmsNorm {
     }
 }
 
+/// The q, k, v projections: separate (CPU, bit-for-bit the reference layout), or one fused
+/// matmul on CUDA.
+enum Qkv {
+    Separate { q: Linear, k: Linear, v: Linear },
+    Fused(Linear),
+}
+
+/// The MLP's gate and up projections: separate, or one fused matmul followed by the fused
+/// `silu(gate) * up` kernel on CUDA.
+enum GateUp {
+    Separate {
+        gate: Linear,
+        up: Linear,
+    },
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Fused(Linear),
+}
+
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    qkv: Qkv,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -100,8 +136,7 @@ struct Attention {
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    gate_up: GateUp,
     down: Linear,
 }
 
@@ -141,10 +176,14 @@ impl Layer {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let a = format!("{p}.self_attn");
+        let q = Linear::load(w, &format!("{a}.q_proj"), nq * hd, h, c.qkv_bias)?;
+        let k = Linear::load(w, &format!("{a}.k_proj"), nkv * hd, h, c.qkv_bias)?;
+        let v = Linear::load(w, &format!("{a}.v_proj"), nkv * hd, h, c.qkv_bias)?;
+        // On CUDA, fewer and larger matmuls; on the CPU the layout stays as the reference's.
+        let fuse = q.weight_t.device().is_cuda();
+        let qkv = if fuse { Qkv::Fused(Linear::fuse(vec![q, k, v])?) } else { Qkv::Separate { q, k, v } };
         let attn = Attention {
-            q: Linear::load(w, &format!("{a}.q_proj"), nq * hd, h, c.qkv_bias)?,
-            k: Linear::load(w, &format!("{a}.k_proj"), nkv * hd, h, c.qkv_bias)?,
-            v: Linear::load(w, &format!("{a}.v_proj"), nkv * hd, h, c.qkv_bias)?,
+            qkv,
             o: Linear::load(w, &format!("{a}.o_proj"), h, nq * hd, c.o_bias)?,
             q_norm: c.qk_norm.then(|| RmsNorm::load(w, &format!("{a}.q_norm"), hd, c.rms_norm_eps)).transpose()?,
             k_norm: c.qk_norm.then(|| RmsNorm::load(w, &format!("{a}.k_norm"), hd, c.rms_norm_eps)).transpose()?,
@@ -153,11 +192,18 @@ impl Layer {
             head_dim: hd,
         };
         let m = format!("{p}.mlp");
-        let mlp = Mlp {
-            gate: Linear::load(w, &format!("{m}.gate_proj"), c.intermediate_size, h, c.mlp_bias)?,
-            up: Linear::load(w, &format!("{m}.up_proj"), c.intermediate_size, h, c.mlp_bias)?,
-            down: Linear::load(w, &format!("{m}.down_proj"), h, c.intermediate_size, c.mlp_bias)?,
+        let gate = Linear::load(w, &format!("{m}.gate_proj"), c.intermediate_size, h, c.mlp_bias)?;
+        let up = Linear::load(w, &format!("{m}.up_proj"), c.intermediate_size, h, c.mlp_bias)?;
+        #[cfg(feature = "cuda")]
+        let gate_up = if fuse && c.intermediate_size % 8 == 0 {
+            GateUp::Fused(Linear::fuse(vec![gate, up])?)
+        } else {
+            GateUp::Separate { gate, up }
         };
+        #[cfg(not(feature = "cuda"))]
+        let gate_up = GateUp::Separate { gate, up };
+        let mlp =
+            Mlp { gate_up, down: Linear::load(w, &format!("{m}.down_proj"), h, c.intermediate_size, c.mlp_bias)? };
         Ok(Layer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm"), h, c.rms_norm_eps)?,
             attn,
@@ -172,9 +218,17 @@ impl Layer {
         let mut since = std::time::Instant::now();
         let t = x.dim(0)?;
         let h = self.input_norm.forward(x)?;
-        let mut q = a.q.forward(&h)?.reshape((t, a.heads, a.head_dim))?;
-        let mut k = a.k.forward(&h)?.reshape((t, a.kv_heads, a.head_dim))?;
-        let v = a.v.forward(&h)?.reshape((t, a.kv_heads, a.head_dim))?;
+        let (q, k, v) = match &a.qkv {
+            Qkv::Separate { q, k, v } => (q.forward(&h)?, k.forward(&h)?, v.forward(&h)?),
+            Qkv::Fused(l) => {
+                let y = l.forward(&h)?;
+                let (nq, nkv) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+                (y.narrow(1, 0, nq)?, y.narrow(1, nq, nkv)?, y.narrow(1, nq + nkv, nkv)?.contiguous()?)
+            }
+        };
+        let mut q = q.reshape((t, a.heads, a.head_dim))?;
+        let mut k = k.reshape((t, a.kv_heads, a.head_dim))?;
+        let v = v.reshape((t, a.kv_heads, a.head_dim))?;
         if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -219,7 +273,13 @@ impl Layer {
         let x = (x + self.attn.o.forward(attn)?)?;
         let h = self.post_norm.forward(&x)?;
         let m = &self.mlp;
-        let act = (candle_nn::ops::silu(&m.gate.forward(&h)?)? * m.up.forward(&h)?)?;
+        let act = match &m.gate_up {
+            GateUp::Separate { gate, up } => (candle_nn::ops::silu(&gate.forward(&h)?)? * up.forward(&h)?)?,
+            #[cfg(feature = "cuda")]
+            GateUp::Fused(l) => super::cuda_ops::silu_mul(&l.forward(&h)?)?,
+            #[cfg(not(feature = "cuda"))]
+            GateUp::Fused(_) => candle_core::bail!("fused gate/up needs the cuda feature"),
+        };
         let out = (x + m.down.forward(&act)?)?;
         profile::mark(dev, 3, &mut since);
         Ok(out)

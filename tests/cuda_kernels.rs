@@ -1,6 +1,6 @@
-//! The CUDA attention kernel against the portable attention path, on a GPU (built with
-//! `--features cuda`; skipped when no device is visible). Run on a GPU machine with
-//! `cargo test --release --features cuda --test cuda_attention`.
+//! The CUDA kernels (packed attention, fused silu*mul) against candle's portable ops, on a GPU
+//! (built with `--features cuda`; skipped when no device is visible). Run on a GPU machine with
+//! `cargo test --release --features cuda --test cuda_kernels`.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
@@ -101,5 +101,25 @@ fn kernel_is_batch_invariant() {
         .to_scalar::<f32>()
         .unwrap();
         assert_eq!(diff, 0.0, "sequence at {s} (len {l}) differs alone vs packed by {diff}");
+    }
+}
+
+/// The fused `silu(gate) * up` equals candle's separate ops computed in f32, to the output's
+/// rounding, for every dtype.
+#[test]
+fn silu_mul_matches_separate_ops() {
+    let Some(dev) = device() else { return };
+    let (rows, inter) = (37, 96);
+    let gu = (Tensor::randn(0f32, 1.0, (rows, 2 * inter), &dev).unwrap() * 3.0).unwrap();
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 8e-3), (DType::F16, 1e-3)] {
+        let x = gu.to_dtype(dtype).unwrap();
+        let xf = x.to_dtype(DType::F32).unwrap();
+        let want = (candle_nn::ops::silu(&xf.narrow(1, 0, inter).unwrap()).unwrap()
+            * xf.narrow(1, inter, inter).unwrap())
+        .unwrap();
+        let got = layertap::engine::cuda_ops::silu_mul(&x).unwrap();
+        assert_eq!(got.dims(), &[rows, inter]);
+        let e = rel(&got, &want);
+        assert!(e < tol, "{dtype:?}: rel err {e}");
     }
 }

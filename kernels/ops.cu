@@ -1,0 +1,49 @@
+// Fused element-wise kernel for the CUDA path.
+//
+// silu_mul: `gu` is [rows, 2 * inter] holding the gate projection in its first `inter` columns
+// and the up projection in the rest (one matmul makes both); out[r, c] = silu(g) * u, computed in
+// f32 and rounded once. Eight elements per thread (16-byte loads); `inter` must be a multiple of 8.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(float x) { return x; }
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+
+template <typename T>
+__device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, size_t rows, size_t inter) {
+    constexpr int V = 16 / sizeof(T);  // elements per 16-byte vector
+    const size_t vecs = rows * inter / V;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vecs; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t e = i * V;
+        const size_t r = e / inter, c = e % inter;
+        const uint4 gv = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + c);
+        const uint4 uv = *reinterpret_cast<const uint4*>(gu + r * 2 * inter + inter + c);
+        const T* g = reinterpret_cast<const T*>(&gv);
+        const T* u = reinterpret_cast<const T*>(&uv);
+        uint4 ov;
+        T* o = reinterpret_cast<T*>(&ov);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float x = to_f32(g[j]);
+            o[j] = from_f32<T>(x / (1.f + __expf(-x)) * to_f32(u[j]));
+        }
+        *reinterpret_cast<uint4*>(out + e) = ov;
+    }
+}
+
+extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* gu, __nv_bfloat16* out, size_t rows, size_t inter) {
+    silu_mul(gu, out, rows, inter);
+}
+extern "C" __global__ void silu_mul_f16(const __half* gu, __half* out, size_t rows, size_t inter) {
+    silu_mul(gu, out, rows, inter);
+}
+extern "C" __global__ void silu_mul_f32(const float* gu, float* out, size_t rows, size_t inter) {
+    silu_mul(gu, out, rows, inter);
+}

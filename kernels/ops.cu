@@ -47,3 +47,48 @@ extern "C" __global__ void silu_mul_f16(const __half* gu, __half* out, size_t ro
 extern "C" __global__ void silu_mul_f32(const float* gu, float* out, size_t rows, size_t inter) {
     silu_mul(gu, out, rows, inter);
 }
+
+// The residual stream in f32 (16-bit models on CUDA): out = x + y with x f32 and y the
+// sublayer's 16-bit output; four elements per thread when n allows.
+template <typename T>
+__device__ void add_f32(const float* __restrict__ x, const T* __restrict__ y, float* __restrict__ out, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = x[i] + to_f32(y[i]);
+    }
+}
+
+extern "C" __global__ void add_f32_bf16(const float* x, const __nv_bfloat16* y, float* out, size_t n) {
+    add_f32(x, y, out, n);
+}
+extern "C" __global__ void add_f32_f16(const float* x, const __half* y, float* out, size_t n) { add_f32(x, y, out, n); }
+
+// RMSNorm of an f32 row with a 16-bit weight, written in the weight's type: out = x / rms(x) * w,
+// all in f32 and rounded once. One block per row.
+template <typename T>
+__device__ void rms_norm_f32(const float* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int cols,
+                             float eps) {
+    const float* xr = x + (size_t)blockIdx.x * cols;
+    T* orow = out + (size_t)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+        if (threadIdx.x == 0) part[0] = v;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(part[0] / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f32<T>(xr[c] * inv * to_f32(w[c]));
+}
+
+extern "C" __global__ void rms_norm_f32_bf16(const float* x, const __nv_bfloat16* w, __nv_bfloat16* out, int cols,
+                                             float eps) {
+    rms_norm_f32(x, w, out, cols, eps);
+}
+extern "C" __global__ void rms_norm_f32_f16(const float* x, const __half* w, __half* out, int cols, float eps) {
+    rms_norm_f32(x, w, out, cols, eps);
+}

@@ -123,3 +123,27 @@ fn silu_mul_matches_separate_ops() {
         assert!(e < tol, "{dtype:?}: rel err {e}");
     }
 }
+
+/// The f32 residual-stream kernels equal candle's f32 ops: the add exactly, the norm to the
+/// output's rounding.
+#[test]
+fn residual_kernels_match_f32_ops() {
+    let Some(dev) = device() else { return };
+    let (rows, cols) = (19, 576);
+    let x = Tensor::randn(0f32, 2.0, (rows, cols), &dev).unwrap();
+    let w = Tensor::randn(1f32, 0.3, cols, &dev).unwrap();
+    for (dtype, tol) in [(DType::BF16, 8e-3), (DType::F16, 1e-3)] {
+        let y = Tensor::randn(0f32, 1.0, (rows, cols), &dev).unwrap().to_dtype(dtype).unwrap();
+        let sum = layertap::engine::cuda_ops::add_f32(&x, &y).unwrap();
+        assert_eq!(sum.dtype(), DType::F32);
+        let want = (&x + y.to_dtype(DType::F32).unwrap()).unwrap();
+        let d = (&sum - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(d, 0.0, "{dtype:?} add differs by {d}");
+        let wd = w.to_dtype(dtype).unwrap();
+        let normed = layertap::engine::cuda_ops::rms_norm_f32(&sum, &wd, 1e-6).unwrap();
+        assert_eq!(normed.dtype(), dtype);
+        let want = candle_nn::ops::rms_norm(&sum, &wd.to_dtype(DType::F32).unwrap(), 1e-6).unwrap();
+        let e = rel(&normed, &want);
+        assert!(e < tol, "{dtype:?} norm rel err {e}");
+    }
+}

@@ -81,3 +81,171 @@ impl candle_core::CustomOp1 for SiluMul {
         Ok((CudaStorage { slice, device: dev.clone() }, Shape::from((rows, two_inter / 2))))
     }
 }
+
+/// `x + y` in f32, for `x` f32 (the residual stream) and `y` bf16 or f16 (a sublayer's output).
+pub fn add_f32(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    if x.dims() != y.dims() {
+        candle_core::bail!("add_f32: shapes {:?} and {:?} differ", x.dims(), y.dims());
+    }
+    x.contiguous()?.apply_op2_no_bwd(&y.contiguous()?, &AddF32)
+}
+
+/// RMSNorm of an f32 `[rows, cols]` tensor with a bf16/f16 weight `[cols]`, in the weight's type.
+pub fn rms_norm_f32(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    let cols = x.dim(candle_core::D::Minus1)?;
+    let rows = x.elem_count() / cols.max(1);
+    let y = x.contiguous()?.reshape((rows, cols))?.apply_op2_no_bwd(w, &RmsNormF32 { eps })?;
+    y.reshape(x.dims())
+}
+
+fn contiguous<'a, T: DeviceRepr>(
+    s: &'a CudaSlice<T>,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(s.slice(a..b)),
+        None => candle_core::bail!("{what} must be contiguous"),
+    }
+}
+
+struct AddF32;
+
+impl candle_core::CustomOp2 for AddF32 {
+    fn name(&self) -> &'static str {
+        "add-f32"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("add_f32 runs on CUDA devices only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ys: &CudaStorage,
+        yl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = xs.device();
+        let n = xl.shape().elem_count();
+        let x = match &xs.slice {
+            CudaStorageSlice::F32(x) => contiguous(x, xl, "add_f32: x")?,
+            _ => candle_core::bail!("add_f32: x must be f32"),
+        };
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<f32>(n)? };
+        let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        match &ys.slice {
+            CudaStorageSlice::BF16(y) => {
+                let y = contiguous(y, yl, "add_f32: y")?;
+                let func = dev.get_or_load_custom_func("add_f32_bf16", "layertap_ops", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x);
+                b.arg(&y);
+                b.arg(&out);
+                b.arg(&n);
+                // SAFETY: argument types and order match the kernel.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            CudaStorageSlice::F16(y) => {
+                let y = contiguous(y, yl, "add_f32: y")?;
+                let func = dev.get_or_load_custom_func("add_f32_f16", "layertap_ops", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x);
+                b.arg(&y);
+                b.arg(&out);
+                b.arg(&n);
+                // SAFETY: argument types and order match the kernel.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            _ => candle_core::bail!("add_f32: y must be bf16 or f16"),
+        }
+        Ok((CudaStorage { slice: CudaStorageSlice::F32(out), device: dev.clone() }, xl.shape().clone()))
+    }
+}
+
+struct RmsNormF32 {
+    eps: f32,
+}
+
+impl candle_core::CustomOp2 for RmsNormF32 {
+    fn name(&self) -> &'static str {
+        "rms-norm-f32"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("rms_norm_f32 runs on CUDA devices only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = xs.device();
+        let (rows, cols) = xl.shape().dims2()?;
+        if wl.shape().elem_count() != cols {
+            candle_core::bail!("rms_norm_f32: weight {:?} for rows of {cols}", wl.shape());
+        }
+        let x = match &xs.slice {
+            CudaStorageSlice::F32(x) => contiguous(x, xl, "rms_norm_f32: x")?,
+            _ => candle_core::bail!("rms_norm_f32: x must be f32"),
+        };
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (c, eps) = (cols as i32, self.eps);
+        let slice = match &ws.slice {
+            CudaStorageSlice::BF16(w) => {
+                let w = contiguous(w, wl, "rms_norm_f32: w")?;
+                // SAFETY: the kernel writes every element.
+                let out = unsafe { dev.alloc::<half::bf16>(rows * cols)? };
+                let func = dev.get_or_load_custom_func("rms_norm_f32_bf16", "layertap_ops", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x);
+                b.arg(&w);
+                b.arg(&out);
+                b.arg(&c);
+                b.arg(&eps);
+                if rows > 0 {
+                    // SAFETY: argument types and order match the kernel.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                CudaStorageSlice::BF16(out)
+            }
+            CudaStorageSlice::F16(w) => {
+                let w = contiguous(w, wl, "rms_norm_f32: w")?;
+                // SAFETY: the kernel writes every element.
+                let out = unsafe { dev.alloc::<half::f16>(rows * cols)? };
+                let func = dev.get_or_load_custom_func("rms_norm_f32_f16", "layertap_ops", PTX)?;
+                let mut b = func.builder();
+                b.arg(&x);
+                b.arg(&w);
+                b.arg(&out);
+                b.arg(&c);
+                b.arg(&eps);
+                if rows > 0 {
+                    // SAFETY: argument types and order match the kernel.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                CudaStorageSlice::F16(out)
+            }
+            _ => candle_core::bail!("rms_norm_f32: the weight must be bf16 or f16"),
+        };
+        Ok((CudaStorage { slice, device: dev.clone() }, xl.shape().clone()))
+    }
+}

@@ -172,8 +172,11 @@ pub fn tokens_for_memory(cfg: &ModelConfig, dtype: DType, free_bytes: u64, max_i
     let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
     let qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim) as u64;
     let attn = (cfg.num_attention_heads * cfg.head_dim) as u64;
-    // Every index may be tapped (L + 1 states), plus the working set of one layer.
-    let per_token = b * ((cfg.num_hidden_layers as u64 + 1) * h + 4 * h + 2 * qkv + attn + 3 * i) + 8 * 2;
+    // Every index may be tapped (L + 1 states), kept in f32 (the residual stream on CUDA) and
+    // stacked in the compute dtype, plus the previous batch's stack still being copied out; and
+    // the working set of one layer.
+    let taps = (cfg.num_hidden_layers as u64 + 1) * h * (4 + 2 * b);
+    let per_token = taps + b * (4 * h + 2 * qkv + attn + 3 * i) + 8 * 2;
     let chunk = attention::QUERY_CHUNK.min(max_input_tokens) as u64;
     let scores = cfg.num_attention_heads as u64 * chunk * max_input_tokens as u64 * (4 + 4 + b) * 2;
     let budget = (free_bytes as f64 * 0.8) as u64;

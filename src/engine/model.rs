@@ -50,6 +50,15 @@ impl Linear {
     }
 }
 
+/// `x + y` for the residual stream: same dtypes, or an f32 stream plus a 16-bit sublayer output.
+fn residual(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.dtype() == DType::F32 && y.dtype() != DType::F32 {
+        return super::cuda_ops::add_f32(x, y);
+    }
+    x + y
+}
+
 /// `a @ b`; bf16 on the CPU (which candle's CPU matmul lacks) accumulates in f32, as PyTorch does.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if a.dtype() == DType::BF16 && a.device().is_cpu() {
@@ -102,7 +111,13 @@ impl RmsNorm {
         Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps: eps as f32 })
     }
 
+    /// In the weight's dtype; an f32 input with a 16-bit weight (the f32 residual stream on
+    /// CUDA) is normalised in f32 and rounded once.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.dtype() == DType::F32 && self.weight.dtype() != DType::F32 {
+            return super::cuda_ops::rms_norm_f32(x, &self.weight, self.eps);
+        }
         candle_nn::ops::rms_norm(x, &self.weight, self.eps)
     }
 }
@@ -164,6 +179,9 @@ pub struct Packing {
 
 pub struct Decoder {
     pub cfg: ModelConfig,
+    /// Keep the residual stream in f32 while the model computes in bf16/f16 (CUDA; set
+    /// `LAYERTAP_F32_RESIDUAL=0` to keep it in the compute dtype, as Hugging Face does).
+    f32_residual: bool,
     embed: Tensor,
     layers: Vec<Layer>,
     norm: RmsNorm,
@@ -270,7 +288,7 @@ impl Layer {
         dev: &candle_core::Device,
         mut since: std::time::Instant,
     ) -> candle_core::Result<Tensor> {
-        let x = (x + self.attn.o.forward(attn)?)?;
+        let x = residual(x, &self.attn.o.forward(attn)?)?;
         let h = self.post_norm.forward(&x)?;
         let m = &self.mlp;
         let act = match &m.gate_up {
@@ -280,7 +298,7 @@ impl Layer {
             #[cfg(not(feature = "cuda"))]
             GateUp::Fused(_) => candle_core::bail!("fused gate/up needs the cuda feature"),
         };
-        let out = (x + m.down.forward(&act)?)?;
+        let out = residual(&x, &m.down.forward(&act)?)?;
         profile::mark(dev, 3, &mut since);
         Ok(out)
     }
@@ -298,7 +316,11 @@ impl Decoder {
         }
         let norm = RmsNorm::load(w, "norm", cfg.hidden_size, cfg.rms_norm_eps)?;
         let rope = Rope::new(&cfg);
-        Ok(Decoder { cfg, embed, layers, norm, rope })
+        let f32_residual = cfg!(feature = "cuda")
+            && embed.device().is_cuda()
+            && embed.dtype() != DType::F32
+            && !std::env::var("LAYERTAP_F32_RESIDUAL").is_ok_and(|v| v == "0");
+        Ok(Decoder { cfg, embed, layers, norm, rope, f32_residual })
     }
 
     pub fn dtype(&self) -> DType {
@@ -356,6 +378,9 @@ impl Decoder {
         let deepest = taps.iter().copied().max().unwrap_or(0);
         let mut kept: Vec<Option<Tensor>> = vec![None; n + 1];
         let mut x = self.embed.index_select(ids, 0)?;
+        if self.f32_residual {
+            x = x.to_dtype(DType::F32)?;
+        }
         if taps.contains(&0) {
             kept[0] = Some(x.clone());
         }
@@ -370,8 +395,14 @@ impl Decoder {
                 kept[idx] = Some(x.clone());
             }
         }
+        // States are returned in the compute dtype (the f32 stream rounded once).
         taps.iter()
-            .map(|&i| kept[i].clone().ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed"))))
+            .map(|&i| {
+                kept[i]
+                    .as_ref()
+                    .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))
+                    .and_then(|t| t.to_dtype(self.dtype()))
+            })
             .collect()
     }
 }

@@ -2,7 +2,7 @@
 # The GPU benchmark, run on the GPU machine from the repository root with the CUDA build of
 # layertap and the project's HTTP client (examples/bench_http.rs) in .gpu/:
 #
-#   source .gpu/device-env.sh && bench/gpu/run.sh [prepare|engine|http|hf|fidelity|all]
+#   source bench/gpu/cuda-libs.sh && bench/gpu/run.sh [prepare|engine|http|hf|fidelity|all]
 #
 # prepare:  random Qwen3-8B-shaped checkpoint, workload, bf16 matmul rate (bench/gpu/prepare.py)
 # engine:   layertap's engine in process (layertap bench)

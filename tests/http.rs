@@ -279,6 +279,37 @@ async fn concurrent_requests_are_batched_and_each_gets_its_own_slices() {
     assert!(batches < 12, "12 concurrent requests should share batches, ran {batches}");
 }
 
+/// The device worker starts the next batch while the previous one's results are still being
+/// collected (the copy to host memory), and every answer still arrives intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_batch_starts_while_the_last_one_is_collected() {
+    let mut l = limits();
+    l.max_batch_tokens = 4;
+    l.max_input_tokens = 4;
+    let s = fake_server(l, vec![]).await;
+    s.control.collect_ms.store(500, Ordering::SeqCst);
+    let mut tasks = Vec::new();
+    for i in 0..3u32 {
+        let base = s.base.clone();
+        tasks.push(tokio::spawn(async move {
+            let ids: Vec<u32> = (0..4).map(|k| i * 10 + k).collect();
+            let r = post(&base, "/v1/hidden-states", json!({"inputs": [{"input_ids": ids}], "layers": [2]})).await;
+            assert_eq!(r.status(), 200);
+            let (t, _) = read_safetensors_bytes(&unzstd(&r.bytes().await.unwrap()));
+            for (row, &id) in ids.iter().enumerate() {
+                assert_eq!(t["hidden_states"].f32[row * FAKE_HIDDEN], fake_value(id, 2, 0));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let events = s.control.events.lock().unwrap().clone();
+    assert_eq!(events.iter().filter(|e| e.0 == "launch").count(), 3, "one batch per request: {events:?}");
+    let at = |e: (&'static str, usize)| events.iter().position(|x| *x == e).unwrap();
+    assert!(at(("launch", 1)) < at(("done", 0)), "batch 1 should start before batch 0 is collected: {events:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_finishes_in_flight_requests_and_turns_readiness_off() {
     let s = fake_server(limits(), vec![]).await;

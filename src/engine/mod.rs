@@ -385,6 +385,11 @@ pub struct ModelInfo {
 pub struct Pending(Box<dyn FnOnce() -> Result<Taps, EngineError> + Send>);
 
 impl Pending {
+    /// A batch that `finish` completes.
+    pub fn new(finish: impl FnOnce() -> Result<Taps, EngineError> + Send + 'static) -> Self {
+        Pending(Box::new(finish))
+    }
+
     /// An already finished batch.
     pub fn ready(result: Result<Taps, EngineError>) -> Self {
         Pending(Box::new(move || result))
@@ -473,10 +478,10 @@ impl Engine for ModelEngine {
         #[cfg(feature = "cuda")]
         if let (Some(stream), Some(pool)) = (&self.copy_stream, &self.pinned) {
             let (stream, pool) = (stream.clone(), pool.clone());
-            return Ok(Pending(Box::new(move || {
+            return Ok(Pending::new(move || {
                 let host = cuda_copy::to_host(&stacked, dtype, &stream, &pool)?;
                 Ok(Taps { layers, host, layers_run })
-            })));
+            }));
         }
         let host = HostTensor::from_tensor(&stacked, dtype)?;
         Ok(Pending::ready(Ok(Taps { layers, host, layers_run })))
@@ -618,5 +623,33 @@ mod cuda_copy {
             _ => return Err(fail("the device-to-host copy expects a CUDA tensor".into())),
         };
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn taps() -> Taps {
+        // 3 tokens, layers [3, 1], hidden 2: value = token * 100 + layer * 10 + component.
+        let v: Vec<f32> = (0..3)
+            .flat_map(|t| [3usize, 1].into_iter().flat_map(move |l| (0..2).map(move |h| (t * 100 + l * 10 + h) as f32)))
+            .collect();
+        Taps { layers: vec![3, 1], host: HostTensor::from_f32(&v, vec![3, 2, 2]), layers_run: 3 }
+    }
+
+    /// A view is offered exactly when the batch already holds the rows as asked, and then it
+    /// is the same bytes a gather would copy.
+    #[test]
+    fn view_only_when_the_layout_matches_and_then_equals_gather() {
+        let t = taps();
+        let v = t.view(1, 2, &[3, 1], OutDType::Float32).expect("same layers, same dtype");
+        assert_eq!(v, &t.gather(1, 2, &[3, 1], OutDType::Float32).unwrap().data[..]);
+        let first: Vec<f32> = v[..8].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(first, vec![130.0, 131.0]);
+        assert!(t.view(1, 2, &[1, 3], OutDType::Float32).is_none(), "other layer order");
+        assert!(t.view(1, 2, &[3], OutDType::Float32).is_none(), "a subset of layers");
+        assert!(t.view(1, 2, &[3, 1], OutDType::Bfloat16).is_none(), "another dtype");
+        assert!(t.view(2, 2, &[3, 1], OutDType::Float32).is_none(), "rows past the end");
     }
 }

@@ -62,7 +62,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layertap::engine::{
-    Batch, Device, Engine, EngineError, HostTensor, LoadedEngine, MemoryProbe, ModelInfo, OutDType, Taps,
+    Batch, Device, Engine, EngineError, HostTensor, LoadedEngine, MemoryProbe, ModelInfo, OutDType, Pending, Taps,
 };
 use layertap::http::Limits;
 use layertap::server::{start, Running, Setup};
@@ -85,6 +85,11 @@ pub struct FakeControl {
     /// Token ids seen by the engine, in order.
     pub seen: Mutex<Vec<u32>>,
     pub batches: AtomicUsize,
+    /// When set, `launch` hands back a batch whose results take this long to collect (ms), as
+    /// a device-to-host copy would.
+    pub collect_ms: AtomicUsize,
+    /// ("launch" | "done", batch number), in the order they happened.
+    pub events: Mutex<Vec<(&'static str, usize)>>,
 }
 
 /// An engine whose hidden states are a known function of the token and layer.
@@ -109,6 +114,21 @@ impl Engine for FakeEngine {
         }
         let host = HostTensor::from_f32(&v, vec![batch.input_ids.len(), u, FAKE_HIDDEN]);
         Ok(Taps { layers: batch.layers.clone(), host, layers_run: batch.layers.iter().copied().max().unwrap_or(0) })
+    }
+
+    fn launch(&mut self, batch: &Batch) -> Result<Pending, EngineError> {
+        let n = self.0.batches.load(Ordering::SeqCst);
+        let taps = self.forward(batch);
+        self.0.events.lock().unwrap().push(("launch", n));
+        let c = self.0.clone();
+        Ok(Pending::new(move || {
+            let ms = c.collect_ms.load(Ordering::SeqCst);
+            if ms > 0 {
+                std::thread::sleep(Duration::from_millis(ms as u64));
+            }
+            c.events.lock().unwrap().push(("done", n));
+            taps
+        }))
     }
 }
 

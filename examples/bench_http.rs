@@ -4,6 +4,7 @@
 //!
 //! cargo run --release --example bench_http -- --url http://127.0.0.1:8080
 //!     [--workload bench/workload_cpu.json] [--concurrency 8] [--dtype float32]
+//!     [--encoding zstd|identity]
 //!
 //! The last stdout line is one JSON object (tokens/s, requests/s, bytes, compression ratio).
 
@@ -24,6 +25,8 @@ async fn main() -> anyhow::Result<()> {
     let workload = arg("--workload", "bench/workload_cpu.json");
     let concurrency: usize = arg("--concurrency", "8").parse()?;
     let dtype = arg("--dtype", "float32");
+    let encoding = arg("--encoding", "zstd");
+    anyhow::ensure!(encoding == "zstd" || encoding == "identity", "--encoding is zstd or identity");
     let (layers, seqs) = layertap::bench::read_workload(&workload)?;
     let seqs = Arc::new(seqs);
     let client = reqwest::Client::builder().no_proxy().build()?;
@@ -42,8 +45,8 @@ async fn main() -> anyhow::Result<()> {
     let start = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..concurrency {
-        let (client, url, seqs, next, layers, dtype) =
-            (client.clone(), url.clone(), seqs.clone(), next.clone(), layers.clone(), dtype.clone());
+        let (client, url, seqs, next, layers, dtype, encoding) =
+            (client.clone(), url.clone(), seqs.clone(), next.clone(), layers.clone(), dtype.clone(), encoding.clone());
         let (encoded, raw) = (encoded.clone(), raw.clone());
         tasks.push(tokio::spawn(async move {
             loop {
@@ -51,7 +54,7 @@ async fn main() -> anyhow::Result<()> {
                 let Some(s) = seqs.get(i) else { return Ok::<(), anyhow::Error>(()) };
                 let r = client
                     .post(format!("{url}/v1/hidden-states"))
-                    .header("accept-encoding", "zstd")
+                    .header("accept-encoding", encoding.as_str())
                     .json(&json!({"inputs": [{"input_ids": s}], "layers": layers, "dtype": dtype}))
                     .send()
                     .await?
@@ -59,8 +62,9 @@ async fn main() -> anyhow::Result<()> {
                 let body = r.bytes().await?;
                 encoded.fetch_add(body.len(), Ordering::SeqCst);
                 let (n_layers, len) = (layers.len(), s.len());
+                let zstd = encoding == "zstd";
                 let decoded = tokio::task::spawn_blocking(move || -> anyhow::Result<usize> {
-                    let bytes = zstd::stream::decode_all(&body[..])?;
+                    let bytes = if zstd { zstd::stream::decode_all(&body[..])? } else { body.to_vec() };
                     let st = safetensors::SafeTensors::deserialize(&bytes)?;
                     let hs = st.tensor("hidden_states")?;
                     anyhow::ensure!(hs.shape() == [len, n_layers, hidden], "bad shape {:?}", hs.shape());
@@ -82,7 +86,7 @@ async fn main() -> anyhow::Result<()> {
         json!({
             "contender": "layertap-http", "tokens": tokens, "requests": seqs.len(), "seconds": secs,
             "tokens_per_s": tokens as f64 / secs, "requests_per_s": seqs.len() as f64 / secs,
-            "concurrency": concurrency, "dtype": dtype, "encoded_bytes": enc, "decoded_bytes": rawb,
+            "concurrency": concurrency, "dtype": dtype, "encoding": encoding, "encoded_bytes": enc, "decoded_bytes": rawb,
             "compression_ratio": rawb as f64 / enc.max(1) as f64,
         })
     );

@@ -7,6 +7,7 @@
 # prepare:  random Qwen3-8B-shaped checkpoint, workload, bf16 matmul rate (bench/gpu/prepare.py)
 # engine:   layertap's engine in process (layertap bench)
 # http:     the server (DEVICES=cuda:0 or cuda:all) with the concurrent HTTP client, every answer decoded
+#           (ENCODING=identity asks for uncompressed answers, to take zstd off the host's load)
 # hf:       Hugging Face transformers + hooks, tuned (bf16, sdpa, sorted padded batches, pinned copies)
 # fidelity: bf16 on CUDA against HF f32, per index; packed against alone (bench/gpu/fidelity.py)
 # Each step appends one JSON line to $OUT_DIR/results.jsonl.
@@ -40,7 +41,7 @@ if [[ "$step" == http || "$step" == all ]]; then
   trap 'kill $server 2>/dev/null || true' EXIT
   for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
   "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$workload" --dtype bfloat16 \
-    --concurrency "${CONCURRENCY:-64}" | sed "s/^{/{\"devices\":\"$devices\",/" | tee -a "$results"
+    --concurrency "${CONCURRENCY:-64}" --encoding "${ENCODING:-zstd}" | sed "s/^{/{\"devices\":\"$devices\",/" | tee -a "$results"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^layertap_(device_memory|batch_tokens_(sum|count)|tokens_total)' \
     | tee -a "$OUT_DIR/metrics.txt"
   kill -TERM $server; wait $server || true

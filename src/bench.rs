@@ -2,9 +2,12 @@
 //!
 //! A workload is a JSON sidecar `{"layers": [...], "dtype": "...", "file": "x.jsonl"}` and a JSONL
 //! file of `{"input_ids": [...]}` lines. Sequences are sorted by length and packed (no padding)
-//! into batches of at most `--max-batch-tokens`; every sequence's states are gathered to host
-//! memory in the output dtype, so the extraction work is really done. One untimed warm-up batch,
-//! then the whole workload is timed.
+//! into batches of at most `--max-batch-tokens`; every sequence's states end up in host memory in
+//! the output dtype (addressed in place in the batch's buffer when its layout already matches, as
+//! the server's answers are, copied out otherwise), so the extraction work is really done. Batch
+//! i + 1 is launched before batch i is collected, as in the server. One untimed warm-up batch, then
+//! the whole workload is timed; afterwards the last batch's answers are zstd-encoded to report the
+//! compression ratio and speed.
 
 use std::path::PathBuf;
 use std::time::Instant;

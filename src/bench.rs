@@ -50,14 +50,8 @@ fn compression(
     let (mut raw, mut enc, mut at) = (0usize, 0usize, 0usize);
     let start = Instant::now();
     for s in b {
-        let copy;
-        let chunk = match taps.view(at, s.len(), layers, dtype) {
-            Some(v) => v,
-            None => {
-                copy = taps.gather(at, s.len(), layers, dtype)?;
-                &copy.data[..]
-            }
-        };
+        let piece = taps.bytes(at, s.len(), layers, dtype)?;
+        let chunk = &piece[..];
         let hidden = chunk.len() / (s.len() * layers.len() * dtype.size_in_bytes());
         let parts = crate::codec::AnswerParts {
             dtype,
@@ -116,10 +110,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         let cu = cu_of(b);
         let mut bytes = 0;
         for (i, s) in b.iter().enumerate() {
-            bytes += match taps.view(cu[i], s.len(), &layers, dtype) {
-                Some(v) => v.len(),
-                None => taps.gather(cu[i], s.len(), &layers, dtype)?.data.len(),
-            };
+            bytes += taps.bytes(cu[i], s.len(), &layers, dtype)?.len();
         }
         crate::engine::model::profile::mark(&device, 4, &mut since);
         Ok((bytes, taps))

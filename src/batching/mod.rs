@@ -38,9 +38,9 @@ pub struct Part {
 }
 
 impl Part {
-    /// The rows' bytes without a copy, when the batch already holds them as asked.
-    pub fn view(&self, layers: &[usize], dtype: OutDType) -> Option<&[u8]> {
-        self.taps.view(self.start, self.rows, layers, dtype)
+    /// The rows' bytes as asked, borrowed from the batch where its layout already matches.
+    pub fn bytes(&self, layers: &[usize], dtype: OutDType) -> Result<std::borrow::Cow<'_, [u8]>, EngineError> {
+        self.taps.bytes(self.start, self.rows, layers, dtype)
     }
 
     /// `[rows, layers, hidden]` in `dtype` (a host copy; run it off the async runtime).

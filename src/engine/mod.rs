@@ -217,6 +217,21 @@ impl Taps {
         self.host.data.get(start * row..(start + rows) * row)
     }
 
+    /// The bytes of tokens `start..start + rows` as asked: borrowed from the batch's buffer when
+    /// [`Taps::view`] can, a gathered copy otherwise. What every answer is written from.
+    pub fn bytes(
+        &self,
+        start: usize,
+        rows: usize,
+        layers: &[usize],
+        dtype: OutDType,
+    ) -> Result<std::borrow::Cow<'_, [u8]>, EngineError> {
+        match self.view(start, rows, layers, dtype) {
+            Some(v) => Ok(std::borrow::Cow::Borrowed(v)),
+            None => Ok(std::borrow::Cow::Owned(self.gather(start, rows, layers, dtype)?.data.into_vec())),
+        }
+    }
+
     /// `[rows, layers.len(), hidden]` for tokens `start..start + rows`, layers in the given order
     /// (each must be one of `self.layers`), in `dtype`.
     pub fn gather(
@@ -285,6 +300,16 @@ impl std::ops::Deref for HostBytes {
         match self {
             HostBytes::Vec(v) => v,
             HostBytes::Lent(b) => b.bytes(),
+        }
+    }
+}
+
+impl HostBytes {
+    /// The bytes as a vector (no copy when they already are one).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self {
+            HostBytes::Vec(v) => v,
+            lent => lent.to_vec(),
         }
     }
 }
@@ -651,5 +676,10 @@ mod tests {
         assert!(t.view(1, 2, &[3], OutDType::Float32).is_none(), "a subset of layers");
         assert!(t.view(1, 2, &[3, 1], OutDType::Bfloat16).is_none(), "another dtype");
         assert!(t.view(2, 2, &[3, 1], OutDType::Float32).is_none(), "rows past the end");
+        // `bytes` borrows exactly when a view exists, and copies the gathered rows otherwise.
+        assert!(matches!(t.bytes(1, 2, &[3, 1], OutDType::Float32).unwrap(), std::borrow::Cow::Borrowed(_)));
+        let owned = t.bytes(1, 2, &[1, 3], OutDType::Float32).unwrap();
+        assert!(matches!(owned, std::borrow::Cow::Owned(_)));
+        assert_eq!(&owned[..], &t.gather(1, 2, &[1, 3], OutDType::Float32).unwrap().data[..]);
     }
 }

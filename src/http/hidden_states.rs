@@ -207,23 +207,8 @@ pub async fn hidden_states(
         }
         // Each sequence's rows straight from its batch's buffer where the layout already matches
         // (the usual case); a copy only where layers or dtype must be rearranged.
-        let copies = answer
-            .parts
-            .iter()
-            .map(|p| match p.view(&layers, dtype) {
-                Some(_) => Ok(None),
-                None => p.gather(&layers, dtype).map(Some),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let chunks: Vec<&[u8]> = answer
-            .parts
-            .iter()
-            .zip(&copies)
-            .map(|(p, c)| match c {
-                Some(h) => &h.data[..],
-                None => p.view(&layers, dtype).unwrap_or_default(),
-            })
-            .collect();
+        let pieces = answer.parts.iter().map(|p| p.bytes(&layers, dtype)).collect::<Result<Vec<_>, _>>()?;
+        let chunks: Vec<&[u8]> = pieces.iter().map(|c| &c[..]).collect();
         let (input_ids, cu_seqlens, loss_mask) = token_columns(&seqs);
         let parts = codec::AnswerParts {
             dtype,

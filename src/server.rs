@@ -217,14 +217,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let max_batch_tokens = args.max_batch_tokens.unwrap_or(CPU_MAX_BATCH_TOKENS).max(args.max_input_tokens);
     let auto_batch_tokens = args.max_batch_tokens.is_none() && devices.iter().any(|d| d != "cpu");
     let max_input_tokens = args.max_input_tokens;
-    let info = ModelInfo {
-        model_id: files.id.clone(),
-        architecture: cfg.architecture.clone(),
-        num_layers: cfg.num_hidden_layers,
-        hidden_size: cfg.hidden_size,
-        vocab_size: cfg.vocab_size,
-        dtype: args.dtype,
-    };
+    let info = ModelInfo::new(&files.id, &cfg, args.dtype);
     let limits = Limits {
         max_batch_tokens,
         max_input_tokens: args.max_input_tokens,

@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use layertap::engine::attention::{chunk_masks, sequence_attention};
+use layertap::engine::layers::sdpa::{chunk_masks, sequence_attention};
 use layertap::engine::cuda_attention::{packed_attention, tiles};
 
 fn device() -> Option<Device> {

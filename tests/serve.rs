@@ -17,14 +17,7 @@ async fn real_server(model: &str) -> (Running, String) {
     let files = std::sync::Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
     let cfg = files.config().clone();
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
-    let info = layertap::engine::ModelInfo {
-        model_id: model.into(),
-        architecture: cfg.architecture.clone(),
-        num_layers: cfg.num_hidden_layers,
-        hidden_size: cfg.hidden_size,
-        vocab_size: cfg.vocab_size,
-        dtype: layertap::engine::OutDType::Float32,
-    };
+    let info = layertap::engine::ModelInfo::new(model, &cfg, layertap::engine::OutDType::Float32);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let setup = Setup {
         info,

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 
-use super::config::{Family, ModelConfig, RopeScaling};
+use super::config::{Family, LayerSpec, ModelConfig, RopeScaling};
 use super::EngineError;
 
 pub struct GgufFile {
@@ -98,15 +98,17 @@ impl GgufFile {
             }
         };
         let has = |n: &str| self.content.tensor_infos.contains_key(n);
+        let num_hidden_layers = self.req_usize(&k("block_count"))?;
         let cfg = ModelConfig {
             architecture: hf_arch.into(),
             family,
             hidden_size,
             intermediate_size: self.req_usize(&k("feed_forward_length"))?,
-            num_hidden_layers: self.req_usize(&k("block_count"))?,
+            num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
+            rotary_dim: head_dim,
             vocab_size,
             rms_norm_eps: self.meta_f64(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
             rope_theta: self.meta_f64(&k("rope.freq_base")).unwrap_or(10000.0),
@@ -118,6 +120,11 @@ impl GgufFile {
             mlp_bias: has("blk.0.ffn_up.bias"),
             qk_norm: has("blk.0.attn_q_norm.weight"),
             tie_word_embeddings: !has("output.weight"),
+            zero_centred_norms: false,
+            attn_output_gate: false,
+            linear_attention: None,
+            moe: None,
+            layers: vec![LayerSpec::DENSE_ATTENTION; num_hidden_layers],
         };
         cfg.validate()?;
         Ok(cfg)
@@ -177,6 +184,11 @@ impl GgufTensors {
 
     pub fn describe(&self) -> String {
         format!("GGUF file {}", self.file.path.display())
+    }
+
+    /// Whether the file holds the tensor transformers names `hf`.
+    pub fn has(&self, hf: &str) -> bool {
+        gguf_name(hf).is_some_and(|g| self.file.content.tensor_infos.contains_key(&g))
     }
 
     pub fn load(&self, hf: &str) -> Result<Option<Tensor>, EngineError> {

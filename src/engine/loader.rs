@@ -9,7 +9,7 @@ use candle_core::{DType, Device};
 
 use super::config::ModelConfig;
 use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
-use super::model::Decoder;
+use super::decoder::Decoder;
 use super::weights::{TensorSource, Weights};
 use super::{EngineError, ModelEngine, ModelInfo, OutDType};
 
@@ -240,14 +240,7 @@ impl ModelFiles {
         bar.set_message(self.id.clone());
         let decoder = Decoder::load(config.clone(), &weights, |_, _| bar.inc(1))?;
         bar.finish_and_clear();
-        let info = ModelInfo {
-            model_id: self.id.clone(),
-            architecture: config.architecture.clone(),
-            num_layers: config.num_hidden_layers,
-            hidden_size: config.hidden_size,
-            vocab_size: config.vocab_size,
-            dtype: OutDType::from_candle(dtype),
-        };
+        let info = ModelInfo::new(&self.id, &config, OutDType::from_candle(dtype));
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }
 }

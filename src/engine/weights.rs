@@ -23,13 +23,27 @@ pub struct Weights {
 
 impl Weights {
     pub fn new(source: TensorSource, device: Device, dtype: DType) -> Self {
-        // `*ForCausalLM` checkpoints name the decoder "model."; bare decoder checkpoints do not.
-        // GGUF names are mapped without a prefix.
+        // Multimodal wrappers (`*ForConditionalGeneration`) keep the text decoder under
+        // "model.language_model."; `*ForCausalLM` checkpoints name it "model."; bare decoder
+        // checkpoints use no prefix. GGUF names are mapped without a prefix. Tensors outside
+        // the decoder (vision tower, multi-token-prediction head) are never read.
         let prefix = match &source {
-            TensorSource::Safetensors { tensors, .. } if tensors.get("model.embed_tokens.weight").is_ok() => "model.",
-            _ => "",
+            TensorSource::Safetensors { tensors, .. } => ["model.language_model.", "model."]
+                .into_iter()
+                .find(|p| tensors.get(&format!("{p}embed_tokens.weight")).is_ok())
+                .unwrap_or(""),
+            TensorSource::Gguf(_) => "",
         };
         Weights { source, prefix: prefix.into(), device, dtype }
+    }
+
+    /// Whether the checkpoint has `name` (without the decoder prefix).
+    pub fn has(&self, name: &str) -> bool {
+        let full = format!("{}{name}", self.prefix);
+        match &self.source {
+            TensorSource::Safetensors { tensors, .. } => tensors.get(&full).is_ok(),
+            TensorSource::Gguf(g) => g.has(name),
+        }
     }
 
     fn where_from(&self) -> String {
@@ -43,8 +57,20 @@ impl Weights {
         }
     }
 
-    /// Loads `name` (without the "model." prefix), checks its shape and casts it.
+    /// Loads `name` (without the "model." prefix), checks its shape and casts it to the
+    /// compute dtype.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, EngineError> {
+        self.get_as(name, shape, self.dtype)
+    }
+
+    /// Loads `name` in f32 whatever the compute dtype: for the few tensors that are computed
+    /// with in f32 (gate constants, zero-centred norm weights), so an f32 tensor inside a
+    /// 16-bit checkpoint keeps its precision.
+    pub fn get_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor, EngineError> {
+        self.get_as(name, shape, DType::F32)
+    }
+
+    fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, EngineError> {
         let full = format!("{}{name}", self.prefix);
         let t = match &self.source {
             TensorSource::Safetensors { tensors, .. } => {
@@ -64,7 +90,7 @@ impl Weights {
                 shape
             )));
         }
-        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+        Ok(t.to_dtype(dtype)?.to_device(&self.device)?)
     }
 
     pub fn get_opt(&self, name: &str, shape: &[usize], present: bool) -> Result<Option<Tensor>, EngineError> {

@@ -42,6 +42,7 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         num_layers: i.num_layers,
         hidden_size: i.hidden_size,
         vocab_size: i.vocab_size,
+        layer_kinds: i.layer_kinds.clone(),
         dtype: i.dtype.name().into(),
         devices: s.devices.as_ref().clone(),
         max_batch_tokens: s.scheduler.max_batch_tokens(),

@@ -77,6 +77,9 @@ pub struct InfoResponse {
     pub num_layers: usize,
     pub hidden_size: usize,
     pub vocab_size: usize,
+    /// How many decoder layers of each kind (full or linear attention, dense MLP or mixture of
+    /// experts), and the experts' count and top-k.
+    pub layer_kinds: crate::engine::LayerKinds,
     /// Compute dtype (the default output dtype).
     pub dtype: String,
     pub devices: Vec<String>,

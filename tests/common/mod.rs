@@ -172,6 +172,11 @@ pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
             hidden_size: FAKE_HIDDEN,
             vocab_size: FAKE_VOCAB,
             dtype: OutDType::Float32,
+            layer_kinds: layertap::engine::LayerKinds {
+                full_attention: FAKE_LAYERS,
+                dense_mlp: FAKE_LAYERS,
+                ..Default::default()
+            },
         },
         tokenizer: Some(tiny_tokenizer()),
         devices: vec!["cpu".into()],

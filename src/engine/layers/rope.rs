@@ -2,16 +2,16 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::config::{ModelConfig, RopeScaling};
+use crate::engine::config::{ModelConfig, RopeScaling};
 
 pub struct Rope {
-    /// Inverse frequencies, `head_dim / 2` of them.
+    /// Inverse frequencies, `rotary_dim / 2` of them.
     inv_freq: Vec<f32>,
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> Self {
-        let d = cfg.head_dim;
+        let d = cfg.rotary_dim;
         let base = cfg.rope_theta as f32;
         let mut inv_freq: Vec<f32> = (0..d).step_by(2).map(|i| 1.0f32 / base.powf(i as f32 / d as f32)).collect();
         match &cfg.rope_scaling {
@@ -48,7 +48,7 @@ impl Rope {
         Rope { inv_freq }
     }
 
-    /// cos and sin tables `[positions.len(), head_dim / 2]` for the given positions.
+    /// cos and sin tables `[positions.len(), rotary_dim / 2]` for the given positions.
     pub fn tables(&self, positions: &[u32], dtype: DType, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
         let h = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * h);

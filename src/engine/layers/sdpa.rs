@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::model::matmul;
+use super::linear::matmul;
 
 /// Queries per chunk; bounds the score matrix to `heads × CHUNK × seq_len`.
 pub const QUERY_CHUNK: usize = 1024;

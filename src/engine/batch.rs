@@ -1,0 +1,174 @@
+//! What every layer of one forward pass shares about the packed batch, built once per batch:
+//! where each sequence sits, the rotary tables, the attention masks (or the CUDA kernel's tile
+//! list) and, for linear-attention layers, the conv shifts and the chunk plan of the delta rule.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::{MixerKind, ModelConfig};
+use super::layers::rope::Rope;
+use super::layers::sdpa::{chunk_masks, QUERY_CHUNK};
+
+/// Tokens per chunk of the chunked delta rule.
+pub const GDN_CHUNK: usize = 64;
+
+pub struct BatchCtx {
+    /// `(start, len)` of each sequence in the token dimension.
+    pub seqs: Vec<(usize, usize)>,
+    /// Attention masks per distinct sequence length, shared by every layer.
+    pub masks: HashMap<usize, Vec<Tensor>>,
+    /// The CUDA kernel's tile list, where the kernel serves this model (then `masks` is empty).
+    #[cfg(feature = "cuda")]
+    pub tiles: Option<(Tensor, usize)>,
+    /// Sliding attention window, if the model has one.
+    pub window: Option<usize>,
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// Present when the model has linear-attention layers.
+    pub gdn: Option<GdnPlan>,
+}
+
+/// Index tensors that let the Gated DeltaNet work on the whole packed batch at once while no
+/// conv window, chunk or recurrent state ever crosses a sequence boundary.
+pub struct GdnPlan {
+    /// `shifts[s - 1]`: for each token, the row `s` positions earlier in its own sequence, or
+    /// the zero row `T` (appended by the caller) before the sequence starts. `s` in `1..kernel`.
+    pub shifts: Vec<Tensor>,
+    /// For each slot of the chunk layout (`chunks * 64` rows), the token it holds, or the zero
+    /// row `T` for the padding after a sequence's last token.
+    pub gather: Tensor,
+    /// For each token, its slot in the chunk layout.
+    pub scatter: Tensor,
+    /// The recurrent scan, step `j`: chunks `offset..offset + active` hold chunk `j` of the
+    /// `active` longest sequences (sequences sorted by chunk count, longest first, so the
+    /// sequences still running at a step are always a prefix).
+    pub steps: Vec<(usize, usize)>,
+    pub chunks: usize,
+}
+
+impl GdnPlan {
+    pub fn new(seqs: &[(usize, usize)], kernel: usize, device: &Device) -> candle_core::Result<Self> {
+        let total: usize = seqs.iter().map(|s| s.1).sum();
+        let zero = total as u32;
+        let shifts = (1..kernel)
+            .map(|s| {
+                let idx: Vec<u32> = seqs
+                    .iter()
+                    .flat_map(|&(start, len)| {
+                        (0..len).map(move |p| if p >= s { (start + p - s) as u32 } else { zero })
+                    })
+                    .collect();
+                Tensor::new(idx.as_slice(), device)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut order: Vec<usize> = (0..seqs.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(seqs[i].1.div_ceil(GDN_CHUNK)));
+        let max_chunks = seqs.iter().map(|s| s.1.div_ceil(GDN_CHUNK)).max().unwrap_or(0);
+        let mut gather = Vec::new();
+        let mut scatter = vec![0u32; total];
+        let mut steps = Vec::with_capacity(max_chunks);
+        let mut chunk = 0;
+        for j in 0..max_chunks {
+            let offset = chunk;
+            for &i in order.iter().take_while(|&&i| seqs[i].1.div_ceil(GDN_CHUNK) > j) {
+                let (start, len) = seqs[i];
+                for r in 0..GDN_CHUNK {
+                    let p = j * GDN_CHUNK + r;
+                    if p < len {
+                        scatter[start + p] = (chunk * GDN_CHUNK + r) as u32;
+                        gather.push((start + p) as u32);
+                    } else {
+                        gather.push(zero);
+                    }
+                }
+                chunk += 1;
+            }
+            steps.push((offset, chunk - offset));
+        }
+        Ok(GdnPlan {
+            shifts,
+            gather: Tensor::new(gather.as_slice(), device)?,
+            scatter: Tensor::new(scatter.as_slice(), device)?,
+            steps,
+            chunks: chunk,
+        })
+    }
+}
+
+impl BatchCtx {
+    pub fn new(
+        cfg: &ModelConfig,
+        rope: &Rope,
+        cu_seqlens: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let seqs: Vec<(usize, usize)> = cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
+        let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
+        let (cos, sin) = rope.tables(&positions, dtype, device)?;
+        let has = |m: MixerKind| cfg.layers.iter().any(|l| l.mixer == m);
+        let mut masks = HashMap::new();
+        #[cfg(feature = "cuda")]
+        let tiles = if has(MixerKind::FullAttention)
+            && super::cuda_attention::supported(device, dtype, cfg.head_dim)
+        {
+            Some(super::cuda_attention::tiles(&seqs, device)?)
+        } else {
+            None
+        };
+        #[cfg(feature = "cuda")]
+        let need_masks = tiles.is_none() && has(MixerKind::FullAttention);
+        #[cfg(not(feature = "cuda"))]
+        let need_masks = has(MixerKind::FullAttention);
+        for &(_, len) in seqs.iter().filter(|_| need_masks) {
+            if let std::collections::hash_map::Entry::Vacant(e) = masks.entry(len) {
+                e.insert(chunk_masks(len, cfg.sliding_window, QUERY_CHUNK, device)?);
+            }
+        }
+        let gdn = match &cfg.linear_attention {
+            Some(la) if has(MixerKind::LinearAttention) => Some(GdnPlan::new(&seqs, la.conv_kernel, device)?),
+            _ => None,
+        };
+        Ok(BatchCtx {
+            seqs,
+            masks,
+            #[cfg(feature = "cuda")]
+            tiles,
+            window: cfg.sliding_window,
+            cos,
+            sin,
+            gdn,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every token lands in exactly one slot of its own sequence's chunks, in order, and the
+    /// scan steps list chunk j of every sequence that has one.
+    #[test]
+    fn the_chunk_plan_keeps_sequences_apart() -> candle_core::Result<()> {
+        let seqs = [(0, 3), (3, 130), (133, 64), (197, 65)];
+        let plan = GdnPlan::new(&seqs, 4, &Device::Cpu)?;
+        let gather = plan.gather.to_vec1::<u32>()?;
+        let scatter = plan.scatter.to_vec1::<u32>()?;
+        assert_eq!(plan.chunks, 1 + 3 + 1 + 2);
+        assert_eq!(gather.len(), plan.chunks * GDN_CHUNK);
+        for (t, &slot) in scatter.iter().enumerate() {
+            assert_eq!(gather[slot as usize] as usize, t, "token {t}");
+        }
+        // Sorted by chunk count: 130 (3 chunks), 65 (2), then 3 and 64 (1 each).
+        assert_eq!(plan.steps, vec![(0, 4), (4, 2), (6, 1)]);
+        // A token's shifted rows stay inside its sequence: position 0 reads the zero row.
+        let back1 = plan.shifts[0].to_vec1::<u32>()?;
+        assert_eq!(back1[3], 262, "the first token of a sequence reads zeros");
+        assert_eq!(back1[4], 3);
+        let back3 = plan.shifts[2].to_vec1::<u32>()?;
+        assert_eq!(&back3[0..3], &[262, 262, 262]);
+        assert_eq!(back3[6], 3);
+        Ok(())
+    }
+}

@@ -1,0 +1,259 @@
+//! Reading a Hugging Face `config.json` into a [`ModelConfig`], for every supported family.
+//! Anything the engine cannot reproduce exactly is a load error naming the field and value.
+
+use serde_json::Value;
+
+use super::{
+    bad, Family, FfnKind, GdnLayout, LayerSpec, LinearAttentionConfig, MixerKind, ModelConfig, MoeConfig, RopeScaling,
+};
+use crate::engine::EngineError;
+
+fn req_usize(cfg: &Value, key: &str) -> Result<usize, EngineError> {
+    cfg.get(key)
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .ok_or_else(|| bad(format!("config.json: missing or non-integer field {key:?}")))
+}
+
+fn opt_usize(cfg: &Value, key: &str) -> Option<usize> {
+    cfg.get(key).and_then(Value::as_u64).map(|v| v as usize)
+}
+
+fn opt_f64(cfg: &Value, key: &str) -> Option<f64> {
+    cfg.get(key).and_then(Value::as_f64)
+}
+
+fn opt_bool(cfg: &Value, key: &str) -> Option<bool> {
+    cfg.get(key).and_then(Value::as_bool)
+}
+
+/// `rope_parameters` (transformers 5) or `rope_scaling` (transformers 4), when an object.
+fn rope_params(cfg: &Value) -> Option<&Value> {
+    cfg.get("rope_parameters").filter(|v| v.is_object()).or_else(|| cfg.get("rope_scaling").filter(|v| v.is_object()))
+}
+
+/// Parses `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5).
+fn parse_rope(cfg: &Value) -> Result<(f64, Option<RopeScaling>), EngineError> {
+    let params = rope_params(cfg);
+    let theta = params.and_then(|p| opt_f64(p, "rope_theta")).or_else(|| opt_f64(cfg, "rope_theta")).unwrap_or(10000.0);
+    let Some(p) = params else {
+        return Ok((theta, None));
+    };
+    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let factor =
+        || opt_f64(p, "factor").ok_or_else(|| bad(format!("config.json: rope type {kind:?} needs \"factor\"")));
+    let scaling = match kind {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: factor()? }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: opt_f64(p, "low_freq_factor").unwrap_or(1.0),
+            high_freq_factor: opt_f64(p, "high_freq_factor").unwrap_or(4.0),
+            original_max_position_embeddings: opt_f64(p, "original_max_position_embeddings")
+                .ok_or_else(|| bad("config.json: llama3 rope needs original_max_position_embeddings"))?,
+        }),
+        other => {
+            return Err(bad(format!(
+                "config.json: rope type {other:?} is not supported (supported: default, linear, llama3)"
+            )))
+        }
+    };
+    Ok((theta, scaling))
+}
+
+/// `partial_rotary_factor` from `rope_parameters` or the top level; the hybrids default to 0.25
+/// as transformers does.
+fn rotary_dim(cfg: &Value, family: Family, head_dim: usize) -> Result<usize, EngineError> {
+    let default = if family.is_hybrid() { 0.25 } else { 1.0 };
+    let factor = rope_params(cfg)
+        .and_then(|p| opt_f64(p, "partial_rotary_factor"))
+        .or_else(|| opt_f64(cfg, "partial_rotary_factor"))
+        .unwrap_or(default);
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(bad(format!("config.json: partial_rotary_factor {factor} must be in (0, 1]")));
+    }
+    // transformers: int(head_dim * partial_rotary_factor).
+    Ok((head_dim as f64 * factor) as usize)
+}
+
+/// Layer kinds from `layer_types`, or every `full_attention_interval`-th layer (default 4) full.
+fn mixers(cfg: &Value, n: usize) -> Result<Vec<MixerKind>, EngineError> {
+    if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
+        let types = types.as_array().ok_or_else(|| bad("config.json: \"layer_types\" must be a list"))?;
+        if types.len() != n {
+            return Err(bad(format!(
+                "config.json: \"layer_types\" has {} entries for num_hidden_layers {n}",
+                types.len()
+            )));
+        }
+        return types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match t.as_str() {
+                Some("full_attention") => Ok(MixerKind::FullAttention),
+                Some("linear_attention") => Ok(MixerKind::LinearAttention),
+                _ => Err(bad(format!(
+                    "config.json: layer_types[{i}] = {t} is not supported (supported: \"full_attention\", \
+                     \"linear_attention\")"
+                ))),
+            })
+            .collect();
+    }
+    let interval = opt_usize(cfg, "full_attention_interval").unwrap_or(4);
+    if interval == 0 {
+        return Err(bad("config.json: full_attention_interval must be positive"));
+    }
+    Ok((0..n)
+        .map(|i| if (i + 1) % interval == 0 { MixerKind::FullAttention } else { MixerKind::LinearAttention })
+        .collect())
+}
+
+fn linear_attention(cfg: &Value, family: Family) -> Result<LinearAttentionConfig, EngineError> {
+    Ok(LinearAttentionConfig {
+        num_key_heads: req_usize(cfg, "linear_num_key_heads")?,
+        num_value_heads: req_usize(cfg, "linear_num_value_heads")?,
+        key_head_dim: req_usize(cfg, "linear_key_head_dim")?,
+        value_head_dim: req_usize(cfg, "linear_value_head_dim")?,
+        conv_kernel: opt_usize(cfg, "linear_conv_kernel_dim").unwrap_or(4),
+        layout: if family == Family::Qwen3Next { GdnLayout::Fused } else { GdnLayout::Separate },
+    })
+}
+
+/// Which layers are sparse: every `decoder_sparse_step`-th unless listed in `mlp_only_layers`
+/// (Qwen3-MoE, Qwen3-Next); Qwen3.5-MoE has experts in every layer.
+fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<MoeConfig>), EngineError> {
+    let experts = match family {
+        Family::Qwen3Moe | Family::Qwen3Next | Family::Qwen3_5Moe => opt_usize(cfg, "num_experts").unwrap_or(0),
+        _ => 0,
+    };
+    if experts == 0 {
+        return Ok((vec![FfnKind::Dense; n], None));
+    }
+    let moe = MoeConfig {
+        num_experts: experts,
+        experts_per_token: req_usize(cfg, "num_experts_per_tok")?,
+        expert_intermediate_size: req_usize(cfg, "moe_intermediate_size")?,
+        shared_expert_intermediate_size: match family {
+            Family::Qwen3Moe => None,
+            _ => Some(req_usize(cfg, "shared_expert_intermediate_size")?).filter(|&s| s > 0),
+        },
+        norm_topk_prob: match family {
+            Family::Qwen3_5Moe => true,
+            Family::Qwen3Next => opt_bool(cfg, "norm_topk_prob").unwrap_or(true),
+            _ => opt_bool(cfg, "norm_topk_prob").unwrap_or(false),
+        },
+    };
+    if family == Family::Qwen3_5Moe {
+        return Ok((vec![FfnKind::Moe; n], Some(moe)));
+    }
+    let step = opt_usize(cfg, "decoder_sparse_step").unwrap_or(1);
+    if step == 0 {
+        return Err(bad("config.json: decoder_sparse_step must be positive"));
+    }
+    let mlp_only: Vec<u64> = match cfg.get("mlp_only_layers").filter(|v| !v.is_null()) {
+        None => Vec::new(),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_u64).collect())
+            .ok_or_else(|| bad(format!("config.json: \"mlp_only_layers\" must be a list of layer indices, got {v}")))?,
+    };
+    let kinds = (0..n)
+        .map(|i| {
+            if !mlp_only.contains(&(i as u64)) && (i + 1) % step == 0 {
+                FfnKind::Moe
+            } else {
+                FfnKind::Dense
+            }
+        })
+        .collect();
+    Ok((kinds, Some(moe)))
+}
+
+impl ModelConfig {
+    /// Reads a Hugging Face `config.json` value. Multimodal wrappers keep the decoder's fields
+    /// under `text_config`; only the text model is read.
+    pub fn from_hf_json(root: &Value) -> Result<Self, EngineError> {
+        let architecture = root
+            .get("architectures")
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("config.json: missing \"architectures\""))?
+            .to_string();
+        let family = Family::from_architecture(&architecture)?;
+        let cfg = match root.get("text_config").filter(|v| v.is_object()) {
+            Some(text) if matches!(family, Family::Qwen3_5 | Family::Qwen3_5Moe) => text,
+            _ => root,
+        };
+        let hidden_size = req_usize(cfg, "hidden_size")?;
+        let num_attention_heads = req_usize(cfg, "num_attention_heads")?;
+        let num_key_value_heads = opt_usize(cfg, "num_key_value_heads").unwrap_or(num_attention_heads);
+        let head_dim = opt_usize(cfg, "head_dim").unwrap_or(hidden_size / num_attention_heads.max(1));
+        if let Some(act) = cfg.get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(bad(format!("config.json: hidden_act {act:?} is not supported (only silu)")));
+            }
+        }
+        let (rope_theta, rope_scaling) = parse_rope(cfg)?;
+        let sliding_window = match family {
+            Family::Mistral => opt_usize(cfg, "sliding_window"),
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe if opt_bool(cfg, "use_sliding_window") == Some(true) => {
+                return Err(bad("config.json: use_sliding_window=true is not supported for Qwen models"))
+            }
+            _ => None,
+        };
+        if family.is_hybrid() && opt_bool(cfg, "attn_output_gate") == Some(false) {
+            return Err(bad(
+                "config.json: attn_output_gate=false is not supported (transformers always gates these models' \
+                 attention output)",
+            ));
+        }
+        let attention_bias = opt_bool(cfg, "attention_bias").unwrap_or(false);
+        let (qkv_bias, o_bias) = match family {
+            Family::Qwen2 => (true, false),
+            Family::Mistral => (false, false),
+            _ => (attention_bias, attention_bias),
+        };
+        let n = req_usize(cfg, "num_hidden_layers")?;
+        let mixer_kinds =
+            if family.is_hybrid() { mixers(cfg, n)? } else { vec![MixerKind::FullAttention; n] };
+        let (ffn_kinds, moe) = ffns(cfg, family, n)?;
+        let layers = mixer_kinds.into_iter().zip(ffn_kinds).map(|(mixer, ffn)| LayerSpec { mixer, ffn }).collect();
+        let dense_needed = !matches!(family, Family::Qwen3_5Moe);
+        let c = ModelConfig {
+            architecture,
+            family,
+            hidden_size,
+            intermediate_size: if dense_needed {
+                req_usize(cfg, "intermediate_size")?
+            } else {
+                opt_usize(cfg, "intermediate_size").unwrap_or(0)
+            },
+            num_hidden_layers: n,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rotary_dim: rotary_dim(cfg, family, head_dim)?,
+            vocab_size: req_usize(cfg, "vocab_size")?,
+            rms_norm_eps: opt_f64(cfg, "rms_norm_eps").unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: opt_usize(cfg, "max_position_embeddings").unwrap_or(4096),
+            sliding_window,
+            qkv_bias,
+            o_bias,
+            mlp_bias: family == Family::Llama && opt_bool(cfg, "mlp_bias").unwrap_or(false),
+            qk_norm: !matches!(family, Family::Llama | Family::Mistral | Family::Qwen2),
+            zero_centred_norms: family.is_hybrid(),
+            attn_output_gate: family.is_hybrid(),
+            tie_word_embeddings: opt_bool(root, "tie_word_embeddings")
+                .or_else(|| opt_bool(cfg, "tie_word_embeddings"))
+                .unwrap_or(false),
+            linear_attention: if family.is_hybrid() { Some(linear_attention(cfg, family)?) } else { None },
+            moe,
+            layers,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}

@@ -1,0 +1,346 @@
+//! The model's shape and variant flags, normalised from a Hugging Face `config.json` (see
+//! [`hf`]) or GGUF metadata: one [`LayerSpec`] per decoder layer says which mixer and which
+//! feed-forward block it has.
+
+mod hf;
+
+use serde::Serialize;
+
+use super::EngineError;
+
+/// Architectures the engine can run, as Hugging Face names them in `config.json`.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Qwen3Moe,
+    Qwen3Next,
+    Qwen3_5,
+    Qwen3_5Moe,
+}
+
+impl Family {
+    pub fn from_architecture(arch: &str) -> Result<Self, EngineError> {
+        match arch {
+            "LlamaForCausalLM" => Ok(Family::Llama),
+            "MistralForCausalLM" => Ok(Family::Mistral),
+            "Qwen2ForCausalLM" => Ok(Family::Qwen2),
+            "Qwen3ForCausalLM" => Ok(Family::Qwen3),
+            "Qwen3MoeForCausalLM" => Ok(Family::Qwen3Moe),
+            "Qwen3NextForCausalLM" => Ok(Family::Qwen3Next),
+            "Qwen3_5ForConditionalGeneration" | "Qwen3_5ForCausalLM" => Ok(Family::Qwen3_5),
+            "Qwen3_5MoeForConditionalGeneration" | "Qwen3_5MoeForCausalLM" => Ok(Family::Qwen3_5Moe),
+            other => Err(EngineError::Load(format!(
+                "unsupported architecture {other:?}; supported: {}",
+                SUPPORTED_ARCHITECTURES.join(", ")
+            ))),
+        }
+    }
+
+    /// The Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): zero-centred norms `x * (1 + w)`,
+    /// gated attention with partial rotary, linear-attention layers.
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, Family::Qwen3Next | Family::Qwen3_5 | Family::Qwen3_5Moe)
+    }
+}
+
+/// How rotary frequencies are rescaled for long contexts.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    Linear { factor: f64 },
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+/// A decoder layer's token mixer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MixerKind {
+    /// Softmax attention over the whole sequence (causal, optionally windowed).
+    FullAttention,
+    /// Gated DeltaNet: causal conv1d, then the gated delta rule.
+    LinearAttention,
+}
+
+/// A decoder layer's feed-forward block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnKind {
+    /// SwiGLU MLP with `intermediate_size`.
+    Dense,
+    /// Sparse mixture of experts ([`MoeConfig`]).
+    Moe,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LayerSpec {
+    pub mixer: MixerKind,
+    pub ffn: FfnKind,
+}
+
+impl LayerSpec {
+    pub const DENSE_ATTENTION: LayerSpec = LayerSpec { mixer: MixerKind::FullAttention, ffn: FfnKind::Dense };
+}
+
+/// How the Gated DeltaNet input projections are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GdnLayout {
+    /// `in_proj_qkvz` and `in_proj_ba`, grouped per key head (Qwen3-Next).
+    Fused,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (Qwen3.5).
+    Separate,
+}
+
+/// Shape of the Gated DeltaNet (linear-attention) layers.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinearAttentionConfig {
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+    pub layout: GdnLayout,
+}
+
+impl LinearAttentionConfig {
+    /// Channels of the causal conv: q, k and v side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+    }
+}
+
+/// Shape of the sparse mixture-of-experts blocks.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub experts_per_token: usize,
+    pub expert_intermediate_size: usize,
+    /// A shared expert of this size, scaled by `sigmoid(x . shared_expert_gate)`.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Renormalise the top-k routing weights to sum to one.
+    pub norm_topk_prob: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelConfig {
+    pub architecture: String,
+    pub family: Family,
+    pub hidden_size: usize,
+    /// The dense MLP's width (0 when every layer is a mixture of experts).
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// Leading dimensions of each head that rotate (`head_dim * partial_rotary_factor`).
+    pub rotary_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    /// Keys further back than this many positions are masked (Mistral's sliding window).
+    pub sliding_window: Option<usize>,
+    /// Bias on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// Bias on the attention output projection.
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm on queries and keys before rotary embedding (Qwen3 and later).
+    pub qk_norm: bool,
+    /// RMSNorms (decoder, final, q/k) scale by `1 + w` instead of `w` (the hybrids).
+    pub zero_centred_norms: bool,
+    /// `q_proj` also emits a per-head output gate: `attn * sigmoid(gate)` before `o_proj`.
+    pub attn_output_gate: bool,
+    pub tie_word_embeddings: bool,
+    pub linear_attention: Option<LinearAttentionConfig>,
+    pub moe: Option<MoeConfig>,
+    /// One entry per decoder layer.
+    pub layers: Vec<LayerSpec>,
+}
+
+fn bad(msg: impl Into<String>) -> EngineError {
+    EngineError::Load(msg.into())
+}
+
+/// How many layers of each kind, for `/v1/info`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct LayerKinds {
+    pub full_attention: usize,
+    pub linear_attention: usize,
+    pub dense_mlp: usize,
+    pub moe: usize,
+    /// Experts per MoE layer (absent without MoE layers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<usize>,
+    /// Experts each token is routed to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts_per_token: Option<usize>,
+    /// Whether MoE layers add a gated shared expert.
+    pub shared_expert: bool,
+}
+
+impl ModelConfig {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
+            return Err(bad("model config: head counts must be positive"));
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(bad(format!(
+                "model config: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            )));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return Err(bad(format!("model config: head_dim {} must be even and positive", self.head_dim)));
+        }
+        if self.num_hidden_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return Err(bad("model config: layers, hidden size and vocab size must be positive"));
+        }
+        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+            return Err(bad(format!(
+                "model config: the rotary dimension {} (head_dim x partial_rotary_factor) must be even, positive \
+                 and at most head_dim {}",
+                self.rotary_dim, self.head_dim
+            )));
+        }
+        if self.layers.len() != self.num_hidden_layers {
+            return Err(bad(format!(
+                "model config: {} layer kinds for num_hidden_layers {}",
+                self.layers.len(),
+                self.num_hidden_layers
+            )));
+        }
+        let uses = |m: MixerKind| self.layers.iter().any(|l| l.mixer == m);
+        if uses(MixerKind::LinearAttention) {
+            let Some(la) = &self.linear_attention else {
+                return Err(bad("model config: linear-attention layers without their dimensions"));
+            };
+            let dims = [la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel];
+            if dims.contains(&0) {
+                return Err(bad("model config: linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, \
+                     linear_value_head_dim and linear_conv_kernel_dim must be positive"));
+            }
+            if la.num_value_heads % la.num_key_heads != 0 {
+                return Err(bad(format!(
+                    "model config: linear_num_value_heads ({}) is not a multiple of linear_num_key_heads ({})",
+                    la.num_value_heads, la.num_key_heads
+                )));
+            }
+        }
+        if self.layers.iter().any(|l| l.ffn == FfnKind::Moe) {
+            let Some(m) = &self.moe else { return Err(bad("model config: MoE layers without their dimensions")) };
+            if m.num_experts == 0 || m.experts_per_token == 0 || m.expert_intermediate_size == 0 {
+                return Err(bad("model config: num_experts, num_experts_per_tok and moe_intermediate_size must be \
+                     positive"));
+            }
+            if m.experts_per_token > m.num_experts {
+                return Err(bad(format!(
+                    "model config: num_experts_per_tok ({}) exceeds num_experts ({})",
+                    m.experts_per_token, m.num_experts
+                )));
+            }
+        }
+        if self.layers.iter().any(|l| l.ffn == FfnKind::Dense) && self.intermediate_size == 0 {
+            return Err(bad("model config: dense MLP layers need a positive intermediate_size"));
+        }
+        Ok(())
+    }
+
+    /// Activation bytes per token one layer of kind `spec` holds at its peak (`b` bytes per
+    /// compute-dtype value): what the automatic batch budget sizes batches by. Linear-attention
+    /// layers count their f32 conv, chunk and 64 x 64 per-chunk matrices (with padding of short
+    /// sequences to whole chunks); MoE layers count the router, every token's k expert rows and
+    /// the shared expert.
+    pub fn layer_bytes_per_token(&self, spec: &LayerSpec, b: u64) -> u64 {
+        let h = self.hidden_size as u64;
+        let (nq, nkv, hd) = (self.num_attention_heads as u64, self.num_key_value_heads as u64, self.head_dim as u64);
+        let q = if self.attn_output_gate { 2 * nq * hd } else { nq * hd };
+        let mixer = match spec.mixer {
+            MixerKind::FullAttention => b * (2 * (q + 2 * nkv * hd) + 2 * nq * hd),
+            MixerKind::LinearAttention => self.linear_attention.as_ref().map_or(0, |la| {
+                let (nv, dk, dv) = (la.num_value_heads as u64, la.key_head_dim as u64, la.value_head_dim as u64);
+                let conv = la.conv_dim() as u64;
+                let projections = b * (conv + 2 * nv * dv + 2 * nv);
+                let conv_f32 = 4 * conv * (la.conv_kernel as u64 + 3);
+                let chunk_rows = 4 * (8 * nv * dk + 6 * nv * dv);
+                let matrices = 4 * 8 * nv * crate::engine::batch::GDN_CHUNK as u64;
+                // Chunk tensors are padded to whole chunks: count them one and a half times.
+                projections + conv_f32 + (chunk_rows + matrices) * 3 / 2 + 4 * 3 * nv * dv
+            }),
+        };
+        let ffn = match (spec.ffn, &self.moe) {
+            (FfnKind::Dense, _) => 3 * self.intermediate_size as u64 * b,
+            (FfnKind::Moe, Some(m)) => {
+                let k = m.experts_per_token as u64;
+                let router = 3 * 4 * m.num_experts as u64 + 8 * k;
+                let experts = k * b * (2 * h + 3 * m.expert_intermediate_size as u64);
+                let shared = m.shared_expert_intermediate_size.map_or(0, |s| b * (3 * s as u64 + h));
+                router + experts + shared + 2 * h * b
+            }
+            (FfnKind::Moe, None) => 0,
+        };
+        b * 4 * h + mixer + ffn
+    }
+
+    /// Counts of each layer kind (what `/v1/info` reports).
+    pub fn layer_kinds(&self) -> LayerKinds {
+        let count = |f: &dyn Fn(&LayerSpec) -> bool| self.layers.iter().filter(|l| f(l)).count();
+        let moe_layers = count(&|l| l.ffn == FfnKind::Moe);
+        let moe = self.moe.as_ref().filter(|_| moe_layers > 0);
+        LayerKinds {
+            full_attention: count(&|l| l.mixer == MixerKind::FullAttention),
+            linear_attention: count(&|l| l.mixer == MixerKind::LinearAttention),
+            dense_mlp: count(&|l| l.ffn == FfnKind::Dense),
+            moe: moe_layers,
+            experts: moe.map(|m| m.num_experts),
+            experts_per_token: moe.map(|m| m.experts_per_token),
+            shared_expert: moe.is_some_and(|m| m.shared_expert_intermediate_size.is_some()),
+        }
+    }
+
+    pub fn resolve_layers(&self, layers: &[i64]) -> Result<Vec<usize>, EngineError> {
+        resolve_layers(layers, self.num_hidden_layers)
+    }
+}
+
+/// Turns caller layer indices (Hugging Face `hidden_states` indices, negative from the end)
+/// into indices in `0..=num_hidden_layers`, keeping the caller's order.
+pub fn resolve_layers(layers: &[i64], num_layers: usize) -> Result<Vec<usize>, EngineError> {
+    let n = num_layers as i64;
+    if layers.is_empty() {
+        return Err(EngineError::InvalidInput("\"layers\" must name at least one index".into()));
+    }
+    layers
+        .iter()
+        .map(|&i| {
+            let r = if i < 0 { n + 1 + i } else { i };
+            if (0..=n).contains(&r) {
+                Ok(r as usize)
+            } else {
+                Err(EngineError::InvalidInput(format!(
+                    "layer index {i} is out of range: this model has {n} layers, so indices go from \
+                         {} to {n} (0 = embeddings, {n} = final normed output)",
+                    -(n + 1)
+                )))
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,195 @@
+//! The decoder of every family: embeddings, one [`Block`] per layer (its mixer and
+//! feed-forward chosen by the config's layer specs), the final norm, and the tap loop over
+//! packed sequences, written once.
+
+use candle_core::{DType, Tensor};
+
+use super::batch::BatchCtx;
+use super::config::{FfnKind, MixerKind, ModelConfig};
+use super::layers::attention::Attention;
+use super::layers::gdn::GatedDeltaNet;
+use super::layers::linear::residual;
+use super::layers::mlp::GatedMlp;
+use super::layers::moe::SparseMoe;
+use super::layers::norm::RmsNorm;
+use super::layers::rope::Rope;
+use super::weights::Weights;
+use super::EngineError;
+
+/// Optional phase timing (`LAYERTAP_PROFILE=1`): synchronises the device after each phase of
+/// every layer and adds up the seconds, for finding where time goes. Off by default: the
+/// synchronisations cost throughput.
+pub mod profile {
+    use std::sync::{Mutex, OnceLock};
+    use std::time::Instant;
+
+    pub const PHASES: [&str; 5] = ["norm_qkv", "rope", "attention", "o_proj_mlp", "host_copy"];
+    static ON: OnceLock<bool> = OnceLock::new();
+    static SECS: Mutex<[f64; 5]> = Mutex::new([0.0; 5]);
+
+    pub fn enabled() -> bool {
+        *ON.get_or_init(|| std::env::var("LAYERTAP_PROFILE").is_ok_and(|v| v == "1"))
+    }
+
+    /// Ends a phase: waits for the device, then charges the time since `since` to `phase`.
+    pub fn mark(device: &candle_core::Device, phase: usize, since: &mut Instant) {
+        if enabled() {
+            let _ = device.synchronize();
+            if let Ok(mut s) = SECS.lock() {
+                s[phase] += since.elapsed().as_secs_f64();
+            }
+            *since = Instant::now();
+        }
+    }
+
+    /// Seconds per phase so far, by name.
+    pub fn totals() -> Vec<(&'static str, f64)> {
+        let s = SECS.lock().map(|s| *s).unwrap_or_default();
+        PHASES.iter().copied().zip(s).collect()
+    }
+}
+
+pub enum Mixer {
+    Attention(Attention),
+    GatedDeltaNet(GatedDeltaNet),
+}
+
+pub enum Ffn {
+    Dense(GatedMlp),
+    Moe(SparseMoe),
+}
+
+/// One decoder layer: `x + mixer(norm(x))`, then `x + ffn(norm(x))`.
+pub struct Block {
+    input_norm: RmsNorm,
+    mixer: Mixer,
+    post_norm: RmsNorm,
+    ffn: Ffn,
+}
+
+impl Block {
+    fn load(w: &Weights, c: &ModelConfig, i: usize) -> Result<Self, EngineError> {
+        let p = format!("layers.{i}");
+        let spec = c.layers[i];
+        let h = c.hidden_size;
+        let norm = |n: &str| RmsNorm::load(w, &format!("{p}.{n}"), h, c.rms_norm_eps, c.zero_centred_norms);
+        let mixer = match spec.mixer {
+            MixerKind::FullAttention => Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"))?),
+            MixerKind::LinearAttention => {
+                Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"))?)
+            }
+        };
+        let m = format!("{p}.mlp");
+        let ffn = match (spec.ffn, &c.moe) {
+            (FfnKind::Dense, _) => Ffn::Dense(GatedMlp::load(w, &m, h, c.intermediate_size, c.mlp_bias)?),
+            (FfnKind::Moe, Some(moe)) => Ffn::Moe(SparseMoe::load(w, &m, moe, h)?),
+            (FfnKind::Moe, None) => return Err(EngineError::Load(format!("layer {i}: MoE without num_experts"))),
+        };
+        Ok(Block { input_norm: norm("input_layernorm")?, mixer, post_norm: norm("post_attention_layernorm")?, ffn })
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
+        let mut since = std::time::Instant::now();
+        let h = self.input_norm.forward(x)?;
+        let mixed = match &self.mixer {
+            Mixer::Attention(a) => a.forward(&h, ctx, &mut since)?,
+            Mixer::GatedDeltaNet(g) => g.forward(&h, ctx, &mut since)?,
+        };
+        let x = residual(x, &mixed)?;
+        let h = self.post_norm.forward(&x)?;
+        let y = match &self.ffn {
+            Ffn::Dense(m) => m.forward(&h)?,
+            Ffn::Moe(m) => m.forward(&h)?,
+        };
+        let out = residual(&x, &y)?;
+        profile::mark(x.device(), 3, &mut since);
+        Ok(out)
+    }
+}
+
+pub struct Decoder {
+    pub cfg: ModelConfig,
+    /// Keep the residual stream in f32 while the model computes in bf16/f16 (CUDA; set
+    /// `LAYERTAP_F32_RESIDUAL=0` to keep it in the compute dtype, as Hugging Face does).
+    f32_residual: bool,
+    embed: Tensor,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    rope: Rope,
+}
+
+impl Decoder {
+    /// Loads every tensor the decoder needs (never `lm_head`, nor a vision tower or MTP head),
+    /// with a progress callback per layer.
+    pub fn load(cfg: ModelConfig, w: &Weights, mut progress: impl FnMut(usize, usize)) -> Result<Self, EngineError> {
+        let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
+        let n = cfg.num_hidden_layers;
+        let mut layers = Vec::with_capacity(n);
+        for i in 0..n {
+            layers.push(Block::load(w, &cfg, i)?);
+            progress(i + 1, n);
+        }
+        let norm = RmsNorm::load(w, "norm", cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norms)?;
+        let rope = Rope::new(&cfg);
+        let f32_residual = cfg!(feature = "cuda")
+            && embed.device().is_cuda()
+            && embed.dtype() != DType::F32
+            && !std::env::var("LAYERTAP_F32_RESIDUAL").is_ok_and(|v| v == "0");
+        Ok(Decoder { cfg, embed, layers, norm, rope, f32_residual })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    pub fn device(&self) -> &candle_core::Device {
+        self.embed.device()
+    }
+
+    pub fn packing(&self, cu_seqlens: &[usize]) -> candle_core::Result<BatchCtx> {
+        BatchCtx::new(&self.cfg, &self.rope, cu_seqlens, self.dtype(), self.device())
+    }
+
+    /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in
+    /// `0..=L`, any order, repeats allowed), the `[T, hidden]` state Hugging Face reports as
+    /// `hidden_states[i]`. Layers past the deepest tap are not run. `layers_run` counts the
+    /// decoder layers executed.
+    pub fn forward_taps(
+        &self,
+        ids: &Tensor,
+        pk: &BatchCtx,
+        taps: &[usize],
+        layers_run: &mut usize,
+    ) -> candle_core::Result<Vec<Tensor>> {
+        let n = self.layers.len();
+        let deepest = taps.iter().copied().max().unwrap_or(0);
+        let mut kept: Vec<Option<Tensor>> = vec![None; n + 1];
+        let mut x = self.embed.index_select(ids, 0)?;
+        if self.f32_residual {
+            x = x.to_dtype(DType::F32)?;
+        }
+        if taps.contains(&0) {
+            kept[0] = Some(x.clone());
+        }
+        for (i, layer) in self.layers.iter().enumerate().take(deepest) {
+            x = layer.forward(&x, pk)?;
+            *layers_run += 1;
+            let idx = i + 1;
+            if idx == n {
+                x = self.norm.forward(&x)?;
+            }
+            if taps.contains(&idx) {
+                kept[idx] = Some(x.clone());
+            }
+        }
+        // States are returned in the compute dtype (the f32 stream rounded once).
+        taps.iter()
+            .map(|&i| {
+                kept[i]
+                    .as_ref()
+                    .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))
+                    .and_then(|t| t.to_dtype(self.dtype()))
+            })
+            .collect()
+    }
+}

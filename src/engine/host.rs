@@ -1,0 +1,378 @@
+//! Results in host memory: the bytes of hidden states (a vector or a page-locked buffer lent
+//! by a device), the tensor the codec writes, and the taps of one batch with the cuts that
+//! answers are written from.
+
+use candle_core::Tensor;
+
+use super::{EngineError, OutDType};
+
+/// Hidden states of a batch in host memory: `[total_tokens, layers.len(), hidden]` in the
+/// compute dtype, copied from the device in one transfer. [`Taps::gather`] cuts out one
+/// sequence's rows and layers; it runs wherever the answer is encoded, off the device's thread.
+pub struct Taps {
+    /// The indices in `host`'s second dimension.
+    pub layers: Vec<usize>,
+    pub host: HostTensor,
+    /// Decoder layers actually run (early exit stops after the deepest requested index).
+    pub layers_run: usize,
+}
+
+impl Taps {
+    /// The bytes of tokens `start..start + rows` without copying, when they are already laid out
+    /// as asked: the same layers in the same order and the same dtype. Otherwise `None` (use
+    /// [`Taps::gather`]).
+    pub fn view(&self, start: usize, rows: usize, layers: &[usize], dtype: OutDType) -> Option<&[u8]> {
+        let [total, width, hidden] = self.host.shape[..] else { return None };
+        if layers != self.layers.as_slice() || dtype != self.host.dtype || start + rows > total {
+            return None;
+        }
+        let row = width * hidden * dtype.size_in_bytes();
+        self.host.data.get(start * row..(start + rows) * row)
+    }
+
+    /// The bytes of tokens `start..start + rows` as asked: borrowed from the batch's buffer when
+    /// [`Taps::view`] can, a gathered copy otherwise. What every answer is written from.
+    pub fn bytes(
+        &self,
+        start: usize,
+        rows: usize,
+        layers: &[usize],
+        dtype: OutDType,
+    ) -> Result<std::borrow::Cow<'_, [u8]>, EngineError> {
+        match self.view(start, rows, layers, dtype) {
+            Some(v) => Ok(std::borrow::Cow::Borrowed(v)),
+            None => Ok(std::borrow::Cow::Owned(self.gather(start, rows, layers, dtype)?.data.into_vec())),
+        }
+    }
+
+    /// `[rows, layers.len(), hidden]` for tokens `start..start + rows`, layers in the given order
+    /// (each must be one of `self.layers`), in `dtype`.
+    pub fn gather(
+        &self,
+        start: usize,
+        rows: usize,
+        layers: &[usize],
+        dtype: OutDType,
+    ) -> Result<HostTensor, EngineError> {
+        let [total, width, hidden] = self.host.shape[..] else {
+            return Err(EngineError::InvalidInput("taps must be [tokens, layers, hidden]".into()));
+        };
+        if start + rows > total {
+            return Err(EngineError::InvalidInput(format!("rows {start}..{} past {total} tokens", start + rows)));
+        }
+        let cols = layers
+            .iter()
+            .map(|l| {
+                self.layers
+                    .iter()
+                    .position(|x| x == l)
+                    .ok_or_else(|| EngineError::InvalidInput(format!("layer {l} was not part of this batch")))
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let es = self.host.dtype.candle().size_in_bytes();
+        let row_bytes = hidden * es;
+        let mut data = Vec::with_capacity(rows * cols.len() * row_bytes);
+        for r in start..start + rows {
+            for &c in &cols {
+                let at = (r * width + c) * row_bytes;
+                data.extend_from_slice(&self.host.data[at..at + row_bytes]);
+            }
+        }
+        let out = HostTensor { dtype: self.host.dtype, shape: vec![rows, cols.len(), hidden], data: data.into() };
+        Ok(out.to_dtype(dtype))
+    }
+}
+
+/// The bytes of 16-bit floats in memory order (one copy).
+fn half_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
+    const { assert!(std::mem::size_of::<T>() == 2) };
+    // SAFETY: `T` is half::bf16 or half::f16, both `#[repr(transparent)]` over u16: plain 2-byte
+    // values with no padding, so every byte of the slice is initialised and readable as u8.
+    let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) };
+    bytes.to_vec()
+}
+
+#[cfg(target_endian = "big")]
+compile_error!("layertap writes little-endian safetensors from memory and needs a little-endian host");
+
+/// A host buffer lent by a device (page-locked memory that goes back to its pool when dropped).
+pub trait LentBuffer: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+/// Bytes in host memory: a vector, or a buffer lent by a device.
+pub enum HostBytes {
+    Vec(Vec<u8>),
+    Lent(Box<dyn LentBuffer>),
+}
+
+impl std::ops::Deref for HostBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            HostBytes::Vec(v) => v,
+            HostBytes::Lent(b) => b.bytes(),
+        }
+    }
+}
+
+impl HostBytes {
+    /// The bytes as a vector (no copy when they already are one).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self {
+            HostBytes::Vec(v) => v,
+            lent => lent.to_vec(),
+        }
+    }
+}
+
+impl From<Vec<u8>> for HostBytes {
+    fn from(v: Vec<u8>) -> Self {
+        HostBytes::Vec(v)
+    }
+}
+
+impl Clone for HostBytes {
+    fn clone(&self) -> Self {
+        HostBytes::Vec(self.to_vec())
+    }
+}
+
+impl PartialEq for HostBytes {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostBytes({} bytes)", self.len())
+    }
+}
+
+/// A dense tensor in host memory as little-endian bytes: what the codec writes out.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub dtype: OutDType,
+    pub shape: Vec<usize>,
+    pub data: HostBytes,
+}
+
+impl HostTensor {
+    pub(crate) fn from_tensor(t: &Tensor, dtype: OutDType) -> Result<Self, EngineError> {
+        let flat = t.flatten_all()?;
+        // Little-endian host (checked at compile time below): memory order is the file order.
+        let data = match dtype {
+            OutDType::Float32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
+            OutDType::Bfloat16 => half_bytes(&flat.to_vec1::<half::bf16>()?),
+            OutDType::Float16 => half_bytes(&flat.to_vec1::<half::f16>()?),
+        };
+        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data: data.into() })
+    }
+
+    /// `[..]` f32 values as a host tensor (for engines other than the model, e.g. test fakes).
+    pub fn from_f32(values: &[f32], shape: Vec<usize>) -> Self {
+        HostTensor { dtype: OutDType::Float32, shape, data: bytemuck::cast_slice(values).to_vec().into() }
+    }
+
+    /// The same values in another dtype (round to nearest even when narrowing).
+    pub fn to_dtype(self, dtype: OutDType) -> Self {
+        if dtype == self.dtype {
+            return self;
+        }
+        let v = self.to_f32();
+        let data = match dtype {
+            OutDType::Float32 => bytemuck::cast_slice(&v).to_vec(),
+            OutDType::Bfloat16 => half_bytes(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>()),
+            OutDType::Float16 => half_bytes(&v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>()),
+        };
+        HostTensor { dtype, shape: self.shape, data: data.into() }
+    }
+
+    /// Values as f32 (for tests and JSON output).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.dtype {
+            OutDType::Float32 => {
+                self.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
+            OutDType::Bfloat16 => {
+                self.data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+            }
+            OutDType::Float16 => {
+                self.data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+            }
+        }
+    }
+}
+
+/// Device-to-host copies on a stream of their own, into page-locked buffers that are reused.
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_copy {
+    use super::{EngineError, HostBytes, HostTensor, LentBuffer, OutDType};
+    use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
+    use candle_core::cuda_backend::CudaStorageSlice;
+    use candle_core::{Storage, Tensor};
+    use std::sync::{Arc, Mutex};
+
+    fn fail(msg: String) -> EngineError {
+        EngineError::Compute(candle_core::Error::Msg(msg))
+    }
+
+    /// Page-locked host buffers: the device copies into them directly (no staging, no page
+    /// faults), and a buffer returns here when the last answer cut from it is encoded.
+    pub struct PinnedPool {
+        ctx: Arc<CudaContext>,
+        free: Mutex<Vec<PinnedHostSlice<u8>>>,
+    }
+
+    /// Buffers are sized in steps of this many bytes so batches of similar size share them.
+    const STEP: usize = 64 << 20;
+    /// Idle buffers kept for reuse; more are freed.
+    const KEEP: usize = 4;
+
+    impl PinnedPool {
+        pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+            Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()) })
+        }
+
+        fn take(self: &Arc<Self>, len: usize) -> Result<PinnedBuf, EngineError> {
+            let reused = {
+                let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+                // The smallest idle buffer that fits.
+                let best = free.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len());
+                best.map(|(i, _)| i).map(|i| free.swap_remove(i))
+            };
+            let buf = match reused {
+                Some(b) => b,
+                None => {
+                    let size = len.div_ceil(STEP).max(1) * STEP;
+                    // SAFETY: the memory is uninitialised until the copy writes it; only the first
+                    // `len` bytes, which the copy fills, are ever read.
+                    unsafe { self.ctx.alloc_pinned_with_flags::<u8>(size, 0) }
+                        .map_err(|e| fail(format!("cannot allocate {size} bytes of page-locked host memory: {e}")))?
+                }
+            };
+            Ok(PinnedBuf { buf: Some(buf), len, pool: self.clone() })
+        }
+
+        fn give_back(&self, buf: PinnedHostSlice<u8>) {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            free.push(buf);
+            if free.len() > KEEP {
+                // Drop the smallest: the large ones fit every batch.
+                if let Some(i) = free.iter().enumerate().min_by_key(|(_, b)| b.len()).map(|(i, _)| i) {
+                    free.swap_remove(i);
+                }
+            }
+        }
+    }
+
+    pub struct PinnedBuf {
+        buf: Option<PinnedHostSlice<u8>>,
+        len: usize,
+        pool: Arc<PinnedPool>,
+    }
+
+    impl LentBuffer for PinnedBuf {
+        fn bytes(&self) -> &[u8] {
+            match &self.buf {
+                // The copy into it has been waited for before the buffer is handed out.
+                Some(b) => b.as_slice().map(|s| &s[..self.len]).unwrap_or(&[]),
+                None => &[],
+            }
+        }
+    }
+
+    impl Drop for PinnedBuf {
+        fn drop(&mut self) {
+            if let Some(b) = self.buf.take() {
+                self.pool.give_back(b);
+            }
+        }
+    }
+
+    fn copy<T: DeviceRepr>(
+        s: &CudaSlice<T>,
+        range: (usize, usize),
+        stream: &Arc<CudaStream>,
+        pool: &Arc<PinnedPool>,
+    ) -> Result<HostBytes, EngineError> {
+        let view = s.slice(range.0..range.1);
+        let bytes = (range.1 - range.0) * std::mem::size_of::<T>();
+        let mut dst = pool.take(bytes)?;
+        let buf = dst.buf.as_mut().ok_or_else(|| fail("pinned buffer missing".into()))?;
+        // SAFETY: a view of the same bytes as `T` (16- or 32-bit floats, for which every bit
+        // pattern is valid); the buffer holds at least `bytes` bytes and is page-aligned.
+        let dst_t: &mut [T] = unsafe {
+            let p = buf.as_mut_ptr().map_err(|e| fail(format!("pinned buffer: {e}")))?;
+            std::slice::from_raw_parts_mut(p.cast::<T>(), range.1 - range.0)
+        };
+        stream.memcpy_dtoh(&view, dst_t).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+        stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+        Ok(HostBytes::Lent(Box::new(dst)))
+    }
+
+    /// Copies a contiguous tensor into host memory on `stream`, which first waits for the work
+    /// that wrote it (the context tracks events once a second stream exists).
+    pub fn to_host(
+        t: &Tensor,
+        dtype: OutDType,
+        stream: &Arc<CudaStream>,
+        pool: &Arc<PinnedPool>,
+    ) -> Result<HostTensor, EngineError> {
+        let (storage, layout) = t.storage_and_layout();
+        let range =
+            layout.contiguous_offsets().ok_or_else(|| fail("hidden states must be contiguous to copy".into()))?;
+        let mismatch = || fail("dtype mismatch in the device-to-host copy".into());
+        let data = match (&*storage, dtype) {
+            (Storage::Cuda(c), OutDType::Bfloat16) => match &c.slice {
+                CudaStorageSlice::BF16(s) => copy(s, range, stream, pool)?,
+                _ => return Err(mismatch()),
+            },
+            (Storage::Cuda(c), OutDType::Float16) => match &c.slice {
+                CudaStorageSlice::F16(s) => copy(s, range, stream, pool)?,
+                _ => return Err(mismatch()),
+            },
+            (Storage::Cuda(c), OutDType::Float32) => match &c.slice {
+                CudaStorageSlice::F32(s) => copy(s, range, stream, pool)?,
+                _ => return Err(mismatch()),
+            },
+            _ => return Err(fail("the device-to-host copy expects a CUDA tensor".into())),
+        };
+        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn taps() -> Taps {
+        // 3 tokens, layers [3, 1], hidden 2: value = token * 100 + layer * 10 + component.
+        let v: Vec<f32> = (0..3)
+            .flat_map(|t| [3usize, 1].into_iter().flat_map(move |l| (0..2).map(move |h| (t * 100 + l * 10 + h) as f32)))
+            .collect();
+        Taps { layers: vec![3, 1], host: HostTensor::from_f32(&v, vec![3, 2, 2]), layers_run: 3 }
+    }
+
+    /// A view is offered exactly when the batch already holds the rows as asked, and then it
+    /// is the same bytes a gather would copy.
+    #[test]
+    fn view_only_when_the_layout_matches_and_then_equals_gather() {
+        let t = taps();
+        let v = t.view(1, 2, &[3, 1], OutDType::Float32).expect("same layers, same dtype");
+        assert_eq!(v, &t.gather(1, 2, &[3, 1], OutDType::Float32).unwrap().data[..]);
+        let first: Vec<f32> = v[..8].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(first, vec![130.0, 131.0]);
+        assert!(t.view(1, 2, &[1, 3], OutDType::Float32).is_none(), "other layer order");
+        assert!(t.view(1, 2, &[3], OutDType::Float32).is_none(), "a subset of layers");
+        assert!(t.view(1, 2, &[3, 1], OutDType::Bfloat16).is_none(), "another dtype");
+        assert!(t.view(2, 2, &[3, 1], OutDType::Float32).is_none(), "rows past the end");
+        // `bytes` borrows exactly when a view exists, and copies the gathered rows otherwise.
+        assert!(matches!(t.bytes(1, 2, &[3, 1], OutDType::Float32).unwrap(), std::borrow::Cow::Borrowed(_)));
+        let owned = t.bytes(1, 2, &[1, 3], OutDType::Float32).unwrap();
+        assert!(matches!(owned, std::borrow::Cow::Owned(_)));
+        assert_eq!(&owned[..], &t.gather(1, 2, &[1, 3], OutDType::Float32).unwrap().data[..]);
+    }
+}

@@ -1,0 +1,128 @@
+//! Softmax attention over packed sequences: q/k/v projections (fused on CUDA), optional q/k
+//! RMSNorm, rotary embedding on the first `rotary_dim` dimensions of each head, causal
+//! attention per sequence, an optional sigmoid output gate, and the output projection.
+
+use std::time::Instant;
+
+use candle_core::{Tensor, D};
+
+use super::linear::{Linear, Projections};
+use super::norm::RmsNorm;
+use super::sdpa::sequence_attention;
+use crate::engine::batch::BatchCtx;
+use crate::engine::config::ModelConfig;
+use crate::engine::decoder::profile;
+use crate::engine::weights::Weights;
+use crate::engine::EngineError;
+
+pub struct Attention {
+    qkv: Projections,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    /// `q_proj` holds, per head, the query then its output gate.
+    gated: bool,
+}
+
+impl Attention {
+    pub fn load(w: &Weights, c: &ModelConfig, prefix: &str) -> Result<Self, EngineError> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let q_out = if c.attn_output_gate { 2 * nq * hd } else { nq * hd };
+        let q = Linear::load(w, &format!("{prefix}.q_proj"), q_out, h, c.qkv_bias)?;
+        let k = Linear::load(w, &format!("{prefix}.k_proj"), nkv * hd, h, c.qkv_bias)?;
+        let v = Linear::load(w, &format!("{prefix}.v_proj"), nkv * hd, h, c.qkv_bias)?;
+        let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms);
+        Ok(Attention {
+            // On CUDA, fewer and larger matmuls; on the CPU the layout stays as the reference's.
+            qkv: Projections::new(vec![q, k, v], w.device.is_cuda())?,
+            o: Linear::load(w, &format!("{prefix}.o_proj"), h, nq * hd, c.o_bias)?,
+            q_norm: c.qk_norm.then(|| norm("q_norm")).transpose()?,
+            k_norm: c.qk_norm.then(|| norm("k_norm")).transpose()?,
+            heads: nq,
+            kv_heads: nkv,
+            head_dim: hd,
+            rotary_dim: c.rotary_dim,
+            gated: c.attn_output_gate,
+        })
+    }
+
+    /// Rotary embedding of `[T, heads, head_dim]` on the first `rotary_dim` dimensions.
+    fn rope(&self, x: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
+        let rot = |x: &Tensor| {
+            candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, &ctx.cos, &ctx.sin)?.squeeze(0)
+        };
+        if self.rotary_dim == self.head_dim {
+            return rot(x);
+        }
+        let pass = x.narrow(D::Minus1, self.rotary_dim, self.head_dim - self.rotary_dim)?;
+        Tensor::cat(&[rot(&x.narrow(D::Minus1, 0, self.rotary_dim)?)?, pass], D::Minus1)
+    }
+
+    /// `h`: the normed input `[T, hidden]`; returns the attention block's output `[T, hidden]`.
+    /// `since`: the start of the current profile phase.
+    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
+        let dev = h.device();
+        let t = h.dim(0)?;
+        let (hd, nq) = (self.head_dim, self.heads);
+        let mut parts = self.qkv.forward(h)?.into_iter();
+        let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+            candle_core::bail!("attention: the q/k/v projections returned fewer than three parts");
+        };
+        let (mut q, gate) = if self.gated {
+            // Per head: the query, then its gate (interleaved by head, not two halves).
+            let qg = q.reshape((t, nq, 2 * hd))?;
+            (qg.narrow(2, 0, hd)?.contiguous()?, Some(qg.narrow(2, hd, hd)?.reshape((t, nq * hd))?))
+        } else {
+            (q.reshape((t, nq, hd))?, None)
+        };
+        let mut k = k.reshape((t, self.kv_heads, hd))?;
+        let v = v.reshape((t, self.kv_heads, hd))?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        profile::mark(dev, 0, since);
+        let q = self.rope(&q, ctx)?;
+        let k = self.rope(&k, ctx)?;
+        profile::mark(dev, 1, since);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let attn = self.attend(&q, &k, &v.contiguous()?, scale, ctx)?;
+        profile::mark(dev, 2, since);
+        let attn = match gate {
+            Some(g) => (attn * candle_nn::ops::sigmoid(&g)?)?,
+            None => attn,
+        };
+        self.o.forward(&attn)
+    }
+
+    /// `[T, heads * head_dim]`: the CUDA kernel over the whole batch where it serves, otherwise
+    /// one portable pass per sequence.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
+        let t = q.dim(0)?;
+        #[cfg(feature = "cuda")]
+        if let Some(tiles) = &ctx.tiles {
+            return crate::engine::cuda_attention::packed_attention(q, k, v, tiles, scale, ctx.window)?
+                .reshape((t, self.heads * self.head_dim));
+        }
+        let mut outs = Vec::with_capacity(ctx.seqs.len());
+        for &(start, len) in &ctx.seqs {
+            let masks =
+                ctx.masks.get(&len).ok_or_else(|| candle_core::Error::Msg(format!("no mask for length {len}")))?;
+            outs.push(sequence_attention(
+                &q.narrow(0, start, len)?,
+                &k.narrow(0, start, len)?,
+                &v.narrow(0, start, len)?,
+                scale,
+                masks,
+            )?);
+        }
+        let out = if outs.len() == 1 { outs.swap_remove(0) } else { Tensor::cat(&outs, 0)? };
+        debug_assert_eq!(out.dim(0)?, t);
+        Ok(out)
+    }
+}

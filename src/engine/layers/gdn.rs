@@ -1,0 +1,133 @@
+//! The Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5 linear-attention layers): input
+//! projections, a causal depthwise conv1d + SiLU over q, k and v that restarts at every
+//! sequence, the gates (`beta = sigmoid(b)`, `g = -exp(A_log) * softplus(a + dt_bias)`), l2norm
+//! of q and k, the chunked delta rule, the gated RMSNorm with `silu(z)`, the output projection.
+//! Everything between the projections runs in f32.
+
+use std::time::Instant;
+
+use candle_core::{DType, Tensor, D};
+
+use super::delta_rule;
+use super::linear::{Linear, Projections};
+use super::norm::GatedRmsNorm;
+use crate::engine::batch::BatchCtx;
+use crate::engine::config::{GdnLayout, LinearAttentionConfig, ModelConfig};
+use crate::engine::decoder::profile;
+use crate::engine::weights::Weights;
+use crate::engine::EngineError;
+
+pub struct GatedDeltaNet {
+    /// qkv `[conv_dim]` (q, k, v each head-major), z `[value_dim]`, b and a `[value_heads]`.
+    proj: Projections,
+    /// `taps[s]`: the conv weight applied to the token `s` positions back, `[conv_dim]` f32.
+    taps: Vec<Tensor>,
+    /// `-exp(A_log)`, f32 `[value_heads]`.
+    neg_a: Tensor,
+    dt_bias: Tensor,
+    norm: GatedRmsNorm,
+    out: Linear,
+    dims: LinearAttentionConfig,
+}
+
+/// Rows `[q | k | v]` and `[z]` of Qwen3-Next's `in_proj_qkvz`, and `[b]`, `[a]` of
+/// `in_proj_ba`: both are grouped per key head (group g: q_g, k_g, its value heads' v, their z;
+/// then b_g, a_g), so the rows are regrouped once into the head-major layout of Qwen3.5.
+fn split_fused(w: &Weights, p: &str, d: &LinearAttentionConfig, hidden: usize) -> Result<Vec<Linear>, EngineError> {
+    let (nk, dk, dv) = (d.num_key_heads, d.key_head_dim, d.value_head_dim);
+    let r = d.num_value_heads / nk;
+    let group = 2 * dk + 2 * r * dv;
+    let qkvz = w.get(&format!("{p}.in_proj_qkvz.weight"), &[nk * group, hidden])?.reshape((nk, group, hidden))?;
+    let part = |t: &Tensor, at: usize, len: usize| t.narrow(1, at, len)?.reshape((nk * len, hidden));
+    let qkv = Tensor::cat(&[part(&qkvz, 0, dk)?, part(&qkvz, dk, dk)?, part(&qkvz, 2 * dk, r * dv)?], 0)?;
+    let z = part(&qkvz, 2 * dk + r * dv, r * dv)?;
+    let ba = w.get(&format!("{p}.in_proj_ba.weight"), &[nk * 2 * r, hidden])?.reshape((nk, 2 * r, hidden))?;
+    [qkv, z, part(&ba, 0, r)?, part(&ba, r, r)?]
+        .into_iter()
+        .map(|t| Linear::from_weight(t, None).map_err(EngineError::from))
+        .collect()
+}
+
+impl GatedDeltaNet {
+    pub fn load(w: &Weights, c: &ModelConfig, p: &str) -> Result<Self, EngineError> {
+        let d = c
+            .linear_attention
+            .clone()
+            .ok_or_else(|| EngineError::Load("a linear-attention layer without linear_* dimensions".into()))?;
+        let h = c.hidden_size;
+        let (conv_dim, value_dim, nv) = (d.conv_dim(), d.num_value_heads * d.value_head_dim, d.num_value_heads);
+        let parts = match d.layout {
+            GdnLayout::Fused => split_fused(w, p, &d, h)?,
+            GdnLayout::Separate => vec![
+                Linear::load(w, &format!("{p}.in_proj_qkv"), conv_dim, h, false)?,
+                Linear::load(w, &format!("{p}.in_proj_z"), value_dim, h, false)?,
+                Linear::load(w, &format!("{p}.in_proj_b"), nv, h, false)?,
+                Linear::load(w, &format!("{p}.in_proj_a"), nv, h, false)?,
+            ],
+        };
+        let kernel = d.conv_kernel;
+        let conv = w.get_f32(&format!("{p}.conv1d.weight"), &[conv_dim, 1, kernel])?.squeeze(1)?;
+        // Tap j of the kernel multiplies the token kernel - 1 - j positions back.
+        let taps = (0..kernel)
+            .map(|s| conv.narrow(1, kernel - 1 - s, 1)?.squeeze(1)?.contiguous())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(GatedDeltaNet {
+            proj: Projections::new(parts, w.device.is_cuda())?,
+            taps,
+            neg_a: w.get_f32(&format!("{p}.A_log"), &[nv])?.exp()?.neg()?,
+            dt_bias: w.get_f32(&format!("{p}.dt_bias"), &[nv])?,
+            norm: GatedRmsNorm::load(w, &format!("{p}.norm"), d.value_head_dim, c.rms_norm_eps)?,
+            out: Linear::load(w, &format!("{p}.out_proj"), h, value_dim, false)?,
+            dims: d,
+        })
+    }
+
+    /// Causal depthwise conv over each sequence (zeros before its first token), then SiLU.
+    fn conv(&self, x: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
+        let plan = ctx.gdn.as_ref().ok_or_else(|| candle_core::Error::Msg("no linear-attention plan".into()))?;
+        let padded = Tensor::cat(&[x, &Tensor::zeros((1, x.dim(1)?), DType::F32, x.device())?], 0)?;
+        let mut y = x.broadcast_mul(&self.taps[0])?;
+        for (s, tap) in self.taps.iter().enumerate().skip(1) {
+            y = (y + padded.index_select(&plan.shifts[s - 1], 0)?.broadcast_mul(tap)?)?;
+        }
+        candle_nn::ops::silu(&y)
+    }
+
+    /// `h`: the normed input `[T, hidden]`; returns the mixer's output `[T, hidden]`.
+    /// `since`: the start of the current profile phase.
+    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
+        let plan = ctx.gdn.as_ref().ok_or_else(|| candle_core::Error::Msg("no linear-attention plan".into()))?;
+        let t = h.dim(0)?;
+        let d = &self.dims;
+        let (nk, nv, dk, dv) = (d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim);
+        let mut parts = self.proj.forward(h)?.into_iter();
+        let (Some(qkv), Some(z), Some(b), Some(a)) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+            candle_core::bail!("gated deltanet: the projections returned fewer than four parts");
+        };
+        let mixed = self.conv(&qkv.to_dtype(DType::F32)?, ctx)?;
+        let l2 = |x: Tensor| -> candle_core::Result<Tensor> {
+            x.broadcast_div(&(x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?)
+        };
+        let q = (l2(mixed.narrow(1, 0, nk * dk)?.reshape((t, nk, dk))?)? * (dk as f64).powf(-0.5))?;
+        let k = l2(mixed.narrow(1, nk * dk, nk * dk)?.reshape((t, nk, dk))?)?;
+        let v = mixed.narrow(1, 2 * nk * dk, nv * dv)?.reshape((t, nv, dv))?;
+        // Value head i reads key head i / (nv / nk).
+        let r = nv / nk;
+        let widen = |x: Tensor| -> candle_core::Result<Tensor> {
+            if r == 1 {
+                return Ok(x);
+            }
+            x.unsqueeze(2)?.broadcast_as((t, nk, r, dk))?.reshape((t, nv, dk))
+        };
+        let (q, k) = (widen(q)?, widen(k)?);
+        let beta = candle_nn::ops::sigmoid(&b)?.to_dtype(DType::F32)?;
+        let x = a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?;
+        // softplus with PyTorch's threshold: x itself above 20.
+        let softplus = x.gt(20.0)?.where_cond(&x, &(x.clamp(f32::MIN, 20.0)?.exp()? + 1.0)?.log()?)?;
+        let g = softplus.broadcast_mul(&self.neg_a)?;
+        let core = delta_rule::chunked(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &beta, &g, plan)?;
+        let normed = self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?;
+        profile::mark(h.device(), 2, since);
+        self.out.forward(&normed.reshape((t, nv * dv))?)
+    }
+}

@@ -1,0 +1,114 @@
+//! Dense projections, the matmul every layer uses, and the residual add.
+
+use candle_core::{DType, Tensor};
+
+use crate::engine::weights::Weights;
+use crate::engine::EngineError;
+
+pub struct Linear {
+    pub(crate) weight_t: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn load(w: &Weights, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, EngineError> {
+        let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
+        let bias = w.get_opt(&format!("{name}.bias"), &[out], bias)?;
+        Ok(Self::from_weight(weight, bias)?)
+    }
+
+    /// From an `[out, in]` weight, stored transposed once so every forward is a plain
+    /// `[T, in] x [in, out]` matmul.
+    pub fn from_weight(weight: Tensor, bias: Option<Tensor>) -> candle_core::Result<Self> {
+        Ok(Linear { weight_t: weight.t()?.contiguous()?, bias })
+    }
+
+    /// Output features.
+    pub fn out_dim(&self) -> candle_core::Result<usize> {
+        self.weight_t.dim(1)
+    }
+
+    /// One projection computing all of `parts` side by side (their outputs concatenated), so a
+    /// single larger matmul replaces several.
+    pub fn fuse(parts: Vec<Linear>) -> Result<Self, EngineError> {
+        let weights: Vec<&Tensor> = parts.iter().map(|p| &p.weight_t).collect();
+        let weight_t = Tensor::cat(&weights, 1)?;
+        let bias = if parts.iter().any(|p| p.bias.is_some()) {
+            let b = parts
+                .iter()
+                .map(|p| match &p.bias {
+                    Some(b) => Ok(b.clone()),
+                    None => Tensor::zeros(p.weight_t.dim(1)?, p.weight_t.dtype(), p.weight_t.device()),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&b, 0)?)
+        } else {
+            None
+        };
+        Ok(Linear { weight_t, bias })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = matmul(x, &self.weight_t)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Several projections of the same input: kept separate on the CPU (the reference's layout,
+/// bit for bit) and fused into one matmul on CUDA; `forward` returns each part's output.
+pub enum Projections {
+    Separate(Vec<Linear>),
+    Fused { linear: Linear, widths: Vec<usize> },
+}
+
+impl Projections {
+    pub fn new(parts: Vec<Linear>, fuse: bool) -> Result<Self, EngineError> {
+        if !fuse || parts.len() < 2 {
+            return Ok(Projections::Separate(parts));
+        }
+        let widths = parts.iter().map(Linear::out_dim).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Projections::Fused { linear: Linear::fuse(parts)?, widths })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Projections::Fused { linear, widths } => {
+                let y = linear.forward(x)?;
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y.narrow(1, at, w)?.contiguous();
+                        at += w;
+                        part
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// `x + y` for the residual stream: same dtypes, or an f32 stream plus a 16-bit sublayer output.
+pub fn residual(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.dtype() == DType::F32 && y.dtype() != DType::F32 {
+        return crate::engine::cuda_ops::add_f32(x, y);
+    }
+    if x.dtype() != y.dtype() {
+        return x + y.to_dtype(x.dtype())?;
+    }
+    x + y
+}
+
+/// `a @ b`; bf16 on the CPU (which candle's CPU matmul lacks) accumulates in f32, as PyTorch does.
+pub fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if a.dtype() == DType::BF16 && a.device().is_cpu() {
+        a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)?.to_dtype(DType::BF16)
+    } else {
+        a.matmul(b)
+    }
+}

@@ -1,0 +1,12 @@
+//! The building blocks of a decoder layer, with no knowledge of any model family: a family is
+//! a choice of these per layer ([`crate::engine::config::LayerSpec`]).
+
+pub mod attention;
+pub mod delta_rule;
+pub mod gdn;
+pub mod linear;
+pub mod mlp;
+pub mod moe;
+pub mod norm;
+pub mod rope;
+pub mod sdpa;

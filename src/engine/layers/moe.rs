@@ -1,0 +1,109 @@
+//! Sparse mixture of experts: a softmax router (f32), top-k experts per token (renormalised
+//! when the config says so), SwiGLU experts run once each over the rows routed to them, and
+//! an optional shared expert scaled by `sigmoid(x . shared_expert_gate)`.
+
+use candle_core::{DType, Tensor, D};
+
+use super::linear::Linear;
+use super::mlp::GatedMlp;
+use crate::engine::config::MoeConfig;
+use crate::engine::weights::Weights;
+use crate::engine::EngineError;
+
+pub struct SparseMoe {
+    router: Linear,
+    experts: Vec<GatedMlp>,
+    shared: Option<(GatedMlp, Linear)>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+/// The experts of `{prefix}.experts`, stored either fused (`gate_up_proj` [E, 2I, H] with the
+/// gate rows first, `down_proj` [E, H, I]) or one module per expert.
+fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Vec<GatedMlp>, EngineError> {
+    let (e, i) = (m.num_experts, m.expert_intermediate_size);
+    let fuse = w.device.is_cuda();
+    let fused = format!("{prefix}.experts.gate_up_proj");
+    if w.has(&fused) {
+        let gate_up = w.get(&fused, &[e, 2 * i, hidden])?;
+        let down = w.get(&format!("{prefix}.experts.down_proj"), &[e, hidden, i])?;
+        return (0..e)
+            .map(|x| {
+                let gu = gate_up.get(x)?;
+                let gate = Linear::from_weight(gu.narrow(0, 0, i)?, None)?;
+                let up = Linear::from_weight(gu.narrow(0, i, i)?, None)?;
+                GatedMlp::new(gate, up, Linear::from_weight(down.get(x)?, None)?, fuse)
+            })
+            .collect();
+    }
+    if !w.has(&format!("{prefix}.experts.0.gate_proj.weight")) {
+        return Err(EngineError::Load(format!(
+            "the experts of {prefix} are missing: expected {fused} (fused) or {prefix}.experts.N.gate_proj.weight \
+             (one per expert); the checkpoint is incomplete or does not match config.json"
+        )));
+    }
+    (0..e).map(|x| GatedMlp::load(w, &format!("{prefix}.experts.{x}"), hidden, i, false)).collect()
+}
+
+impl SparseMoe {
+    /// `{prefix}` is the layer's `mlp`: router `gate`, `experts`, `shared_expert(_gate)`.
+    pub fn load(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Self, EngineError> {
+        let shared = match m.shared_expert_intermediate_size {
+            Some(s) => Some((
+                GatedMlp::load(w, &format!("{prefix}.shared_expert"), hidden, s, false)?,
+                Linear::load(w, &format!("{prefix}.shared_expert_gate"), 1, hidden, false)?,
+            )),
+            None => None,
+        };
+        Ok(SparseMoe {
+            router: Linear::load(w, &format!("{prefix}.gate"), m.num_experts, hidden, false)?,
+            experts: load_experts(w, prefix, m, hidden)?,
+            shared,
+            top_k: m.experts_per_token,
+            norm_topk_prob: m.norm_topk_prob,
+        })
+    }
+
+    /// `[T, k]` expert indices and routing weights (in `x`'s dtype), best first.
+    fn route(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let probs = candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
+        let idx = probs.arg_sort_last_dim(false)?.narrow(D::Minus1, 0, self.top_k)?.contiguous()?;
+        let mut top = probs.gather(&idx, D::Minus1)?;
+        if self.norm_topk_prob {
+            top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?;
+        }
+        Ok((idx, top.to_dtype(x.dtype())?))
+    }
+
+    /// `x`: the normed input `[T, hidden]`; returns the block's output `[T, hidden]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (t, _) = x.dims2()?;
+        let (idx, weights) = self.route(x)?;
+        let weights = weights.flatten_all()?;
+        // Group the (token, slot) pairs by expert: one matmul chain per expert over its rows.
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
+        let mut slots: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
+        for (tok, choice) in idx.to_vec2::<u32>()?.into_iter().enumerate() {
+            for (j, e) in choice.into_iter().enumerate() {
+                let list = rows.get_mut(e as usize).ok_or_else(|| candle_core::Error::Msg(format!("expert {e}")))?;
+                list.push(tok as u32);
+                slots[e as usize].push((tok * self.top_k + j) as u32);
+            }
+        }
+        let mut out = x.zeros_like()?;
+        for (e, expert) in self.experts.iter().enumerate() {
+            if rows[e].is_empty() {
+                continue;
+            }
+            let tok = Tensor::new(rows[e].as_slice(), x.device())?;
+            let w = weights.index_select(&Tensor::new(slots[e].as_slice(), x.device())?, 0)?;
+            let y = expert.forward(&x.index_select(&tok, 0)?)?.broadcast_mul(&w.unsqueeze(1)?)?;
+            out = out.index_add(&tok, &y, 0)?;
+        }
+        debug_assert_eq!(out.dim(0)?, t);
+        match &self.shared {
+            Some((mlp, gate)) => out + mlp.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&gate.forward(x)?)?)?,
+            None => Ok(out),
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! RMSNorm in its two forms (`x * w` and the hybrids' zero-centred `x * (1 + w)`), and the
+//! Gated DeltaNet's gated RMSNorm.
+
+use candle_core::{DType, Tensor};
+
+use crate::engine::weights::Weights;
+use crate::engine::EngineError;
+
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+    /// Zero-centred norms keep `1 + w` in f32 and round once, to this dtype, at the end.
+    zero_centred: Option<DType>,
+}
+
+impl RmsNorm {
+    pub fn load(w: &Weights, name: &str, size: usize, eps: f64, zero_centred: bool) -> Result<Self, EngineError> {
+        let eps = eps as f32;
+        if zero_centred {
+            // Transformers computes `x_f32 * rsqrt(mean(x^2) + eps) * (1 + w_f32)`, then rounds.
+            let weight = (w.get_f32(&format!("{name}.weight"), &[size])? + 1.0)?;
+            return Ok(RmsNorm { weight, eps, zero_centred: Some(w.dtype) });
+        }
+        Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps, zero_centred: None })
+    }
+
+    /// In the weight's dtype; an f32 input with a 16-bit weight (the f32 residual stream on
+    /// CUDA) is normalised in f32 and rounded once.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(out) = self.zero_centred {
+            return candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &self.weight, self.eps)?.to_dtype(out);
+        }
+        #[cfg(feature = "cuda")]
+        if x.dtype() == DType::F32 && self.weight.dtype() != DType::F32 {
+            return crate::engine::cuda_ops::rms_norm_f32(x, &self.weight, self.eps);
+        }
+        candle_nn::ops::rms_norm(x, &self.weight, self.eps)
+    }
+}
+
+/// `rms_norm(x) * w * silu(z)` over the last dimension, in f32 (the weight may be stored in
+/// f32 inside a 16-bit checkpoint and keeps that precision); the result is rounded once.
+pub struct GatedRmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl GatedRmsNorm {
+    pub fn load(w: &Weights, name: &str, size: usize, eps: f64) -> Result<Self, EngineError> {
+        Ok(GatedRmsNorm { weight: w.get_f32(&format!("{name}.weight"), &[size])?, eps: eps as f32 })
+    }
+
+    /// `x`, `z`: `[.., size]`; returns `out`-typed values of the same shape.
+    pub fn forward(&self, x: &Tensor, z: &Tensor, out: DType) -> candle_core::Result<Tensor> {
+        let normed = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &self.weight, self.eps)?;
+        (normed * candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?)?.to_dtype(out)
+    }
+}

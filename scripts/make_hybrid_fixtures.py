@@ -54,7 +54,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
-import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -677,6 +676,7 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
             else:
                 assert v.dtype == torch.bfloat16, k
     save_file(tensors, os.path.join(vdir, "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(os.path.join(vdir, "model.safetensors"), 0o644)  # save_file creates 0600
     for f in TOKENIZER_FILES:
         shutil.copy(os.path.join(tok_dir, f), os.path.join(vdir, f))
 
@@ -741,6 +741,7 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
         ref_tensors[f"seq{i}.input_ids"] = ids.contiguous()
         ref_tensors[f"seq{i}.hidden_states"] = hs
     save_file(ref_tensors, os.path.join(vdir, "reference.safetensors"))
+    os.chmod(os.path.join(vdir, "reference.safetensors"), 0o644)
 
     allh = torch.cat(refs, dim=1)  # [L+1, sum T, H]
     norms = allh.norm(dim=-1)
@@ -835,7 +836,7 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
         "rope_parameters": tcfg.rope_parameters,
         "vision_check_output_shape": vision_out,
         "randomised": {
-            "seeds": {"weights": WEIGHT_SEED, "routers": router_seed, "extra_tensors": WEIGHT_SEED + 7},
+            "seeds": {"weights": WEIGHT_SEED, "routers": router_seed, "extra_tensors": (WEIGHT_SEED + 7) if spec.get("extra_tensors") else None},
             "counts": counts,
             "expert_split_checks": n_expert_checks,
             "pure_torch_gdn_dispatchers_checked": n_torch_fns,

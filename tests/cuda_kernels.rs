@@ -4,8 +4,8 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use layertap::engine::layers::sdpa::{chunk_masks, sequence_attention};
 use layertap::engine::cuda_attention::{packed_attention, tiles};
+use layertap::engine::layers::sdpa::{chunk_masks, sequence_attention};
 
 fn device() -> Option<Device> {
     if layertap::engine::cuda_device_count() == 0 {

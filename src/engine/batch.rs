@@ -55,9 +55,7 @@ impl GdnPlan {
             .map(|s| {
                 let idx: Vec<u32> = seqs
                     .iter()
-                    .flat_map(|&(start, len)| {
-                        (0..len).map(move |p| if p >= s { (start + p - s) as u32 } else { zero })
-                    })
+                    .flat_map(|&(start, len)| (0..len).map(move |p| if p >= s { (start + p - s) as u32 } else { zero }))
                     .collect();
                 Tensor::new(idx.as_slice(), device)
             })
@@ -110,9 +108,7 @@ impl BatchCtx {
         let has = |m: MixerKind| cfg.layers.iter().any(|l| l.mixer == m);
         let mut masks = HashMap::new();
         #[cfg(feature = "cuda")]
-        let tiles = if has(MixerKind::FullAttention)
-            && super::cuda_attention::supported(device, dtype, cfg.head_dim)
-        {
+        let tiles = if has(MixerKind::FullAttention) && super::cuda_attention::supported(device, dtype, cfg.head_dim) {
             Some(super::cuda_attention::tiles(&seqs, device)?)
         } else {
             None

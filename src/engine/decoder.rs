@@ -75,9 +75,7 @@ impl Block {
         let norm = |n: &str| RmsNorm::load(w, &format!("{p}.{n}"), h, c.rms_norm_eps, c.zero_centred_norms);
         let mixer = match spec.mixer {
             MixerKind::FullAttention => Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"))?),
-            MixerKind::LinearAttention => {
-                Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"))?)
-            }
+            MixerKind::LinearAttention => Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"))?),
         };
         let m = format!("{p}.mlp");
         let ffn = match (spec.ffn, &c.moe) {

@@ -8,8 +8,8 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 
 use super::config::ModelConfig;
-use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
 use super::decoder::Decoder;
+use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
 use super::weights::{TensorSource, Weights};
 use super::{EngineError, ModelEngine, ModelInfo, OutDType};
 

@@ -37,6 +37,11 @@ impl Weights {
         Weights { source, prefix: prefix.into(), device, dtype }
     }
 
+    /// `name` as the checkpoint spells it (with the decoder prefix).
+    pub fn full_name(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
     /// Whether the checkpoint has `name` (without the decoder prefix).
     pub fn has(&self, name: &str) -> bool {
         let full = format!("{}{name}", self.prefix);

@@ -158,13 +158,7 @@ fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<M
             .ok_or_else(|| bad(format!("config.json: \"mlp_only_layers\" must be a list of layer indices, got {v}")))?,
     };
     let kinds = (0..n)
-        .map(|i| {
-            if !mlp_only.contains(&(i as u64)) && (i + 1) % step == 0 {
-                FfnKind::Moe
-            } else {
-                FfnKind::Dense
-            }
-        })
+        .map(|i| if !mlp_only.contains(&(i as u64)) && (i + 1) % step == 0 { FfnKind::Moe } else { FfnKind::Dense })
         .collect();
     Ok((kinds, Some(moe)))
 }
@@ -215,8 +209,7 @@ impl ModelConfig {
             _ => (attention_bias, attention_bias),
         };
         let n = req_usize(cfg, "num_hidden_layers")?;
-        let mixer_kinds =
-            if family.is_hybrid() { mixers(cfg, n)? } else { vec![MixerKind::FullAttention; n] };
+        let mixer_kinds = if family.is_hybrid() { mixers(cfg, n)? } else { vec![MixerKind::FullAttention; n] };
         let (ffn_kinds, moe) = ffns(cfg, family, n)?;
         let layers = mixer_kinds.into_iter().zip(ffn_kinds).map(|(mixer, ffn)| LayerSpec { mixer, ffn }).collect();
         let dense_needed = !matches!(family, Family::Qwen3_5Moe);

@@ -100,7 +100,8 @@ pub fn chunked(
         state = (state.broadcast_mul(&at(&chunk_decay)?)? + at(&k_dec)?.matmul(&v_new)?)?;
     }
     let out = Tensor::cat(&outs, 0)?; // [N, 64, dv], chunks in plan order
-    let out = out.reshape((plan.chunks, h, GDN_CHUNK, dv))?.transpose(1, 2)?.reshape((plan.chunks * GDN_CHUNK, h, dv))?;
+    let out =
+        out.reshape((plan.chunks, h, GDN_CHUNK, dv))?.transpose(1, 2)?.reshape((plan.chunks * GDN_CHUNK, h, dv))?;
     let out = out.index_select(&plan.scatter, 0)?;
     debug_assert_eq!(out.dims(), &[t, h, dv]);
     Ok(out)
@@ -112,7 +113,17 @@ mod tests {
 
     /// The definition, one token at a time, per sequence and head.
     #[allow(clippy::too_many_arguments)]
-    fn recurrence(q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], seqs: &[(usize, usize)], h: usize, dk: usize, dv: usize) -> Vec<f32> {
+    fn recurrence(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        beta: &[f32],
+        g: &[f32],
+        seqs: &[(usize, usize)],
+        h: usize,
+        dk: usize,
+        dv: usize,
+    ) -> Vec<f32> {
         let t_total: usize = seqs.iter().map(|s| s.1).sum();
         let mut out = vec![0f32; t_total * h * dv];
         for &(start, len) in seqs {

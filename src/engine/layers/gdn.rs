@@ -48,6 +48,16 @@ fn split_fused(w: &Weights, p: &str, d: &LinearAttentionConfig, hidden: usize) -
         .collect()
 }
 
+/// `ln(1 + y)` accurate for small `y` (where `ln` of the rounded `1 + y` loses most digits):
+/// `y * ln(u) / (u - 1)` with `u = 1 + y` rounded, and `y` itself where `u` rounds to 1.
+fn log1p(y: &Tensor) -> candle_core::Result<Tensor> {
+    let u = (y + 1.0)?;
+    let d = (&u - 1.0)?;
+    let rounds_to_one = d.eq(0.0)?;
+    let exact = ((u.log()? * y)? / rounds_to_one.where_cond(&d.ones_like()?, &d)?)?;
+    rounds_to_one.where_cond(y, &exact)
+}
+
 impl GatedDeltaNet {
     pub fn load(w: &Weights, c: &ModelConfig, p: &str) -> Result<Self, EngineError> {
         let d = c
@@ -122,8 +132,8 @@ impl GatedDeltaNet {
         let (q, k) = (widen(q)?, widen(k)?);
         let beta = candle_nn::ops::sigmoid(&b)?.to_dtype(DType::F32)?;
         let x = a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?;
-        // softplus with PyTorch's threshold: x itself above 20.
-        let softplus = x.gt(20.0)?.where_cond(&x, &(x.clamp(f32::MIN, 20.0)?.exp()? + 1.0)?.log()?)?;
+        // softplus with PyTorch's threshold: x itself above 20, log1p(exp(x)) below.
+        let softplus = x.gt(20.0)?.where_cond(&x, &log1p(&x.clamp(f32::MIN, 20.0)?.exp()?)?)?;
         let g = softplus.broadcast_mul(&self.neg_a)?;
         let core = delta_rule::chunked(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &beta, &g, plan)?;
         let normed = self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?;

@@ -13,7 +13,8 @@ use crate::engine::EngineError;
 pub struct SparseMoe {
     router: Linear,
     experts: Vec<GatedMlp>,
-    shared: Option<(GatedMlp, Linear)>,
+    /// The shared expert and its gate's weight row `[1, hidden]`.
+    shared: Option<(GatedMlp, Tensor)>,
     top_k: usize,
     norm_topk_prob: bool,
 }
@@ -37,9 +38,11 @@ fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Resu
             .collect();
     }
     if !w.has(&format!("{prefix}.experts.0.gate_proj.weight")) {
+        let p = w.full_name(prefix);
         return Err(EngineError::Load(format!(
-            "the experts of {prefix} are missing: expected {fused} (fused) or {prefix}.experts.N.gate_proj.weight \
-             (one per expert); the checkpoint is incomplete or does not match config.json"
+            "the experts of {p} are missing: expected {p}.experts.gate_up_proj (fused) or \
+             {p}.experts.N.gate_proj.weight (one per expert); the checkpoint is incomplete or does not match \
+             config.json"
         )));
     }
     (0..e).map(|x| GatedMlp::load(w, &format!("{prefix}.experts.{x}"), hidden, i, false)).collect()
@@ -51,7 +54,7 @@ impl SparseMoe {
         let shared = match m.shared_expert_intermediate_size {
             Some(s) => Some((
                 GatedMlp::load(w, &format!("{prefix}.shared_expert"), hidden, s, false)?,
-                Linear::load(w, &format!("{prefix}.shared_expert_gate"), 1, hidden, false)?,
+                w.get(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden])?,
             )),
             None => None,
         };
@@ -102,7 +105,13 @@ impl SparseMoe {
         }
         debug_assert_eq!(out.dim(0)?, t);
         match &self.shared {
-            Some((mlp, gate)) => out + mlp.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&gate.forward(x)?)?)?,
+            Some((mlp, gate)) => {
+                // A one-column matmul takes a different summation path for different row
+                // counts on the CPU; a row-wise dot product gives every token the same bits
+                // whatever else is in the batch.
+                let logit = x.broadcast_mul(gate)?.sum_keepdim(1)?;
+                out + mlp.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&logit)?)?
+            }
             None => Ok(out),
         }
     }

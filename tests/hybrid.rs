@@ -1,0 +1,257 @@
+//! The Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) and Qwen3-MoE beyond the
+//! per-index fidelity that tests/engine.rs checks for every fixture: no state leaks between
+//! packed sequences across chunk boundaries, `layertap extract` and `serve` give the reference
+//! states, `/v1/info` reports the layer kinds, and bad checkpoints are load errors naming what
+//! is wrong. Fixtures: scripts/make_hybrid_fixtures.py.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{fixtures, read_safetensors, read_safetensors_bytes, rel_err, wait_ready};
+use layertap::engine::loader::ModelFiles;
+use layertap::engine::{Batch, DType, Device, Engine, LoadedEngine, MemoryProbe, ModelEngine, OutDType};
+use serde_json::{json, Value};
+
+const HYBRIDS: [&str; 5] =
+    ["qwen3_5_hybrid", "qwen3_5_moe_fused", "qwen3_next_per_expert", "qwen3_moe", "qwen3_5_text"];
+
+fn dir(name: &str) -> PathBuf {
+    fixtures().join("tiny").join(name)
+}
+
+fn load(dir: &Path) -> ModelEngine {
+    ModelFiles::locate(&dir.to_string_lossy()).expect("locate").load(&Device::Cpu, DType::F32).expect("load").engine
+}
+
+fn ids(reference: &std::collections::HashMap<String, common::Read>, i: usize) -> Vec<u32> {
+    reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()
+}
+
+/// `[T, layers, H]` of each sequence, all packed in one batch.
+fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<u32>> {
+    let mut cu = vec![0];
+    for s in seqs {
+        cu.push(cu.last().unwrap() + s.len());
+    }
+    let taps =
+        engine.forward(&Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: layers.to_vec() }).unwrap();
+    (0..seqs.len())
+        .map(|i| {
+            let v = taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).unwrap().to_f32();
+            v.iter().map(|x| x.to_bits()).collect()
+        })
+        .collect()
+}
+
+/// A sequence's states do not depend on which sequence precedes it in the batch, however many
+/// chunks either spans: the conv window, the delta-rule state and the attention restart.
+#[test]
+fn no_state_leaks_between_packed_sequences() {
+    for name in HYBRIDS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let mut engine = load(&d);
+        let n = engine.decoder.cfg.num_hidden_layers;
+        let all: Vec<usize> = (0..=n).collect();
+        // seq4: 65 tokens (two chunks), seq5: 130 (three), seq6: 300; seq1: 3.
+        let b = ids(&reference, 4);
+        let alone = run(&mut engine, std::slice::from_ref(&b), &all).remove(0);
+        for a in [ids(&reference, 5), ids(&reference, 1), ids(&reference, 6)] {
+            let packed = run(&mut engine, &[a.clone(), b.clone()], &all);
+            assert!(packed[1] == alone, "{name}: sequence B changed after a sequence of {} tokens", a.len());
+            let after = run(&mut engine, &[b.clone(), a.clone()], &all);
+            assert!(after[0] == alone, "{name}: sequence B changed before a sequence of {} tokens", a.len());
+        }
+    }
+}
+
+/// `layertap extract` on the 130-token sequence returns every index within 1e-5 of transformers.
+#[test]
+fn extract_matches_transformers_for_every_hybrid_family() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in HYBRIDS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let hs = &reference["seq5.hidden_states"];
+        let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+        let ids: Vec<String> = reference["seq5.input_ids"].i64.iter().map(|x| x.to_string()).collect();
+        let out = tmp.path().join(format!("{name}.safetensors"));
+        let layers: Vec<String> = (0..l1).map(|i| i.to_string()).collect();
+        let st = Command::new(env!("CARGO_BIN_EXE_layertap"))
+            .args(["extract", "--model", &d.to_string_lossy(), "--layers", &layers.join(",")])
+            .args(["--input-ids", &ids.join(","), "--dtype", "float32", "--out", &out.to_string_lossy()])
+            .status()
+            .unwrap();
+        assert!(st.success(), "{name}: extract failed");
+        let got = &read_safetensors(&out)["hidden_states"];
+        assert_eq!(got.shape, vec![t, l1, h]);
+        for idx in 0..l1 {
+            let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+            let ours: Vec<f32> = (0..t).flat_map(|r| got.f32[(r * l1 + idx) * h..][..h].to_vec()).collect();
+            let e = rel_err(&ours, want);
+            assert!(e <= 1e-5, "{name} index {idx}: relative error {e:.3e}");
+        }
+    }
+}
+
+/// A real server on a hybrid MoE checkpoint: `/v1/info` reports the layer kinds, and the
+/// answer for the 300-token sequence equals transformers at the requested indices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reports_layer_kinds_and_returns_exact_states() {
+    use layertap::server::{start, Setup};
+    let d = dir("qwen3_5_moe_fused");
+    let files = std::sync::Arc::new(ModelFiles::locate(&d.to_string_lossy()).unwrap());
+    let cfg = files.config().clone();
+    let tokenizer = layertap::tokenizer::TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
+    let setup = Setup {
+        info: layertap::engine::ModelInfo::new("qwen3_5_moe_fused", &cfg, OutDType::Float32),
+        tokenizer,
+        devices: vec!["cpu".into()],
+        limits: layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() },
+        api_keys: vec![],
+        auto_batch_tokens: false,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let running = start(
+        listener,
+        setup,
+        move |_| {
+            let f = files.clone();
+            Box::new(move || {
+                let engine = Box::new(f.load(&Device::Cpu, DType::F32)?.engine);
+                Ok(LoadedEngine { engine, max_batch_tokens: None, memory: MemoryProbe::new(&Device::Cpu) })
+            })
+        },
+        std::time::Duration::from_secs(10),
+    )
+    .unwrap();
+    let base = format!("http://{}", running.addr);
+    wait_ready(&base).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    let kinds = &info["layer_kinds"];
+    assert_eq!(info["architecture"], "Qwen3_5MoeForConditionalGeneration");
+    assert_eq!((kinds["linear_attention"].as_u64(), kinds["full_attention"].as_u64()), (Some(2), Some(2)), "{info}");
+    assert_eq!((kinds["moe"].as_u64(), kinds["dense_mlp"].as_u64()), (Some(4), Some(0)), "{info}");
+    assert_eq!((kinds["experts"].as_u64(), kinds["experts_per_token"].as_u64()), (Some(8), Some(2)), "{info}");
+    assert_eq!(kinds["shared_expert"], true);
+
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let hs = &reference["seq6.hidden_states"];
+    let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    let body =
+        json!({"inputs": [{"input_ids": reference["seq6.input_ids"].i64}], "layers": [1, -1, 3], "dtype": "float32"});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let got = &got["hidden_states"];
+    for (k, idx) in [1, l1 - 1, 3].into_iter().enumerate() {
+        let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+        let ours: Vec<f32> = (0..t).flat_map(|r| got.f32[(r * 3 + k) * h..][..h].to_vec()).collect();
+        let e = rel_err(&ours, want);
+        assert!(e <= 1e-5, "index {idx}: relative error {e:.3e}");
+    }
+    running.shutdown.cancel();
+}
+
+/// A copy of fixture `name` with `edit` applied to its tensors (name, dtype, shape, bytes) and
+/// `config` to its config.json.
+fn edited_copy(
+    name: &str,
+    edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+    config: impl Fn(&mut Value),
+) -> tempfile::TempDir {
+    let src = dir(name);
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    config(&mut cfg);
+    std::fs::write(out.path().join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<_> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    edit(&mut owned);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::tensor::serialize_to_file(views, None, &out.path().join("model.safetensors")).unwrap();
+    out
+}
+
+fn load_error(d: &Path) -> String {
+    match ModelFiles::locate(&d.to_string_lossy()).and_then(|f| f.load(&Device::Cpu, DType::F32).map(|_| ())) {
+        Ok(()) => panic!("{} loaded", d.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_hybrid_checkpoints_are_load_errors_that_name_the_problem() {
+    // A missing Gated DeltaNet tensor.
+    let d = edited_copy("qwen3_5_hybrid", |t| t.retain(|x| !x.0.ends_with("layers.1.linear_attn.A_log")), |_| {});
+    let e = load_error(d.path());
+    assert!(e.contains("layers.1.linear_attn.A_log") && e.contains("missing"), "{e}");
+    // A conv kernel of the wrong width.
+    let d = edited_copy(
+        "qwen3_next_per_expert",
+        |t| {
+            for x in t.iter_mut().filter(|x| x.0 == "model.layers.0.linear_attn.conv1d.weight") {
+                let (c, k) = (x.2[0], x.2[2]);
+                x.2 = vec![c, 1, k - 1];
+                x.3.truncate(c * (k - 1) * 4);
+            }
+        },
+        |_| {},
+    );
+    let e = load_error(d.path());
+    assert!(e.contains("model.layers.0.linear_attn.conv1d.weight") && e.contains("shape"), "{e}");
+    // An unknown layer type names the entry and its value.
+    let d = edited_copy("qwen3_next_per_expert", |_| {}, |c| c["layer_types"][2] = json!("sliding_attention"));
+    let e = load_error(d.path());
+    assert!(e.contains("layer_types[2]") && e.contains("sliding_attention"), "{e}");
+    // Missing experts name both layouts.
+    let d = edited_copy("qwen3_moe", |t| t.retain(|x| !x.0.contains("layers.1.mlp.experts.")), |_| {});
+    let e = load_error(d.path());
+    assert!(e.contains("model.layers.1.mlp.experts") && e.contains("gate_up_proj"), "{e}");
+    // A variant transformers does not compute the same way is refused, not approximated.
+    let d = edited_copy("qwen3_5_text", |_| {}, |c| c["attn_output_gate"] = json!(false));
+    let e = load_error(d.path());
+    assert!(e.contains("attn_output_gate"), "{e}");
+}
+
+/// In a bf16 checkpoint whose `A_log` and gated-norm weights are stored in f32, computing in
+/// bf16 keeps those tensors in f32 (they are never rounded to the compute dtype).
+#[test]
+fn f32_tensors_of_a_bf16_checkpoint_keep_their_precision() {
+    use candle_core::safetensors::MmapedSafetensors;
+    use layertap::engine::weights::{TensorSource, Weights};
+    let file = dir("qwen3_5_moe_fused").join("model.safetensors");
+    let tensors = unsafe { MmapedSafetensors::new(&file) }.unwrap();
+    let name = "model.language_model.layers.0.linear_attn.A_log";
+    let stored = tensors.load(name, &Device::Cpu).unwrap();
+    assert_eq!(stored.dtype(), DType::F32, "the fixture stores A_log in f32");
+    let bf16_weights = tensors.load("model.language_model.embed_tokens.weight", &Device::Cpu).unwrap();
+    assert_eq!(bf16_weights.dtype(), DType::BF16, "the fixture stores the rest in bf16");
+    let w = Weights::new(TensorSource::Safetensors { files: vec![file.clone()], tensors }, Device::Cpu, DType::BF16);
+    let a = w.get_f32("layers.0.linear_attn.A_log", &[stored.dim(0).unwrap()]).unwrap();
+    assert_eq!(a.dtype(), DType::F32);
+    assert_eq!(a.to_vec1::<f32>().unwrap(), stored.to_vec1::<f32>().unwrap());
+    // And the model computes in bf16 close to the f32 reference.
+    let mut m = ModelFiles::locate(&dir("qwen3_5_moe_fused").to_string_lossy())
+        .unwrap()
+        .load(&Device::Cpu, DType::BF16)
+        .unwrap();
+    let reference = read_safetensors(&dir("qwen3_5_moe_fused").join("reference.safetensors"));
+    let seq = ids(&reference, 5);
+    let n = m.info.num_layers;
+    let taps =
+        m.engine.forward(&Batch { input_ids: seq.clone(), cu_seqlens: vec![0, seq.len()], layers: vec![n] }).unwrap();
+    let got = taps.gather(0, seq.len(), &[n], OutDType::Float32).unwrap().to_f32();
+    let hs = &reference["seq5.hidden_states"];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    let e = rel_err(&got, &hs.f32[n * t * h..(n + 1) * t * h]);
+    assert!(e < 3e-2, "bf16 relative error {e:.3e}");
+}

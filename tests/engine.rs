@@ -171,6 +171,10 @@ fn half_precision_compute_stays_close_to_the_f32_reference() {
         let hs = &reference["seq2.hidden_states"];
         let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
         let seq: Vec<u32> = reference["seq2.input_ids"].i64.iter().map(|&x| x as u32).collect();
+        // Where the fixture carries transformers' own bf16 run, the engine may be as far from
+        // the f32 reference as transformers in bf16 is (with a margin): the small hybrids
+        // amplify rounding more than the dense fixtures do.
+        let hf_half = reference.get("seq2.hidden_states_bf16");
         for (dtype, out) in [(DType::BF16, OutDType::Bfloat16), (DType::F16, OutDType::Float32)] {
             let mut m = files.load(&Device::Cpu, dtype).unwrap();
             let layers: Vec<usize> = (0..l1).collect();
@@ -182,7 +186,11 @@ fn half_precision_compute_stays_close_to_the_f32_reference() {
                 let want = &hs.f32[layer * t * h..(layer + 1) * t * h];
                 let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * l1 + layer) * h..][..h].to_vec()).collect();
                 let e = rel_err(&ours, want);
-                assert!(e <= 2e-2, "{name} {dtype:?} index {layer}: relative error {e:.3e}");
+                let allowed = hf_half.map_or(2e-2, |hf| {
+                    let theirs = rel_err(&hf.f32[layer * t * h..(layer + 1) * t * h], want);
+                    (1.5 * theirs).max(2e-2)
+                });
+                assert!(e <= allowed, "{name} {dtype:?} index {layer}: relative error {e:.3e} (allowed {allowed:.3e})");
             }
         }
     }

@@ -223,7 +223,8 @@ fn bad_hybrid_checkpoints_are_load_errors_that_name_the_problem() {
 }
 
 /// In a bf16 checkpoint whose `A_log` and gated-norm weights are stored in f32, computing in
-/// bf16 keeps those tensors in f32 (they are never rounded to the compute dtype).
+/// bf16 keeps those tensors in f32 (they are never rounded to the compute dtype). How close
+/// bf16 compute stays to the f32 reference is checked for every fixture in tests/engine.rs.
 #[test]
 fn f32_tensors_of_a_bf16_checkpoint_keep_their_precision() {
     use candle_core::safetensors::MmapedSafetensors;
@@ -239,19 +240,4 @@ fn f32_tensors_of_a_bf16_checkpoint_keep_their_precision() {
     let a = w.get_f32("layers.0.linear_attn.A_log", &[stored.dim(0).unwrap()]).unwrap();
     assert_eq!(a.dtype(), DType::F32);
     assert_eq!(a.to_vec1::<f32>().unwrap(), stored.to_vec1::<f32>().unwrap());
-    // And the model computes in bf16 close to the f32 reference.
-    let mut m = ModelFiles::locate(&dir("qwen3_5_moe_fused").to_string_lossy())
-        .unwrap()
-        .load(&Device::Cpu, DType::BF16)
-        .unwrap();
-    let reference = read_safetensors(&dir("qwen3_5_moe_fused").join("reference.safetensors"));
-    let seq = ids(&reference, 5);
-    let n = m.info.num_layers;
-    let taps =
-        m.engine.forward(&Batch { input_ids: seq.clone(), cu_seqlens: vec![0, seq.len()], layers: vec![n] }).unwrap();
-    let got = taps.gather(0, seq.len(), &[n], OutDType::Float32).unwrap().to_f32();
-    let hs = &reference["seq5.hidden_states"];
-    let (t, h) = (hs.shape[1], hs.shape[2]);
-    let e = rel_err(&got, &hs.f32[n * t * h..(n + 1) * t * h]);
-    assert!(e < 3e-2, "bf16 relative error {e:.3e}");
 }

@@ -241,3 +241,59 @@ fn f32_tensors_of_a_bf16_checkpoint_keep_their_precision() {
     assert_eq!(a.dtype(), DType::F32);
     assert_eq!(a.to_vec1::<f32>().unwrap(), stored.to_vec1::<f32>().unwrap());
 }
+
+/// The vision tower and the multi-token-prediction head are never read: replaced by NaN
+/// tensors of the wrong shape, the checkpoint still loads and gives the reference states.
+#[test]
+fn vision_and_mtp_tensors_are_never_read() {
+    let nan = f32::NAN.to_le_bytes().to_vec();
+    let d = edited_copy(
+        "qwen3_5_hybrid",
+        |t| {
+            let mut n = 0;
+            for x in t.iter_mut().filter(|x| x.0.starts_with("model.visual.") || x.0.starts_with("mtp.")) {
+                *x = (x.0.clone(), safetensors::Dtype::F32, vec![1], nan.clone());
+                n += 1;
+            }
+            assert!(n > 20, "the fixture has a vision tower and an MTP head ({n} tensors)");
+        },
+        |_| {},
+    );
+    let mut engine = load(d.path());
+    let reference = read_safetensors(&dir("qwen3_5_hybrid").join("reference.safetensors"));
+    let n = engine.decoder.cfg.num_hidden_layers;
+    let seq = ids(&reference, 5);
+    let got = f32_of(&run(&mut engine, std::slice::from_ref(&seq), &[n]).remove(0));
+    let hs = &reference["seq5.hidden_states"];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    let e = rel_err(&got, &hs.f32[n * t * h..(n + 1) * t * h]);
+    assert!(e <= 1e-5, "relative error {e:.3e}");
+}
+
+fn f32_of(bits: &[u32]) -> Vec<f32> {
+    bits.iter().map(|&b| f32::from_bits(b)).collect()
+}
+
+/// The automatic batch budget sizes each layer kind by its own working set: a linear-attention
+/// layer holds its f32 chunk matrices, a MoE layer every token's k expert rows.
+#[test]
+fn the_batch_budget_counts_linear_attention_and_expert_activations() {
+    use layertap::engine::config::{FfnKind, LayerSpec, MixerKind};
+    let files = ModelFiles::locate(&dir("qwen3_5_moe_fused").to_string_lossy()).unwrap();
+    let mut cfg = files.config().clone();
+    let spec = |mixer, ffn| LayerSpec { mixer, ffn };
+    let attn = cfg.layer_bytes_per_token(&spec(MixerKind::FullAttention, FfnKind::Moe), 2);
+    let gdn = cfg.layer_bytes_per_token(&spec(MixerKind::LinearAttention, FfnKind::Moe), 2);
+    assert!(gdn > attn, "linear attention {gdn} B/token vs full attention {attn}");
+    let moe = cfg.moe.clone().unwrap();
+    let top2 = cfg.layer_bytes_per_token(&spec(MixerKind::LinearAttention, FfnKind::Moe), 2);
+    cfg.moe = Some(layertap::engine::config::MoeConfig { experts_per_token: 8, ..moe });
+    let top8 = cfg.layer_bytes_per_token(&spec(MixerKind::LinearAttention, FfnKind::Moe), 2);
+    assert!(top8 > top2, "more experts per token, more activations: {top8} vs {top2}");
+    // And the budget follows: a hybrid fits fewer tokens than the same shape with attention only.
+    let gib = 1u64 << 30;
+    let hybrid = layertap::engine::tokens_for_memory(&cfg, DType::BF16, gib, 4096);
+    cfg.layers = vec![spec(MixerKind::FullAttention, FfnKind::Moe); cfg.num_hidden_layers];
+    let dense_attention = layertap::engine::tokens_for_memory(&cfg, DType::BF16, gib, 4096);
+    assert!(hybrid > 0 && hybrid < dense_attention, "{hybrid} vs {dense_attention}");
+}

@@ -122,8 +122,12 @@ fn linear_attention(cfg: &Value, family: Family) -> Result<LinearAttentionConfig
 /// Which layers are sparse: every `decoder_sparse_step`-th unless listed in `mlp_only_layers`
 /// (Qwen3-MoE, Qwen3-Next); Qwen3.5-MoE has experts in every layer.
 fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<MoeConfig>), EngineError> {
+    // transformers writes Qwen3-MoE's count as `num_local_experts` (its attribute map); the
+    // released checkpoints spell it `num_experts`.
     let experts = match family {
-        Family::Qwen3Moe | Family::Qwen3Next | Family::Qwen3_5Moe => opt_usize(cfg, "num_experts").unwrap_or(0),
+        Family::Qwen3Moe | Family::Qwen3Next | Family::Qwen3_5Moe => {
+            opt_usize(cfg, "num_experts").or_else(|| opt_usize(cfg, "num_local_experts")).unwrap_or(0)
+        }
         _ => 0,
     };
     if experts == 0 {

@@ -5,7 +5,6 @@
 use serde_json::{json, Value};
 
 use crate::engine::gguf::GgufTokenizerData;
-use crate::tokenizer::{TextTokenizer, TokenizeError};
 
 const LLAMA3_SPLIT: &str = concat!(
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}",
@@ -45,13 +44,22 @@ fn bytes_to_unicode() -> Vec<char> {
     table
 }
 
-pub fn build(d: &GgufTokenizerData) -> Result<TextTokenizer, TokenizeError> {
+/// What a GGUF file's metadata makes: the tokenizer, its chat template and its BOS / EOS tokens.
+pub struct GgufTokenizer {
+    pub tokenizer: tokenizers::Tokenizer,
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+/// Builds the tokenizer; the error says what in the metadata is unsupported or broken.
+pub fn build(d: &GgufTokenizerData) -> Result<GgufTokenizer, String> {
     if d.model != "gpt2" {
-        return Err(TokenizeError::Load(format!(
+        return Err(format!(
             "GGUF tokenizer type {:?} is not supported (supported: gpt2 byte-level BPE); use the model's \
              Hugging Face folder or send input_ids",
             d.model
-        )));
+        ));
     }
     let table = bytes_to_unicode();
     let alphabet: std::collections::HashSet<char> = table.iter().copied().collect();
@@ -115,8 +123,13 @@ pub fn build(d: &GgufTokenizerData) -> Result<TextTokenizer, TokenizeError> {
         }
     });
     let tok: tokenizers::Tokenizer = serde_json::from_value::<tokenizers::Tokenizer>(tokenizer_json)
-        .map_err(|e| TokenizeError::Load(format!("building the GGUF tokenizer: {e}")))?;
-    Ok(TextTokenizer::new(tok, d.chat_template.clone(), bos, token(d.eos_id)))
+        .map_err(|e| format!("building the GGUF tokenizer: {e}"))?;
+    Ok(GgufTokenizer {
+        tokenizer: tok,
+        chat_template: d.chat_template.clone(),
+        bos_token: bos,
+        eos_token: token(d.eos_id),
+    })
 }
 
 fn added_token(id: usize, content: &str, special: bool) -> Value {

@@ -71,7 +71,10 @@ impl TextTokenizer {
             TokenizerSource::HfFiles { tokenizer_json, tokenizer_config, chat_template } => {
                 Self::from_hf_files(tokenizer_json, tokenizer_config.as_deref(), chat_template.as_deref()).map(Some)
             }
-            TokenizerSource::Gguf(data) => crate::gguf_tokenizer::build(data).map(Some),
+            TokenizerSource::Gguf(data) => {
+                let g = crate::gguf_tokenizer::build(data).map_err(TokenizeError::Load)?;
+                Ok(Some(Self::new(g.tokenizer, g.chat_template, g.bos_token, g.eos_token)))
+            }
         }
     }
 

@@ -67,7 +67,8 @@ impl GgufFile {
             "qwen3" => (Family::Qwen3, "Qwen3ForCausalLM"),
             other => {
                 return Err(EngineError::Load(format!(
-                    "GGUF architecture {other:?} is not supported; supported: llama, mistral, qwen2, qwen3"
+                    "GGUF architecture {other:?} is not supported; supported: llama, mistral, qwen2, qwen3 (for the \
+                     MoE and hybrid families, e.g. qwen3moe or qwen3next, load the Hugging Face safetensors checkpoint)"
                 )))
             }
         };

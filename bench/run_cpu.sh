@@ -4,6 +4,11 @@
 #
 #   bench/run_cpu.sh            # needs `make model` and a Python with scripts/requirements-fixtures.txt
 #   PYTHON=/path/to/python THREADS=2 bench/run_cpu.sh
+#   # hybrid (Gated DeltaNet): bench/make_hybrid_model.py + bench/make_workload.py --preset hybrid first
+#   MODEL=.cache/models/qwen3_5-hybrid-small WORKLOAD=bench/workload_hybrid.json bench/run_cpu.sh
+#
+# MODEL is a .gguf file or a Hugging Face folder (config.json + safetensors); hf_baseline.py gets it
+# as --gguf or --model accordingly.
 #
 # Prints one JSON line per contender and writes them to bench/out/cpu-<date>.jsonl.
 set -euo pipefail
@@ -15,6 +20,14 @@ WORKLOAD="${WORKLOAD:-bench/workload_cpu.json}"
 MAX_BATCH_TOKENS="${MAX_BATCH_TOKENS:-4096}"
 PORT="${PORT:-18181}"
 TARGET_DIR="${CARGO_TARGET_DIR:-target}"
+if [ -d "$MODEL" ]; then
+  hf_model=(--model "$MODEL")
+elif [[ "$MODEL" == *.gguf ]]; then
+  hf_model=(--gguf "$MODEL")
+else
+  echo "MODEL=$MODEL is neither a model folder nor a .gguf file" >&2
+  exit 2
+fi
 mkdir -p bench/out
 out="bench/out/cpu-$(date +%Y%m%d-%H%M%S).jsonl"
 
@@ -39,6 +52,6 @@ done
 kill -TERM $server; wait $server || true
 
 echo "== Hugging Face transformers + hooks" >&2
-"$PYTHON" bench/hf_baseline.py --workload "$WORKLOAD" --gguf "$MODEL" --threads "$THREADS" \
+"$PYTHON" bench/hf_baseline.py --workload "$WORKLOAD" "${hf_model[@]}" --threads "$THREADS" \
   --max-batch-tokens "$MAX_BATCH_TOKENS" | tail -n 1 | tee -a "$out"
 echo "results: $out" >&2

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Hybrid and MoE fidelity at real widths on the GPU machine: layertap on CUDA against
+transformers' pure-torch path (no fla, no causal_conv1d), f32 reference, every index.
+
+Two random-weight checkpoints, 5 layers each ([linear, linear, linear, full, linear], so the
+full-attention layer's output is an index of its own before the final norm) at the widths of the
+real models (the depth does not change what each layer computes), stored in bf16:
+- Qwen3.5/3.6-27B width: hidden 5120, GDN 16 key / 48 value heads of 128, attention 24 q / 4 kv
+  heads of 256 (partial rotary 0.25), intermediate 17408;
+- Qwen3.5/3.6-35B-A3B width: hidden 2048, GDN 16 / 32 heads of 128, attention 16 / 2 heads of
+  256, 256 experts (top 8, intermediate 512) + a shared expert of 512.
+Vocabulary 32,000 instead of 248,320 (only the embedding table's size changes).
+
+Sequences of 1, 100, 810 and 4,096 tokens. transformers runs each sequence alone in f32 (TF32
+off, eager attention, eager experts) and in bf16 (its own rounding, the yardstick); layertap runs
+them packed in one batch (`layertap extract --device cuda:0`) in f32 and in bf16. Prints, per
+model and compute dtype, the worst relative error ||ours - ref|| / ||ref|| over the sequences at
+each index, with transformers' bf16 beside it; one JSON line per model at the end.
+
+Usage (GPU machine, repository root): python3 bench/gpu/hybrid_check.py --bin .gpu/layertap --work /tmp/hyb
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+assert importlib.util.find_spec("fla") is None, "fla is importable: transformers would use its kernels"
+assert importlib.util.find_spec("causal_conv1d") is None, "causal_conv1d is importable"
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+LENGTHS = [1, 100, 810, 4096]
+VOCAB = 32000
+
+
+def configs():
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = dict(num_hidden_layers=5, vocab_size=VOCAB, head_dim=256, linear_conv_kernel_dim=4,
+                  linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=8192,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+                  layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+                  tie_word_embeddings=False)
+    dense = Qwen3_5TextConfig(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4,
+                              intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48, **common)
+    moe = Qwen3_5MoeTextConfig(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
+                               linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
+                               num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                               **common)
+    return {"qwen3_5_27b_width": (dense, "Qwen3_5ForCausalLM"), "qwen3_5_35b_a3b_width": (moe, "Qwen3_5MoeForCausalLM")}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def from_folder(cls, path, dtype):
+    try:
+        m = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager", experts_implementation="eager")
+    except TypeError:  # transformers without the experts_implementation switch
+        m = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    return m.cuda().eval()
+
+
+def hf_states(model, seqs):
+    out = []
+    with torch.no_grad():
+        for ids in seqs:
+            hs = model(input_ids=ids[None].cuda(), output_hidden_states=True, use_cache=False).hidden_states
+            out.append(torch.stack(hs)[:, 0].float().cpu())
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", default=".gpu/layertap")
+    ap.add_argument("--work", default="/tmp/hybrid-check")
+    args = ap.parse_args()
+    import transformers
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    summary = []
+    for name, (cfg, cls_name) in configs().items():
+        cls = getattr(transformers, cls_name)
+        path = os.path.join(args.work, name)
+        torch.manual_seed(0)
+        cfg._attn_implementation = "eager"
+        cfg._experts_implementation = "eager"
+        with torch.device("cuda"):
+            model = cls(cfg).to(torch.bfloat16)  # random init, values rounded to bf16 = what is stored
+        model.save_pretrained(path)
+        del model
+        # The f32 reference is loaded from the folder, as users load it: casting the bf16 model
+        # with .float() would keep its bf16-rounded buffers (the rotary inverse frequencies).
+        model = from_folder(cls, path, torch.float32)
+        ref = hf_states(model, seqs)
+        del model
+        torch.cuda.empty_cache()
+        half = from_folder(cls, path, torch.bfloat16)
+        t0 = time.perf_counter()
+        theirs16 = hf_states(half, seqs)
+        hf_bf16_s = time.perf_counter() - t0
+        del half
+        torch.cuda.empty_cache()
+        n = cfg.num_hidden_layers
+        row = {"model": name, "layer_types": cfg.layer_types, "tokens": sum(LENGTHS)}
+        hf16 = [max(rel(theirs16[s][i], ref[s][i]) for s in range(len(seqs))) for i in range(n + 1)]
+        row["transformers_bf16"] = hf16
+        for dtype in ["f32", "bf16"]:
+            out = os.path.join(args.work, f"{name}-{dtype}.safetensors")
+            ids = ";".join(",".join(str(int(x)) for x in s) for s in seqs)
+            t0 = time.perf_counter()
+            subprocess.run([args.bin, "extract", "--model", path, "--device", "cuda:0", "--dtype", dtype,
+                            "--out-dtype", "f32", "--layers", ",".join(str(i) for i in range(n + 1)),
+                            "--input-ids", ids, "--out", out], check=True)
+            wall = time.perf_counter() - t0
+            got = load_file(out)
+            hs, cu = got["hidden_states"], got["cu_seqlens"].tolist()
+            per_seq = [[rel(hs[cu[s]:cu[s + 1], i], ref[s][i]) for i in range(n + 1)] for s in range(len(seqs))]
+            errs = [max(p[i] for p in per_seq) for i in range(n + 1)]
+            row[f"layertap_{dtype}"] = errs
+            row[f"layertap_{dtype}_per_sequence"] = {str(LENGTHS[s]): per_seq[s] for s in range(len(seqs))}
+            for s in range(len(seqs)):
+                print(f"  {dtype} T={LENGTHS[s]}: " + " ".join(f"{e:.1e}" for e in per_seq[s]))
+            # Where the worst index's error sits: per-token relative error, the largest few.
+            worst = max(range(n + 1), key=lambda i: errs[i])
+            s = max(range(len(seqs)), key=lambda s: per_seq[s][worst])
+            a, b = hs[cu[s]:cu[s + 1], worst].double(), ref[s][worst].double()
+            tok = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30))
+            top = torch.topk(tok, min(5, tok.numel()))
+            print(f"  {dtype} worst index {worst}, T={LENGTHS[s]}: per-token errors, largest "
+                  + ", ".join(f"row {int(r)}: {v:.1e}" for v, r in zip(top.values.tolist(), top.indices.tolist()))
+                  + f"; median {tok.median().item():.1e}")
+            row[f"layertap_{dtype}_extract_wall_s"] = round(wall, 2)
+            print(f"{name} layertap {dtype}: " + " ".join(f"{e:.1e}" for e in errs)
+                  + f"   (transformers bf16: " + " ".join(f"{e:.1e}" for e in hf16) + f")", flush=True)
+        row["transformers_bf16_wall_s"] = round(hf_bf16_s, 2)
+        summary.append(row)
+    for row in summary:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,17 +3,13 @@
 //! `cargo test --release --features cuda --test cuda_kernels`.
 #![cfg(feature = "cuda")]
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use layertap::engine::cuda_attention::{packed_attention, tiles};
 use layertap::engine::layers::sdpa::{chunk_masks, sequence_attention};
 
-fn device() -> Option<Device> {
-    if layertap::engine::cuda_device_count() == 0 {
-        eprintln!("no CUDA device visible: skipped");
-        return None;
-    }
-    Some(Device::new_cuda(0).expect("CUDA device 0"))
-}
+mod common;
+
+use common::cuda_device as device;
 
 fn rel(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap();

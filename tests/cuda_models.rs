@@ -9,19 +9,11 @@ mod common;
 
 use common::{fixtures, read_safetensors, rel_err};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{Batch, DType, Device, Engine, OutDType};
-
-fn device() -> Option<Device> {
-    if layertap::engine::cuda_device_count() == 0 {
-        eprintln!("no CUDA device visible: skipped");
-        return None;
-    }
-    Some(Device::new_cuda(0).expect("CUDA device 0"))
-}
+use layertap::engine::{Batch, DType, Engine, OutDType};
 
 #[test]
 fn every_fixture_family_matches_transformers_on_the_gpu() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = common::cuda_device() else { return };
     let mut dirs: Vec<_> = std::fs::read_dir(fixtures().join("tiny"))
         .unwrap()
         .filter_map(|e| e.ok().map(|e| e.path()))

@@ -9,9 +9,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{fixtures, read_safetensors, read_safetensors_bytes, rel_err, wait_ready};
+use common::{fixtures, read_safetensors, read_safetensors_bytes, rel_err};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{Batch, DType, Device, Engine, LoadedEngine, MemoryProbe, ModelEngine, OutDType};
+use layertap::engine::{Batch, DType, Device, Engine, ModelEngine, OutDType};
 use serde_json::{json, Value};
 
 const HYBRIDS: [&str; 5] =
@@ -100,35 +100,9 @@ fn extract_matches_transformers_for_every_hybrid_family() {
 /// answer for the 300-token sequence equals transformers at the requested indices.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_reports_layer_kinds_and_returns_exact_states() {
-    use layertap::server::{start, Setup};
     let d = dir("qwen3_5_moe_fused");
-    let files = std::sync::Arc::new(ModelFiles::locate(&d.to_string_lossy()).unwrap());
-    let cfg = files.config().clone();
-    let tokenizer = layertap::tokenizer::TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
-    let setup = Setup {
-        info: layertap::engine::ModelInfo::new("qwen3_5_moe_fused", &cfg, OutDType::Float32),
-        tokenizer,
-        devices: vec!["cpu".into()],
-        limits: layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() },
-        api_keys: vec![],
-        auto_batch_tokens: false,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let running = start(
-        listener,
-        setup,
-        move |_| {
-            let f = files.clone();
-            Box::new(move || {
-                let engine = Box::new(f.load(&Device::Cpu, DType::F32)?.engine);
-                Ok(LoadedEngine { engine, max_batch_tokens: None, memory: MemoryProbe::new(&Device::Cpu) })
-            })
-        },
-        std::time::Duration::from_secs(10),
-    )
-    .unwrap();
-    let base = format!("http://{}", running.addr);
-    wait_ready(&base).await;
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("tiny/qwen3_5_moe_fused", limits).await;
     let client = reqwest::Client::new();
     let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
     let kinds = &info["layer_kinds"];

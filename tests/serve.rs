@@ -8,42 +8,8 @@ use std::time::Duration;
 
 use common::*;
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{DType, Device, LoadedEngine, MemoryProbe};
-use layertap::server::{start, Running, Setup};
-use layertap::tokenizer::TextTokenizer;
+use layertap::engine::{DType, Device};
 use serde_json::{json, Value};
-
-async fn real_server(model: &str) -> (Running, String) {
-    let files = std::sync::Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
-    let cfg = files.config().clone();
-    let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
-    let info = layertap::engine::ModelInfo::new(model, &cfg, layertap::engine::OutDType::Float32);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let setup = Setup {
-        info,
-        tokenizer,
-        devices: vec!["cpu".into()],
-        limits: limits(),
-        api_keys: vec![],
-        auto_batch_tokens: false,
-    };
-    let running = start(
-        listener,
-        setup,
-        move |_| {
-            let f = files.clone();
-            Box::new(move || {
-                let engine = Box::new(f.load(&Device::Cpu, DType::F32)?.engine);
-                Ok(LoadedEngine { engine, max_batch_tokens: None, memory: MemoryProbe::new(&Device::Cpu) })
-            })
-        },
-        Duration::from_secs(10),
-    )
-    .unwrap();
-    let base = format!("http://{}", running.addr);
-    wait_ready(&base).await;
-    (running, base)
-}
 
 async fn hidden(base: &str, body: Value) -> std::collections::HashMap<String, Read> {
     let r = reqwest::Client::new().post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
@@ -53,7 +19,7 @@ async fn hidden(base: &str, body: Value) -> std::collections::HashMap<String, Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_equal_solo_requests_bitwise_and_match_transformers() {
-    let (running, base) = real_server("tiny/qwen3_qknorm").await;
+    let (running, base) = real_server("tiny/qwen3_qknorm", limits()).await;
     let reference = read_safetensors(&fixtures().join("tiny/qwen3_qknorm/reference.safetensors"));
     let seqs: Vec<Vec<i64>> = (0..3).map(|i| reference[&format!("seq{i}.input_ids")].i64.clone()).collect();
     let n = running.state.info.num_layers;

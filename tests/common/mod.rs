@@ -222,3 +222,43 @@ pub async fn wait_ready(base: &str) {
 pub fn unzstd(bytes: &[u8]) -> Vec<u8> {
     zstd::stream::decode_all(bytes).expect("valid zstd")
 }
+
+/// A real server on 127.0.0.1:0 with the real engine: fixture folder `model` (under
+/// tests/fixtures), on the CPU in f32; returns once it is ready.
+pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
+    use layertap::engine::loader::ModelFiles;
+    use layertap::engine::DType;
+    let files = Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
+    let cfg = files.config().clone();
+    let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
+    let info = ModelInfo::new(model, &cfg, OutDType::Float32);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let setup =
+        Setup { info, tokenizer, devices: vec!["cpu".into()], limits, api_keys: vec![], auto_batch_tokens: false };
+    let running = start(
+        listener,
+        setup,
+        move |_| {
+            let f = files.clone();
+            Box::new(move || {
+                let engine = Box::new(f.load(&Device::Cpu, DType::F32)?.engine);
+                Ok(LoadedEngine { engine, max_batch_tokens: None, memory: MemoryProbe::new(&Device::Cpu) })
+            })
+        },
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let base = format!("http://{}", running.addr);
+    wait_ready(&base).await;
+    (running, base)
+}
+
+/// CUDA device 0, or None (with a note) where no GPU is visible.
+#[cfg(feature = "cuda")]
+pub fn cuda_device() -> Option<Device> {
+    if layertap::engine::cuda_device_count() == 0 {
+        eprintln!("no CUDA device visible: skipped");
+        return None;
+    }
+    Some(Device::new_cuda(0).expect("CUDA device 0"))
+}

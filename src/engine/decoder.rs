@@ -18,7 +18,9 @@ use super::EngineError;
 
 /// Optional phase timing (`LAYERTAP_PROFILE=1`): synchronises the device after each phase of
 /// every layer and adds up the seconds, for finding where time goes. Off by default: the
-/// synchronisations cost throughput.
+/// synchronisations cost throughput. In linear-attention layers the whole Gated DeltaNet up to
+/// its output projection counts as "attention" (the token mixer); "o_proj_mlp" is the output
+/// projection and the feed-forward block (dense or experts) of every layer.
 pub mod profile {
     use std::sync::{Mutex, OnceLock};
     use std::time::Instant;

@@ -112,7 +112,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         for (i, s) in b.iter().enumerate() {
             bytes += taps.bytes(cu[i], s.len(), &layers, dtype)?.len();
         }
-        crate::engine::decoder::profile::mark(&device, 4, &mut since);
+        crate::engine::profile::mark(&device, 4, &mut since);
         Ok((bytes, taps))
     };
     let warm = launch(&mut m.engine, &batches[0])?;
@@ -155,8 +155,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             "batches": batches.len(), "max_batch_tokens": max_tokens, "dtype": dtype.name(), "output_bytes": bytes,
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             "device": a.device, "max_device_memory_used_after_batch_bytes": peak, "zstd": zstd,
-            "profile_seconds": crate::engine::decoder::profile::enabled().then(|| {
-                crate::engine::decoder::profile::totals().into_iter().collect::<std::collections::HashMap<_, _>>()
+            "profile_seconds": crate::engine::profile::enabled().then(|| {
+                crate::engine::profile::totals().into_iter().collect::<std::collections::HashMap<_, _>>()
             }),
     }))
 }

@@ -6,12 +6,10 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 
+pub use super::config::GDN_CHUNK;
 use super::config::{MixerKind, ModelConfig};
 use super::layers::rope::Rope;
 use super::layers::sdpa::{chunk_masks, QUERY_CHUNK};
-
-/// Tokens per chunk of the chunked delta rule.
-pub const GDN_CHUNK: usize = 64;
 
 pub struct BatchCtx {
     /// `(start, len)` of each sequence in the token dimension.

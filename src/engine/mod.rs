@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod host;
 pub mod layers;
 pub mod loader;
+pub mod profile;
 pub mod weights;
 
 use candle_core::Tensor;

@@ -108,6 +108,9 @@ pub enum GdnLayout {
     Separate,
 }
 
+/// Tokens per chunk of the chunked delta rule (chunks never straddle two sequences).
+pub const GDN_CHUNK: usize = 64;
+
 /// Shape of the Gated DeltaNet (linear-attention) layers.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LinearAttentionConfig {
@@ -281,7 +284,7 @@ impl ModelConfig {
                 let projections = b * (conv + 2 * nv * dv + 2 * nv);
                 let conv_f32 = 4 * conv * (la.conv_kernel as u64 + 3);
                 let chunk_rows = 4 * (8 * nv * dk + 6 * nv * dv);
-                let matrices = 4 * 8 * nv * crate::engine::batch::GDN_CHUNK as u64;
+                let matrices = 4 * 8 * nv * GDN_CHUNK as u64;
                 // Chunk tensors are padded to whole chunks: count them one and a half times.
                 projections + conv_f32 + (chunk_rows + matrices) * 3 / 2 + 4 * 3 * nv * dv
             }),

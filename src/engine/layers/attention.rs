@@ -11,7 +11,7 @@ use super::norm::RmsNorm;
 use super::sdpa::sequence_attention;
 use crate::engine::batch::BatchCtx;
 use crate::engine::config::ModelConfig;
-use crate::engine::decoder::profile;
+use crate::engine::profile;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 

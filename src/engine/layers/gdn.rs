@@ -13,7 +13,7 @@ use super::linear::{Linear, Projections};
 use super::norm::GatedRmsNorm;
 use crate::engine::batch::BatchCtx;
 use crate::engine::config::{GdnLayout, LinearAttentionConfig, ModelConfig};
-use crate::engine::decoder::profile;
+use crate::engine::profile;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 

@@ -121,26 +121,18 @@ fn token_ids_past_the_vocabulary_are_an_input_error() {
 
 /// Copies a fixture with every weight of decoder layers `from..` set to NaN.
 fn poisoned_copy(src: &Path, from: usize) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, v) in st.tensors() {
-        let layer =
-            name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
-        let data = match layer {
-            Some(l) if l >= from => f32::NAN.to_le_bytes().repeat(v.data().len() / 4),
-            _ => v.data().to_vec(),
-        };
-        owned.push((name, v.dtype(), v.shape().to_vec(), data));
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::tensor::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
-    dir
+    let poison = move |tensors: &mut Vec<common::OwnedTensor>| {
+        for (name, _, _, data) in tensors.iter_mut() {
+            let layer = name
+                .strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok());
+            if layer.is_some_and(|l| l >= from) {
+                *data = f32::NAN.to_le_bytes().repeat(data.len() / 4);
+            }
+        }
+    };
+    common::edited_fixture(src, poison, |_| {})
 }
 
 #[test]

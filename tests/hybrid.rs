@@ -130,29 +130,12 @@ async fn serve_reports_layer_kinds_and_returns_exact_states() {
     running.shutdown.cancel();
 }
 
-/// A copy of fixture `name` with `edit` applied to its tensors (name, dtype, shape, bytes) and
-/// `config` to its config.json.
 fn edited_copy(
     name: &str,
-    edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+    edit: impl Fn(&mut Vec<common::OwnedTensor>),
     config: impl Fn(&mut Value),
 ) -> tempfile::TempDir {
-    let src = dir(name);
-    let out = tempfile::tempdir().unwrap();
-    let mut cfg: Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
-    config(&mut cfg);
-    std::fs::write(out.path().join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut owned: Vec<_> =
-        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
-    edit(&mut owned);
-    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::tensor::serialize_to_file(views, None, &out.path().join("model.safetensors")).unwrap();
-    out
+    common::edited_fixture(&dir(name), edit, config)
 }
 
 fn load_error(d: &Path) -> String {

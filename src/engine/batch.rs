@@ -43,6 +43,9 @@ pub struct GdnPlan {
     /// sequences still running at a step are always a prefix).
     pub steps: Vec<(usize, usize)>,
     pub chunks: usize,
+    /// `[1, 64, 64]` 0/1 masks of a chunk: `j <= i` (the decays) and `j < i` (the UT system).
+    pub lower: Tensor,
+    pub strict: Tensor,
 }
 
 impl GdnPlan {
@@ -82,7 +85,13 @@ impl GdnPlan {
             }
             steps.push((offset, chunk - offset));
         }
+        let n = GDN_CHUNK;
+        let mask = |keep: fn(usize, usize) -> bool| -> Vec<f32> {
+            (0..n * n).map(|x| if keep(x / n, x % n) { 1.0 } else { 0.0 }).collect()
+        };
         Ok(GdnPlan {
+            lower: Tensor::from_vec(mask(|i, j| j <= i), (1, n, n), device)?,
+            strict: Tensor::from_vec(mask(|i, j| j < i), (1, n, n), device)?,
             shifts,
             gather: Tensor::new(gather.as_slice(), device)?,
             scatter: Tensor::new(scatter.as_slice(), device)?,

@@ -44,7 +44,7 @@ impl Weights {
 
     /// Whether the checkpoint has `name` (without the decoder prefix).
     pub fn has(&self, name: &str) -> bool {
-        let full = format!("{}{name}", self.prefix);
+        let full = self.full_name(name);
         match &self.source {
             TensorSource::Safetensors { tensors, .. } => tensors.get(&full).is_ok(),
             TensorSource::Gguf(g) => g.has(name),
@@ -76,7 +76,7 @@ impl Weights {
     }
 
     fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, EngineError> {
-        let full = format!("{}{name}", self.prefix);
+        let full = self.full_name(name);
         let t = match &self.source {
             TensorSource::Safetensors { tensors, .. } => {
                 if tensors.get(&full).is_err() {

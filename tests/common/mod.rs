@@ -262,3 +262,30 @@ pub fn cuda_device() -> Option<Device> {
     }
     Some(Device::new_cuda(0).expect("CUDA device 0"))
 }
+
+/// One tensor of a checkpoint, owned: name, dtype, shape, little-endian bytes.
+pub type OwnedTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// A copy of the fixture folder `src` (config.json and model.safetensors) with `edit` applied to
+/// its tensors and `config` to its config.json.
+pub fn edited_fixture(
+    src: &Path,
+    edit: impl Fn(&mut Vec<OwnedTensor>),
+    config: impl Fn(&mut serde_json::Value),
+) -> tempfile::TempDir {
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    config(&mut cfg);
+    std::fs::write(out.path().join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<OwnedTensor> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    edit(&mut owned);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::tensor::serialize_to_file(views, None, &out.path().join("model.safetensors")).unwrap();
+    out
+}

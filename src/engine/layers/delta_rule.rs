@@ -7,17 +7,9 @@
 //! prepared at once, and the scan advances all sequences together: step `j` handles chunk `j`
 //! of every sequence that has one ([`GdnPlan`]).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::engine::batch::{GdnPlan, GDN_CHUNK};
-
-/// `[C, 64, 64]`-broadcastable 0/1 masks: `j <= i` and `j < i`.
-fn masks(device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
-    let n = GDN_CHUNK;
-    let lower: Vec<f32> = (0..n * n).map(|x| if x % n <= x / n { 1.0 } else { 0.0 }).collect();
-    let strict: Vec<f32> = (0..n * n).map(|x| if x % n < x / n { 1.0 } else { 0.0 }).collect();
-    Ok((Tensor::from_vec(lower, (1, n, n), device)?, Tensor::from_vec(strict, (1, n, n), device)?))
-}
 
 /// `[T, h, d]` packed rows into `[C * h, 64, d]` chunks (zero rows pad each sequence's last
 /// chunk).
@@ -61,7 +53,7 @@ pub fn chunked(
     let (t, h, dk) = k.dims3()?;
     let dv = v.dim(2)?;
     let dev = q.device();
-    let (lower, strict) = masks(dev)?;
+    let (lower, strict) = (&plan.lower, &plan.strict);
     let q = to_chunks(q, plan)?;
     let k = to_chunks(k, plan)?;
     let v = to_chunks(v, plan)?;
@@ -72,9 +64,9 @@ pub fn chunked(
     // decay[i][j] = exp(G_i - G_j) for j <= i, 0 above the diagonal (never exponentiated into
     // the result there).
     let diff = cum.unsqueeze(2)?.broadcast_sub(&cum.unsqueeze(1)?)?;
-    let decay = diff.broadcast_mul(&lower)?.exp()?.broadcast_mul(&lower)?;
+    let decay = diff.broadcast_mul(lower)?.exp()?.broadcast_mul(lower)?;
     let kt = k.transpose(1, 2)?.contiguous()?;
-    let a = (k_beta.matmul(&kt)? * &decay)?.broadcast_mul(&strict)?;
+    let a = (k_beta.matmul(&kt)? * &decay)?.broadcast_mul(strict)?;
     let intra = (q.matmul(&kt)? * &decay)?;
     let inv = unit_lower_inverse(&a)?;
     let exp_cum = cum.exp()?.unsqueeze(2)?;
@@ -151,7 +143,7 @@ mod tests {
 
     #[test]
     fn chunked_equals_the_token_by_token_recurrence() -> candle_core::Result<()> {
-        let dev = Device::Cpu;
+        let dev = candle_core::Device::Cpu;
         let seqs = [(0, 1), (1, 63), (64, 64), (128, 65), (193, 130), (323, 3)];
         let t = 326;
         let (h, dk, dv) = (3, 8, 12);

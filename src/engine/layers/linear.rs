@@ -98,9 +98,6 @@ pub fn residual(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     if x.dtype() == DType::F32 && y.dtype() != DType::F32 {
         return crate::engine::cuda_ops::add_f32(x, y);
     }
-    if x.dtype() != y.dtype() {
-        return x + y.to_dtype(x.dtype())?;
-    }
     x + y
 }
 

@@ -41,6 +41,21 @@ pub struct Limits {
     pub request_timeout: Duration,
 }
 
+impl Default for Limits {
+    /// The defaults of `layertap serve` (see its flags).
+    fn default() -> Self {
+        Limits {
+            max_batch_tokens: 8192,
+            max_input_tokens: 8192,
+            max_queue_tokens: 131072,
+            max_body_bytes: 64 << 20,
+            max_json_values: 4 << 20,
+            zstd_level: 3,
+            request_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {

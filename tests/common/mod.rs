@@ -149,8 +149,8 @@ pub fn limits() -> Limits {
         max_queue_tokens: 1024,
         max_body_bytes: 1 << 20,
         max_json_values: 1 << 16,
-        zstd_level: 3,
         request_timeout: Duration::from_secs(30),
+        ..Limits::default()
     }
 }
 

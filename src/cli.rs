@@ -135,6 +135,19 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "LAYERTAP_LOG_FORMAT")]
     pub log_format: LogFormat,
+    /// Most tokens in one request over all its inputs; more is refused with 413 before any work.
+    /// Default: 65536, or --max-queue-tokens when that is smaller.
+    #[arg(long, env = "LAYERTAP_MAX_REQUEST_TOKENS")]
+    pub max_request_tokens: Option<usize>,
+    /// Most inputs in one request.
+    #[arg(long, default_value_t = 1024, env = "LAYERTAP_MAX_INPUTS")]
+    pub max_inputs: usize,
+    /// Most messages in one chat input (rendering a chat costs messages x assistant turns).
+    #[arg(long, default_value_t = 1024, env = "LAYERTAP_MAX_MESSAGES")]
+    pub max_messages: usize,
+    /// Largest answer in bytes of hidden states (before compression), in every encoding.
+    #[arg(long, default_value_t = 2 << 30, env = "LAYERTAP_MAX_ANSWER_BYTES")]
+    pub max_answer_bytes: usize,
 }
 
 impl ServeArgs {
@@ -157,6 +170,16 @@ impl ServeArgs {
                 self.max_queue_tokens, self.max_input_tokens
             ));
         }
+        let r = self.request_tokens();
+        if r < self.max_input_tokens || r > self.max_queue_tokens {
+            return Err(format!(
+                "--max-request-tokens ({r}) must be at least --max-input-tokens ({}) and at most --max-queue-tokens ({})",
+                self.max_input_tokens, self.max_queue_tokens
+            ));
+        }
+        if self.max_inputs == 0 || self.max_messages == 0 || self.max_answer_bytes == 0 {
+            return Err("--max-inputs, --max-messages and --max-answer-bytes must be positive".into());
+        }
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
             return Err(
                 "--api-key / LAYERTAP_API_KEY holds an empty key; remove it (or unset the variable for no auth)".into(),
@@ -166,6 +189,17 @@ impl ServeArgs {
             return Err("--zstd-level must be between 1 and 22".into());
         }
         Ok(())
+    }
+
+    /// The per-request token limit in force.
+    pub fn request_tokens(&self) -> usize {
+        self.max_request_tokens.unwrap_or(self.max_queue_tokens.min(65536).max(self.max_input_tokens))
+    }
+
+    /// The API keys as they will be compared: surrounding whitespace removed (`--api-key 'k1, k2'`
+    /// means k1 and k2; a header value never carries such whitespace).
+    pub fn keys(&self) -> Vec<String> {
+        self.api_keys.iter().map(|k| k.trim().to_string()).collect()
     }
 
     /// The device list: `cpu`, `cuda:0`, `cuda:0,1`, or `cuda:all` (every visible GPU).

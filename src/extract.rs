@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use crate::codec::{Extraction, CONVENTION};
 use crate::engine::{Batch, Engine, EngineError, HostTensor, ModelInfo, OutDType};
-use crate::tokenizer::{ChatMessage, TextTokenizer, TokenizeError, Tokenized};
+use crate::tokenizer::{Budget, ChatMessage, TextTokenizer, TokenizeError, Tokenized};
 
 /// One input sequence, as the caller gave it.
 #[derive(Clone, Debug)]
@@ -29,11 +29,27 @@ fn no_tokenizer() -> TokenizeError {
 
 /// Tokenizes one input; the loss mask is all ones except for chats.
 pub fn tokenize(tok: Option<&TextTokenizer>, input: &Input) -> Result<Tokenized, TokenizeError> {
+    tokenize_within(tok, input, &Budget::unlimited())
+}
+
+/// [`tokenize`] within `budget` (token and message limits, cancellation).
+pub fn tokenize_within(
+    tok: Option<&TextTokenizer>,
+    input: &Input,
+    budget: &Budget,
+) -> Result<Tokenized, TokenizeError> {
     let ones = |ids: Vec<u32>| Tokenized { loss_mask: vec![1; ids.len()], ids };
     let t = match input {
+        Input::Ids(ids) if ids.len() > budget.max_tokens => {
+            return Err(TokenizeError::TooLarge(format!(
+                "{} tokens; at most {} fit here",
+                ids.len(),
+                budget.max_tokens
+            )))
+        }
         Input::Ids(ids) => ones(ids.clone()),
-        Input::Text(text) => ones(tok.ok_or_else(no_tokenizer)?.encode_text(text)?),
-        Input::Messages(m) => tok.ok_or_else(no_tokenizer)?.encode_chat(m)?,
+        Input::Text(text) => ones(tok.ok_or_else(no_tokenizer)?.encode_text_within(text, budget)?),
+        Input::Messages(m) => tok.ok_or_else(no_tokenizer)?.encode_chat_within(m, budget)?,
     };
     if t.ids.is_empty() {
         return Err(TokenizeError::Invalid("an input produced no tokens; every input needs at least one".into()));

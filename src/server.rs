@@ -226,6 +226,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_json_values: args.max_json_values,
         zstd_level: args.zstd_level,
         request_timeout: Duration::from_secs(args.request_timeout_s),
+        max_request_tokens: args.request_tokens(),
+        max_inputs: args.max_inputs,
+        max_messages: args.max_messages,
+        max_answer_bytes: args.max_answer_bytes,
     };
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
@@ -243,7 +247,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             Ok(LoadedEngine { engine: Box::new(m.engine), max_batch_tokens: fits, memory })
         })
     };
-    let setup = Setup { info, tokenizer, devices, limits, api_keys: args.api_keys.clone(), auto_batch_tokens };
+    let setup = Setup { info, tokenizer, devices, limits, api_keys: args.keys(), auto_batch_tokens };
     let running = start(listener, setup, make, Duration::from_secs(args.shutdown_timeout_s))?;
     let stop = running.shutdown.clone();
     tokio::spawn(async move {

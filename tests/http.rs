@@ -249,6 +249,8 @@ async fn a_client_that_hangs_up_is_dropped_before_its_sequences_run() {
     assert_eq!(seen, vec![7, 8], "the abandoned request ran: {seen:?}");
     let m = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(m.contains("layertap_cancelled_sequences_total 1"), "{m}");
+    // The hang-up is counted as a request, under nginx's status for it.
+    assert!(m.contains(r#"layertap_requests_total{route="/v1/hidden-states",status="499"} 1"#), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

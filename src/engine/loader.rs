@@ -33,7 +33,7 @@ enum Files {
 
 /// A model located and its config read, ready to be loaded onto one or more devices.
 pub struct ModelFiles {
-    /// What the user passed (path or repo id), reported as the model id.
+    /// The model id reported to clients: the hub repo id, or the local folder or file name.
     pub id: String,
     files: Files,
     root: Option<PathBuf>,
@@ -154,6 +154,13 @@ fn download_from_hub(repo_id: &str) -> Result<PathBuf, EngineError> {
     config.parent().map(Path::to_path_buf).ok_or_else(|| err("bad cache path"))
 }
 
+/// The id of a model on disk: its folder or file name, never the path (answers and /v1/info
+/// are seen by clients, who have no business knowing the server's file system).
+fn local_id(path: &Path) -> String {
+    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    canonical.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+}
+
 impl ModelFiles {
     /// Locates the model named by `spec`: a folder, a `.gguf` file, or a hub repo id.
     pub fn locate(spec: &str) -> Result<Self, EngineError> {
@@ -162,7 +169,7 @@ impl ModelFiles {
             if path.extension().is_some_and(|e| e == "gguf") {
                 let file = Arc::new(GgufFile::open(path)?);
                 let config = file.model_config()?;
-                return Ok(ModelFiles { id: spec.into(), files: Files::Gguf { file, config }, root: None });
+                return Ok(ModelFiles { id: local_id(path), files: Files::Gguf { file, config }, root: None });
             }
             return Err(err(format!("{spec} is a file but not a .gguf file; pass a model folder or a .gguf file")));
         } else if path.is_dir() {
@@ -183,7 +190,7 @@ impl ModelFiles {
                 .unwrap_or_default();
             if let [one] = ggufs.as_slice() {
                 return Self::locate(&one.to_string_lossy()).map(|mut m| {
-                    m.id = spec.into();
+                    m.id = if path.is_dir() { local_id(path) } else { spec.into() };
                     m
                 });
             }
@@ -191,7 +198,8 @@ impl ModelFiles {
         }
         let config = ModelConfig::from_hf_json(&read_json(&config_path)?)?;
         let shards = shard_files(&dir)?;
-        Ok(ModelFiles { id: spec.into(), files: Files::Hf { config, shards }, root: Some(dir) })
+        let id = if path.is_dir() { local_id(path) } else { spec.into() };
+        Ok(ModelFiles { id, files: Files::Hf { config, shards }, root: Some(dir) })
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -12,6 +12,15 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        if let Some(enc) = req.headers().get(axum::http::header::CONTENT_ENCODING) {
+            let enc = String::from_utf8_lossy(enc.as_bytes()).trim().to_ascii_lowercase();
+            if enc != "identity" {
+                return Err(ApiError::new(
+                    ErrorKind::UnsupportedMediaType,
+                    format!("request bodies are read uncompressed; Content-Encoding {enc:?} is not supported: send plain JSON"),
+                ));
+            }
+        }
         match axum::Json::<T>::from_request(req, state).await {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
             Err(rej) => Err(match rej {

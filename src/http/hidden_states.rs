@@ -8,13 +8,16 @@ use axum::Json;
 use super::types::{
     HiddenStatesJson, HiddenStatesRequest, InputItem, TokenizeRequest, TokenizeResponse, TokenizedInput,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use super::{require_ready, ApiJson, AppState};
 use crate::batching::{Part, Submission};
 use crate::codec;
 use crate::engine::{HostTensor, OutDType};
 use crate::error::{ApiError, ErrorKind};
-use crate::extract::{extraction, metadata, token_columns, tokenize as tokenize_input, Input};
-use crate::tokenizer::Tokenized;
+use crate::extract::{extraction, metadata, token_columns, tokenize_within, Input};
+use crate::tokenizer::{Budget, TokenizeError, Tokenized};
 
 /// Checks one input's shape (exactly one kind, ids in range) and turns it into an [`Input`].
 fn to_input(i: usize, item: InputItem, vocab: usize) -> Result<Input, ApiError> {
@@ -43,38 +46,108 @@ fn to_input(i: usize, item: InputItem, vocab: usize) -> Result<Input, ApiError> 
     Ok(Input::Messages(item.messages.unwrap_or_default()))
 }
 
-/// Validates and tokenizes every input, off the async runtime.
-async fn tokenize_all(s: &AppState, inputs: Vec<InputItem>) -> Result<Vec<Tokenized>, ApiError> {
+/// Sets its flag when dropped: the handler holding it has finished or was dropped (the client
+/// went away or the request timed out), so work done on its behalf can stop.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+fn too_large(message: String) -> ApiError {
+    ApiError::new(ErrorKind::TooLarge, message)
+}
+
+/// Validates and tokenizes every input, off the async runtime, within the request's limits:
+/// counts are checked before any tokenization, and tokenization stops as soon as an input is
+/// certainly over its budget or the caller has gone.
+async fn tokenize_all(
+    s: &AppState,
+    inputs: Vec<InputItem>,
+    split_special_tokens: bool,
+) -> Result<Vec<Tokenized>, ApiError> {
+    let l = &s.limits;
     if inputs.is_empty() {
         return Err(ApiError::invalid("\"inputs\" is empty: send at least one input"));
     }
+    if inputs.len() > l.max_inputs {
+        return Err(too_large(format!(
+            "the request has {} inputs; this server accepts at most {} per request (--max-inputs)",
+            inputs.len(),
+            l.max_inputs
+        )));
+    }
     let vocab = s.info.vocab_size;
     let inputs = inputs.into_iter().enumerate().map(|(i, x)| to_input(i, x, vocab)).collect::<Result<Vec<_>, _>>()?;
-    let tok = s.tokenizer.clone();
-    let max = s.limits.max_input_tokens;
-    tokio::task::spawn_blocking(move || {
-        inputs
-            .iter()
-            .enumerate()
-            .map(|(i, input)| {
-                let t = tokenize_input(tok.as_deref(), input).map_err(|e| ApiError::from(e).prefixed(i))?;
-                if let Some(bad) = t.ids.iter().find(|&&id| id as usize >= vocab) {
-                    return Err(ApiError::internal(format!(
-                        "the tokenizer produced id {bad} outside the model's vocabulary"
+    let (max_input, max_request, max_messages) = (l.max_input_tokens, l.max_request_tokens, l.max_messages);
+    let mut ids_total = 0usize;
+    for (i, input) in inputs.iter().enumerate() {
+        match input {
+            Input::Ids(ids) => {
+                if ids.len() > max_input {
+                    return Err(too_large(format!(
+                        "inputs[{i}] has {} tokens; this server accepts at most {max_input} per input",
+                        ids.len()
                     )));
                 }
-                if t.ids.len() > max {
-                    return Err(ApiError::new(
-                        ErrorKind::TooLarge,
-                        format!("inputs[{i}] has {} tokens; this server accepts at most {max} per input", t.ids.len()),
-                    ));
+                ids_total += ids.len();
+            }
+            Input::Messages(m) if m.len() > max_messages => {
+                return Err(too_large(format!(
+                    "inputs[{i}] has {} messages; this server accepts at most {max_messages} per chat (--max-messages)",
+                    m.len()
+                )));
+            }
+            _ => {}
+        }
+    }
+    if ids_total > max_request {
+        return Err(request_too_large(ids_total, max_request));
+    }
+    let tok = s.tokenizer.clone();
+    let gone = Arc::new(AtomicBool::new(false));
+    let _guard = CancelOnDrop(gone.clone());
+    tokio::task::spawn_blocking(move || {
+        let cancelled = || gone.load(Ordering::Relaxed);
+        let mut used = 0usize;
+        let mut out = Vec::with_capacity(inputs.len());
+        for (i, input) in inputs.iter().enumerate() {
+            let budget = Budget {
+                max_tokens: max_input.min(max_request.saturating_sub(used)),
+                max_messages,
+                split_special_tokens,
+                cancelled: &cancelled,
+            };
+            let t = tokenize_within(tok.as_deref(), input, &budget).map_err(|e| match e {
+                TokenizeError::TooLarge(m) if budget.max_tokens < max_input => {
+                    too_large(format!("inputs[{i}]: {m} (the request's inputs may hold {max_request} tokens in all)"))
                 }
-                Ok(t)
-            })
-            .collect()
+                TokenizeError::TooLarge(m) => {
+                    too_large(format!("inputs[{i}]: {m} (this server accepts at most {max_input} per input)"))
+                }
+                other => ApiError::from(other).prefixed(i),
+            })?;
+            if let Some(bad) = t.ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(ApiError::internal(format!(
+                    "the tokenizer produced id {bad} outside the model's vocabulary"
+                )));
+            }
+            used += t.ids.len();
+            out.push(t);
+        }
+        Ok(out)
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+}
+
+fn request_too_large(tokens: usize, max: usize) -> ApiError {
+    too_large(format!(
+        "the request has {tokens} tokens over its inputs; this server accepts at most {max} per request \
+         (--max-request-tokens): split it into several requests"
+    ))
 }
 
 impl ApiError {
@@ -91,28 +164,100 @@ pub async fn tokenize(
     State(s): State<AppState>,
     ApiJson(req): ApiJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    let seqs = tokenize_all(&s, req.inputs).await?;
+    let seqs = tokenize_all(&s, req.inputs, req.split_special_tokens).await?;
     Ok(Json(TokenizeResponse {
         results: seqs.into_iter().map(|t| TokenizedInput { input_ids: t.ids, loss_mask: t.loss_mask }).collect(),
     }))
 }
 
-/// True when the client accepts zstd (or states no preference).
-pub fn wants_zstd(headers: &HeaderMap) -> bool {
-    let Some(v) = headers.get(header::ACCEPT_ENCODING).and_then(|v| v.to_str().ok()) else { return true };
-    v.split(',').any(|part| {
-        let mut it = part.split(';');
-        let name = it.next().unwrap_or("").trim().to_ascii_lowercase();
-        let q = it.find_map(|p| p.trim().strip_prefix("q=").and_then(|q| q.trim().parse::<f32>().ok())).unwrap_or(1.0);
-        (name == "zstd" || name == "*") && q > 0.0
-    })
+/// The elements of a comma-separated header with their quality (`q`, default 1), names lowercased.
+fn weighted(v: &str) -> Vec<(String, f32)> {
+    v.split(',')
+        .filter_map(|part| {
+            let mut it = part.split(';');
+            let name = it.next()?.trim().to_ascii_lowercase();
+            if name.is_empty() {
+                return None;
+            }
+            let q = it
+                .find_map(|p| {
+                    let (k, v) = p.split_once('=')?;
+                    k.trim().eq_ignore_ascii_case("q").then(|| v.trim().parse::<f32>().ok())?
+                })
+                .unwrap_or(1.0);
+            Some((name, if q.is_finite() { q.clamp(0.0, 1.0) } else { 0.0 }))
+        })
+        .collect()
 }
 
-fn wants_json(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.split(',').any(|p| p.trim().starts_with("application/json")))
+/// True when the client accepts zstd: no Accept-Encoding at all, or zstd (or `*`, when zstd is not
+/// named) with a quality above 0.
+pub fn wants_zstd(headers: &HeaderMap) -> bool {
+    let Some(v) = headers.get(header::ACCEPT_ENCODING).and_then(|v| v.to_str().ok()) else { return true };
+    let list = weighted(v);
+    let q = |name: &str| list.iter().find(|(n, _)| n == name).map(|&(_, q)| q);
+    q("zstd").or_else(|| q("*")).unwrap_or(0.0) > 0.0
+}
+
+/// Quality and specificity (2 exact, 1 `type/*`, 0 `*/*`) the Accept list gives `media`.
+fn accepts(list: &[(String, f32)], media: &str) -> (f32, u8) {
+    let kind = media.split('/').next().unwrap_or("");
+    let mut best: Option<(f32, u8)> = None;
+    for (name, q) in list {
+        let spec = if name == media {
+            2
+        } else if name.strip_suffix("/*") == Some(kind) {
+            1
+        } else if name == "*/*" {
+            0
+        } else {
+            continue;
+        };
+        if best.is_none_or(|(_, s)| spec > s) {
+            best = Some((*q, spec));
+        }
+    }
+    best.unwrap_or((0.0, 0))
+}
+
+/// True for a JSON answer: the Accept header prefers application/json (higher quality, or equal
+/// quality named more specifically) to application/octet-stream. 406 when it accepts neither.
+fn wants_json(headers: &HeaderMap) -> Result<bool, ApiError> {
+    let Some(v) = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).filter(|v| !v.trim().is_empty()) else {
+        return Ok(false);
+    };
+    let list = weighted(v);
+    let (json, octets) = (accepts(&list, "application/json"), accepts(&list, "application/octet-stream"));
+    if json.0 <= 0.0 && octets.0 <= 0.0 {
+        return Err(ApiError::new(
+            ErrorKind::NotAcceptable,
+            "this route answers application/octet-stream (safetensors) or application/json; the Accept header allows neither",
+        ));
+    }
+    Ok(json.0 > 0.0 && (json.0, json.1) > (octets.0, octets.1))
+}
+
+/// The caller's layer indices resolved, refusing lists longer than the model has indices and
+/// indices named twice (the answer holds each asked index once, in the order asked).
+fn checked_layers(layers: &[i64], num_layers: usize) -> Result<Vec<usize>, ApiError> {
+    if layers.len() > num_layers + 1 {
+        return Err(ApiError::invalid(format!(
+            "\"layers\" names {} indices; this model has {} (0..={num_layers}), and each may be asked once",
+            layers.len(),
+            num_layers + 1
+        )));
+    }
+    let resolved = crate::engine::resolve_layers(layers, num_layers)?;
+    let mut seen = vec![None; num_layers + 1];
+    for (k, &r) in resolved.iter().enumerate() {
+        if let Some(first) = seen[r].replace(k) {
+            return Err(ApiError::invalid(format!(
+                "\"layers\" names index {r} twice ({} and {}); ask for each index once",
+                layers[first], layers[k]
+            )));
+        }
+    }
+    Ok(resolved)
 }
 
 fn ms(d: std::time::Duration) -> HeaderValue {
@@ -139,6 +284,7 @@ fn concat(parts: &[Part], layers: &[usize], hidden: usize, dtype: OutDType) -> R
         (status = 200, description = "safetensors bytes (Content-Encoding: zstd when accepted)", content_type = "application/octet-stream", body = Vec<u8>,
          headers(("x-queue-time" = String, description = "ms waiting for a batch"), ("x-inference-time" = String, description = "ms from first batch to answer"), ("x-tokens" = String, description = "tokens in the answer"))),
         (status = 400, body = crate::error::ErrorBody), (status = 401, body = crate::error::ErrorBody),
+        (status = 406, body = crate::error::ErrorBody),
         (status = 413, body = crate::error::ErrorBody), (status = 415, body = crate::error::ErrorBody),
         (status = 422, body = crate::error::ErrorBody), (status = 429, body = crate::error::ErrorBody),
         (status = 503, body = crate::error::ErrorBody)),
@@ -154,11 +300,21 @@ pub async fn hidden_states(
         Some(d) => OutDType::parse(d)
             .ok_or_else(|| ApiError::invalid(format!("unknown dtype {d:?}; use float32, bfloat16 or float16")))?,
     };
-    let layers = crate::engine::resolve_layers(&req.layers, s.info.num_layers)?;
-    let seqs = tokenize_all(&s, req.inputs).await?;
-    let json = wants_json(&headers);
+    let layers = checked_layers(&req.layers, s.info.num_layers)?;
+    let json = wants_json(&headers)?;
+    let seqs = tokenize_all(&s, req.inputs, req.split_special_tokens).await?;
     let hidden = s.info.hidden_size;
     let total: usize = seqs.iter().map(|t| t.ids.len()).sum();
+    let answer_bytes = total * layers.len() * hidden * dtype.size_in_bytes();
+    if answer_bytes > s.limits.max_answer_bytes {
+        return Err(too_large(format!(
+            "the answer would hold {answer_bytes} bytes of hidden states ({total} tokens x {} layers x {hidden} x {}), \
+             more than the {} allowed (--max-answer-bytes); ask for fewer layers, a smaller dtype or fewer tokens",
+            layers.len(),
+            dtype.name(),
+            s.limits.max_answer_bytes
+        )));
+    }
     if json && total * layers.len() * hidden > s.limits.max_json_values {
         return Err(ApiError::new(
             ErrorKind::TooLarge,
@@ -178,10 +334,11 @@ pub async fn hidden_states(
     s.metrics.queue_requests.dec();
     let answer = match waited {
         Err(_) => {
+            tracing::warn!(timeout_s = s.limits.request_timeout.as_secs_f64(), "a request timed out in the server");
             return Err(ApiError::new(
                 ErrorKind::Unavailable,
                 "the request timed out in the server; retry later or send less",
-            ))
+            ));
         }
         Ok(Err(_)) => return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down")),
         Ok(Ok(r)) => r?,

@@ -18,6 +18,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use subtle::ConstantTimeEq;
 use tower::ServiceBuilder;
+use tower_http::classify::ServerErrorsFailureClass;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
@@ -39,6 +40,14 @@ pub struct Limits {
     pub max_json_values: usize,
     pub zstd_level: i32,
     pub request_timeout: Duration,
+    /// Most tokens in one request, over all its inputs.
+    pub max_request_tokens: usize,
+    /// Most inputs in one request.
+    pub max_inputs: usize,
+    /// Most messages in one chat input.
+    pub max_messages: usize,
+    /// Largest answer (the hidden states' bytes before compression) in any encoding.
+    pub max_answer_bytes: usize,
 }
 
 impl Default for Limits {
@@ -52,6 +61,10 @@ impl Default for Limits {
             max_json_values: 4 << 20,
             zstd_level: 3,
             request_timeout: Duration::from_secs(600),
+            max_request_tokens: 65536,
+            max_inputs: 1024,
+            max_messages: 1024,
+            max_answer_bytes: 2 << 30,
         }
     }
 }
@@ -106,11 +119,23 @@ pub fn app(state: AppState) -> Router {
         .layer(
             ServiceBuilder::new()
                 .layer(SetRequestIdLayer::new(REQUEST_ID.clone(), MakeRequestUuid))
-                .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
-                    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned());
-                    let id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-").to_owned();
-                    tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), route, request_id = %id)
-                }))
+                .layer(
+                    TraceLayer::new_for_http()
+                        .make_span_with(|req: &Request| {
+                            let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned());
+                            let id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
+                            // Debug formatting quotes and escapes what the client sent, so a request id
+                            // cannot forge log fields or lines.
+                            tracing::info_span!("request", method = %req.method(), path = ?req.uri().path(), route, request_id = ?id)
+                        })
+                        // Status codes are logged where they arise, once and at their level (our faults at
+                        // ERROR in ApiError; loading, draining and overload are expected states).
+                        .on_failure(|class: ServerErrorsFailureClass, _latency: Duration, _span: &tracing::Span| {
+                            if let ServerErrorsFailureClass::Error(e) = class {
+                                tracing::warn!(error = %e, "the response failed while streaming");
+                            }
+                        }),
+                )
                 .layer(PropagateRequestIdLayer::new(REQUEST_ID.clone())),
         )
         .with_state(state)
@@ -129,24 +154,49 @@ async fn track(State(s): State<AppState>, req: Request, next: Next) -> Response 
         }
     }
     let _guard = Guard(in_flight);
-    let start = Instant::now();
+    // Counted when dropped unanswered: the client hung up (or the connection was closed) first.
+    struct Unanswered<'a> {
+        s: &'a AppState,
+        route: &'a str,
+        start: Instant,
+        answered: bool,
+    }
+    impl Drop for Unanswered<'_> {
+        fn drop(&mut self) {
+            if !self.answered {
+                self.s
+                    .metrics
+                    .request_duration
+                    .with_label_values(&[self.route])
+                    .observe(self.start.elapsed().as_secs_f64());
+                self.s.metrics.requests.with_label_values(&[self.route, CLIENT_CLOSED]).inc();
+            }
+        }
+    }
+    let mut pending = Unanswered { s: &s, route: &route, start: Instant::now(), answered: false };
     let resp = next.run(req).await;
-    s.metrics.request_duration.with_label_values(&[&route]).observe(start.elapsed().as_secs_f64());
+    pending.answered = true;
+    s.metrics.request_duration.with_label_values(&[&route]).observe(pending.start.elapsed().as_secs_f64());
     s.metrics.requests.with_label_values(&[&route, resp.status().as_str()]).inc();
     resp
 }
+
+/// The `status` label of requests whose client went away before the answer (as nginx's 499).
+pub const CLIENT_CLOSED: &str = "499";
 
 /// Bearer-token check (constant-time) when API keys are configured.
 async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
     if s.api_keys.is_empty() {
         return next.run(req).await;
     }
+    // The scheme is case-insensitive (RFC 9110 section 11.1); the token is compared as sent.
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     let ok = given.is_some_and(|g| {
         // Fold over every key so timing does not reveal which one (if any) matched.
         s.api_keys.iter().fold(0u8, |acc, k| acc | k.as_bytes().ct_eq(g.as_bytes()).unwrap_u8()) == 1

@@ -48,6 +48,16 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         max_batch_tokens: s.scheduler.max_batch_tokens(),
         max_input_tokens: s.limits.max_input_tokens,
         max_queue_tokens: s.limits.max_queue_tokens,
+        max_request_tokens: s.limits.max_request_tokens,
+        max_inputs: s.limits.max_inputs,
+        max_messages: s.limits.max_messages,
+        max_answer_bytes: s.limits.max_answer_bytes,
+        chat_roles: s
+            .tokenizer
+            .as_ref()
+            .filter(|t| t.has_chat_template())
+            .map(|t| t.roles().to_vec())
+            .unwrap_or_default(),
         has_tokenizer: s.tokenizer.is_some(),
         has_chat_template: s.tokenizer.as_ref().is_some_and(|t| t.has_chat_template()),
         convention: CONVENTION.into(),

@@ -34,6 +34,12 @@ pub struct HiddenStatesRequest {
     /// Output dtype: float32, bfloat16 or float16 (also f32, bf16, f16). Default: the compute dtype.
     #[schema(example = "bfloat16")]
     pub dtype: Option<String>,
+    /// Tokenize special-token text (such as `<|im_start|>`) inside `text` and message content as
+    /// plain text, as transformers' `split_special_tokens=True`, so content cannot forge control
+    /// tokens; the chat template's own control tokens stay special. Default false (transformers'
+    /// default: such text becomes the control token).
+    #[serde(default)]
+    pub split_special_tokens: bool,
 }
 
 /// `POST /v1/tokenize`.
@@ -41,6 +47,9 @@ pub struct HiddenStatesRequest {
 #[serde(deny_unknown_fields)]
 pub struct TokenizeRequest {
     pub inputs: Vec<InputItem>,
+    /// As in `/v1/hidden-states`.
+    #[serde(default)]
+    pub split_special_tokens: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -86,6 +95,13 @@ pub struct InfoResponse {
     pub max_batch_tokens: usize,
     pub max_input_tokens: usize,
     pub max_queue_tokens: usize,
+    /// Most tokens, inputs and chat messages one request may hold, and the largest answer in bytes.
+    pub max_request_tokens: usize,
+    pub max_inputs: usize,
+    pub max_messages: usize,
+    pub max_answer_bytes: usize,
+    /// Chat roles the model's template accepts.
+    pub chat_roles: Vec<String>,
     pub has_tokenizer: bool,
     pub has_chat_template: bool,
     /// The layer-index convention.

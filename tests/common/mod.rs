@@ -231,7 +231,7 @@ pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
     let files = Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
     let cfg = files.config().clone();
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
-    let info = ModelInfo::new(model, &cfg, OutDType::Float32);
+    let info = ModelInfo::new(&files.id, &cfg, OutDType::Float32);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let setup =
         Setup { info, tokenizer, devices: vec!["cpu".into()], limits, api_keys: vec![], auto_batch_tokens: false };

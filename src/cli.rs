@@ -143,7 +143,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1024, env = "LAYERTAP_MAX_INPUTS")]
     pub max_inputs: usize,
     /// Most messages in one chat input (rendering a chat costs messages x assistant turns).
-    #[arg(long, default_value_t = 1024, env = "LAYERTAP_MAX_MESSAGES")]
+    #[arg(long, default_value_t = 512, env = "LAYERTAP_MAX_MESSAGES")]
     pub max_messages: usize,
     /// Largest answer in bytes of hidden states (before compression), in every encoding.
     #[arg(long, default_value_t = 2 << 30, env = "LAYERTAP_MAX_ANSWER_BYTES")]

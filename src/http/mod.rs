@@ -63,7 +63,7 @@ impl Default for Limits {
             request_timeout: Duration::from_secs(600),
             max_request_tokens: 65536,
             max_inputs: 1024,
-            max_messages: 1024,
+            max_messages: 512,
             max_answer_bytes: 2 << 30,
         }
     }

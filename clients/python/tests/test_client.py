@@ -122,6 +122,15 @@ def _reference():
 # -- mixed inputs, tokenization, loss mask ------------------------------------------------
 
 
+def test_split_special_tokens_spells_control_text_out(client):
+    text = "<|im_start|>assistant\nhi<|im_end|>"
+    default = client.tokenize([text])[0]["input_ids"]
+    plain = client.tokenize([text], split_special_tokens=True)[0]["input_ids"]
+    assert len(plain) > len(default) + 4
+    r = client.hidden_states([text], layers=[1], dtype="float32", split_special_tokens=True)[0]
+    assert r.input_ids.tolist() == plain
+
+
 def test_mixed_inputs_shapes_ids_and_loss_mask(client):
     inputs = [[5, 6, 7, 8], "Hello, world!", CHAT]
     results = client.hidden_states(inputs, layers=[0, 2, -1], dtype="float32")

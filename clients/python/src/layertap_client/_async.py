@@ -14,7 +14,7 @@ from ._common import (
     decompress,
     error_from_response,
     hidden_states_body,
-    normalize_inputs,
+    tokenize_body,
     parse_hidden_states,
     retry_delay,
 )
@@ -99,18 +99,19 @@ class AsyncClient:
         layers: Any,
         dtype: Optional[str] = "bfloat16",
         as_torch: bool = False,
+        split_special_tokens: bool = False,
     ) -> List[Result]:
         """See :meth:`layertap_client.Client.hidden_states`."""
-        body = hidden_states_body(inputs, layers, dtype)
+        body = hidden_states_body(inputs, layers, dtype, split_special_tokens)
         headers, data = await self._request("POST", "/v1/hidden-states", body, binary=True)
         rid = headers.get("x-request-id")
         return await asyncio.get_running_loop().run_in_executor(
             None, lambda: parse_hidden_states(data, as_torch=as_torch, request_id=rid)
         )
 
-    async def tokenize(self, inputs: Any) -> List[Dict[str, List[int]]]:
+    async def tokenize(self, inputs: Any, split_special_tokens: bool = False) -> List[Dict[str, List[int]]]:
         """See :meth:`layertap_client.Client.tokenize`."""
-        return (await self._json("POST", "/v1/tokenize", {"inputs": normalize_inputs(inputs)}))["results"]
+        return (await self._json("POST", "/v1/tokenize", tokenize_body(inputs, split_special_tokens)))["results"]
 
     async def info(self) -> Dict[str, Any]:
         """See :meth:`layertap_client.Client.info`."""

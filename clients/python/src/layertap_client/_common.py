@@ -150,11 +150,22 @@ def normalize_layers(layers: Any) -> List[int]:
     return [int(t) for t in layers]
 
 
-def hidden_states_body(inputs: Any, layers: Any, dtype: Optional[str]) -> Dict[str, Any]:
+def hidden_states_body(
+    inputs: Any, layers: Any, dtype: Optional[str], split_special_tokens: bool = False
+) -> Dict[str, Any]:
     body: Dict[str, Any] = {"inputs": normalize_inputs(inputs), "layers": normalize_layers(layers)}
     d = normalize_dtype(dtype)
     if d is not None:
         body["dtype"] = d
+    if split_special_tokens:
+        body["split_special_tokens"] = True
+    return body
+
+
+def tokenize_body(inputs: Any, split_special_tokens: bool = False) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"inputs": normalize_inputs(inputs)}
+    if split_special_tokens:
+        body["split_special_tokens"] = True
     return body
 
 

@@ -16,7 +16,7 @@ from ._common import (
     decompress,
     error_from_response,
     hidden_states_body,
-    normalize_inputs,
+    tokenize_body,
     parse_hidden_states,
     retry_delay,
 )
@@ -107,6 +107,7 @@ class Client:
         layers: Any,
         dtype: Optional[str] = "bfloat16",
         as_torch: bool = False,
+        split_special_tokens: bool = False,
     ) -> List[Result]:
         """Hidden states of ``layers`` for each input; one :class:`Result` per input.
 
@@ -123,13 +124,13 @@ class Client:
         ``ml_dtypes.bfloat16``. ``as_torch=True`` returns torch tensors
         instead, in the dtype asked for (bfloat16 stays bfloat16).
         """
-        body = hidden_states_body(inputs, layers, dtype)
+        body = hidden_states_body(inputs, layers, dtype, split_special_tokens)
         headers, data = self._request("POST", "/v1/hidden-states", body, binary=True)
         return parse_hidden_states(data, as_torch=as_torch, request_id=headers.get("x-request-id"))
 
-    def tokenize(self, inputs: Any) -> List[Dict[str, List[int]]]:
+    def tokenize(self, inputs: Any, split_special_tokens: bool = False) -> List[Dict[str, List[int]]]:
         """What the server would feed the model: ``[{"input_ids": [...], "loss_mask": [...]}]`` per input."""
-        return self._json("POST", "/v1/tokenize", {"inputs": normalize_inputs(inputs)})["results"]
+        return self._json("POST", "/v1/tokenize", tokenize_body(inputs, split_special_tokens))["results"]
 
     def info(self) -> Dict[str, Any]:
         """The server's model and limits (``GET /v1/info``)."""

@@ -19,6 +19,8 @@ pub enum ErrorKind {
     NotFound,
     /// 405: wrong HTTP method.
     MethodNotAllowed,
+    /// 408: the request body did not arrive in time.
+    RequestTimeout,
     /// 413: body, input or answer too large.
     TooLarge,
     /// 415: the body is not `application/json`.
@@ -40,6 +42,7 @@ impl ErrorKind {
             ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::Invalid => StatusCode::UNPROCESSABLE_ENTITY,
@@ -55,6 +58,7 @@ impl ErrorKind {
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::RequestTimeout => "request_timeout",
             ErrorKind::TooLarge => "too_large",
             ErrorKind::UnsupportedMediaType => "unsupported_media_type",
             ErrorKind::Invalid => "invalid_request",
@@ -77,8 +81,8 @@ pub struct ApiError {
 pub struct ErrorBody {
     /// What went wrong and how to fix it.
     pub error: String,
-    /// bad_request, unauthorized, not_found, method_not_allowed, too_large, unsupported_media_type,
-    /// invalid_request, overloaded, unavailable or internal.
+    /// bad_request, unauthorized, not_found, method_not_allowed, request_timeout, too_large,
+    /// unsupported_media_type, invalid_request, overloaded, unavailable or internal.
     #[serde(rename = "type")]
     pub kind: String,
 }

@@ -1,5 +1,6 @@
 //! The HTTP layer: parse and validate, admit or refuse, encode the answer.
 
+pub mod conn;
 mod extract;
 pub mod hidden_states;
 pub mod openapi;
@@ -39,6 +40,16 @@ pub struct Limits {
     pub max_json_values: usize,
     pub zstd_level: i32,
     pub request_timeout: Duration,
+    /// A request's head (request line and headers) must arrive within this, counted from the
+    /// connection's accept or, on a keep-alive connection, from the first byte of the request.
+    pub header_read_timeout: Duration,
+    /// A request's whole body must arrive within this, counted from its head; else 408.
+    pub body_read_timeout: Duration,
+    /// A keep-alive connection with no request in flight is closed after this long; also the
+    /// longest a response write may stay blocked on a client that does not read.
+    pub idle_timeout: Duration,
+    /// Most open client connections; past it new ones get a 503 and are closed at once.
+    pub max_connections: usize,
 }
 
 impl Default for Limits {
@@ -52,6 +63,10 @@ impl Default for Limits {
             max_json_values: 4 << 20,
             zstd_level: 3,
             request_timeout: Duration::from_secs(600),
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(75),
+            max_connections: 1024,
         }
     }
 }
@@ -72,6 +87,9 @@ pub struct AppState {
     pub memory: Arc<std::sync::Mutex<Vec<(String, MemoryProbe)>>>,
     /// Shutdown has begun.
     pub draining: Arc<AtomicBool>,
+    /// The drain deadline has passed (or a second signal came): handlers stop waiting for the
+    /// queue and answer 503 with Retry-After.
+    pub abandon: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {

@@ -115,6 +115,81 @@ async fn the_binary_serves_then_drains_on_sigterm() {
     assert!(inflight.await.unwrap() >= 1, "requests before the signal were served");
 }
 
+/// The default model (slow enough in a test build for work to be in flight at the signal).
+fn default_model() -> std::path::PathBuf {
+    let p = std::env::var("LAYERTAP_DEFAULT_MODEL").map(std::path::PathBuf::from).unwrap_or_else(|_| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    assert!(p.is_file(), "{} is missing: run `make model`", p.display());
+    p
+}
+
+async fn queued(base: &str) -> i64 {
+    let Ok(r) = reqwest::get(format!("{base}/metrics")).await else { return 0 };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix("layertap_queue_requests "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as i64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_with_thirty_requests_in_flight_answers_each_and_exits_within_the_timeout() {
+    let port = free_port();
+    let timeout_s = 2;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["serve", "--model", &default_model().to_string_lossy(), "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string(), "--shutdown-timeout", &timeout_s.to_string()])
+        .args(["--max-input-tokens", "256", "--max-batch-tokens", "256"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&base).await;
+    // One 256-token batch per request: about a second each on the CPU, far more than the timeout.
+    let tasks: Vec<_> = (0..30u32)
+        .map(|k| {
+            let base = base.clone();
+            tokio::spawn(async move {
+                let ids: Vec<u32> = (0..256u32).map(|t| 1 + (t * 7 + k) % 40000).collect();
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/v1/hidden-states"))
+                    .json(&json!({"inputs": [{"input_ids": ids}], "layers": [-1]}))
+                    .send()
+                    .await
+                    .map_err(|e| format!("{e:?}"))?;
+                let (status, retry) = (r.status().as_u16(), r.headers().contains_key("retry-after"));
+                r.bytes().await.map_err(|e| format!("{e:?}"))?;
+                Ok::<_, String>((status, retry))
+            })
+        })
+        .collect();
+    let t = std::time::Instant::now();
+    while queued(&base).await < 30 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the 30 requests were never all admitted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let signalled = std::time::Instant::now();
+    let (code, exited) =
+        tokio::task::spawn_blocking(move || (child.wait().unwrap(), signalled.elapsed())).await.unwrap();
+    assert!(code.success(), "exit status {code:?}");
+    let (mut ok, mut unavailable) = (0, 0);
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok((200, _)) => ok += 1,
+            Ok((503, true)) => unavailable += 1,
+            other => panic!("a request in flight got {other:?}"),
+        }
+    }
+    eprintln!("SIGTERM with 30 in flight: {ok} x 200, {unavailable} x 503, exit after {exited:?}");
+    assert!(unavailable >= 1, "nothing was left in flight at the deadline");
+    let bound = Duration::from_secs(timeout_s) + Duration::from_secs(3);
+    assert!(exited < bound, "exited {exited:?} after SIGTERM with --shutdown-timeout {timeout_s}");
+}
+
 #[test]
 fn extract_writes_the_same_tensors_as_transformers() {
     let dir = tempfile::tempdir().unwrap();

@@ -93,7 +93,7 @@ struct Shared {
 /// of `conns`; every connection task starts closing when `closing` is cancelled. Returns (and
 /// drops the listener, so new connections are refused) once `shutdown` is cancelled.
 pub async fn accept_until(
-    listener: TcpListener,
+    mut listener: TcpListener,
     router: Router,
     state: AppState,
     shutdown: &CancellationToken,
@@ -105,58 +105,81 @@ pub async fn accept_until(
     let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let refusal: Bytes = over_cap_answer().into();
     let shared = Arc::new(Shared { router, state, limits });
-    let mut accept_errors = RateLog::default();
+    let mut backoff = Backoff::default();
     let mut over_cap = RateLog::default();
-    let mut backoff = Duration::ZERO;
     loop {
-        tokio::select! {
+        let stream = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
-            Some(done) = conns.join_next(), if !conns.is_empty() => {
-                if let Err(e) = done {
-                    if e.is_panic() {
-                        tracing::error!("a connection task panicked");
-                    }
+            s = next_connection(&mut listener, &mut backoff) => s,
+        };
+        while let Some(done) = conns.try_join_next() {
+            if done.is_err_and(|e| e.is_panic()) {
+                tracing::error!("a connection task panicked");
+            }
+        }
+        match slots.clone().try_acquire_owned() {
+            Ok(slot) => {
+                let _ = stream.set_nodelay(true);
+                conns.spawn(serve_connection(stream, shared.clone(), closing.clone(), slot));
+            }
+            Err(_) => {
+                if over_cap.due() {
+                    tracing::warn!(
+                        max_connections = shared.limits.max_connections,
+                        refused_since_last_log = over_cap.take(),
+                        "connection limit reached: refusing new connections with 503"
+                    );
+                }
+                if let Ok(p) = refusing.clone().try_acquire_owned() {
+                    conns.spawn(refuse(stream, refusal.clone(), p));
                 }
             }
-            r = listener.accept() => match r {
-                Ok((stream, _peer)) => {
-                    backoff = Duration::ZERO;
-                    match slots.clone().try_acquire_owned() {
-                        Ok(slot) => {
-                            let _ = stream.set_nodelay(true);
-                            conns.spawn(serve_connection(stream, shared.clone(), closing.clone(), slot));
-                        }
-                        Err(_) => {
-                            if over_cap.due() {
-                                tracing::warn!(
-                                    max_connections = shared.limits.max_connections,
-                                    refused_since_last_log = over_cap.take(),
-                                    "connection limit reached: refusing new connections with 503"
-                                );
-                            }
-                            if let Ok(p) = refusing.clone().try_acquire_owned() {
-                                conns.spawn(refuse(stream, refusal.clone(), p));
-                            }
-                        }
-                    }
+        }
+    }
+}
+
+/// Where connections come from (a trait so the back-off can be tested without running out of
+/// file descriptors).
+pub(crate) trait Accept {
+    fn accept_stream(&mut self) -> impl Future<Output = io::Result<TcpStream>> + Send;
+}
+
+impl Accept for TcpListener {
+    async fn accept_stream(&mut self) -> io::Result<TcpStream> {
+        self.accept().await.map(|(s, _)| s)
+    }
+}
+
+/// Accept-error state: the current delay and the log limiter.
+#[derive(Default)]
+struct Backoff {
+    delay: Duration,
+    log: RateLog,
+}
+
+/// The next accepted connection. Errors of one connection are skipped at once; others (out of
+/// file descriptors or memory) wait, from BACKOFF_MIN doubling up to BACKOFF_MAX, and are
+/// logged at most once per LOG_EVERY.
+async fn next_connection<L: Accept>(listener: &mut L, b: &mut Backoff) -> TcpStream {
+    loop {
+        match listener.accept_stream().await {
+            Ok(s) => {
+                b.delay = Duration::ZERO;
+                return s;
+            }
+            Err(e) if per_connection(&e) => {}
+            Err(e) => {
+                b.delay = (b.delay * 2).clamp(BACKOFF_MIN, BACKOFF_MAX);
+                if b.log.due() {
+                    tracing::error!(
+                        error = %e,
+                        retry_in_ms = b.delay.as_millis() as u64,
+                        failures_since_last_log = b.log.take(),
+                        "accepting a connection failed; backing off (for EMFILE lower --max-connections or raise the open-file limit)"
+                    );
                 }
-                Err(e) if per_connection(&e) => {}
-                Err(e) => {
-                    backoff = (backoff * 2).clamp(BACKOFF_MIN, BACKOFF_MAX);
-                    if accept_errors.due() {
-                        tracing::error!(
-                            error = %e,
-                            retry_in_ms = backoff.as_millis() as u64,
-                            failures_since_last_log = accept_errors.take(),
-                            "accepting a connection failed; backing off (for EMFILE lower --max-connections or raise the open-file limit)"
-                        );
-                    }
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
-                        _ = shutdown.cancelled() => break,
-                    }
-                }
+                tokio::time::sleep(b.delay).await;
             }
         }
     }
@@ -179,6 +202,8 @@ fn per_connection(e: &io::Error) -> bool {
 struct RateLog {
     last: Option<Instant>,
     count: u64,
+    /// Lines logged so far.
+    lines: u64,
 }
 
 impl RateLog {
@@ -187,6 +212,7 @@ impl RateLog {
         let now = Instant::now();
         if self.last.is_none_or(|t| now.duration_since(t) >= LOG_EVERY) {
             self.last = Some(now);
+            self.lines += 1;
             true
         } else {
             false
@@ -573,5 +599,32 @@ impl AsyncWrite for Watched {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener whose every accept fails with EMFILE, counting the attempts.
+    struct OutOfFiles(u64);
+
+    impl Accept for OutOfFiles {
+        async fn accept_stream(&mut self) -> io::Result<TcpStream> {
+            self.0 += 1;
+            Err(io::Error::from_raw_os_error(24))
+        }
+    }
+
+    #[tokio::test]
+    async fn accept_errors_back_off_and_are_logged_once_not_every_time() {
+        let mut l = OutOfFiles(0);
+        let mut b = Backoff::default();
+        let waited = tokio::time::timeout(Duration::from_millis(1500), next_connection(&mut l, &mut b)).await;
+        assert!(waited.is_err(), "no connection can be accepted");
+        // 10 + 20 + 40 + ... ms, capped at 1 s: 7 or 8 attempts in 1.5 s, not a busy loop.
+        assert!((3..=12).contains(&l.0), "{} accept attempts in 1.5 s", l.0);
+        assert_eq!(b.delay, BACKOFF_MAX);
+        assert_eq!(b.log.lines, 1, "logged {} times in 1.5 s", b.log.lines);
     }
 }

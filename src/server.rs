@@ -317,7 +317,7 @@ fn fit_open_file_limit(want: usize) -> usize {
                 tracing::warn!(
                     max_connections = room,
                     asked = want,
-                    open_file_limit = r.rlim_cur as u64,
+                    open_file_limit = r.rlim_cur,
                     "--max-connections lowered to fit the open-file limit (raise it with ulimit -n)"
                 );
                 return room;

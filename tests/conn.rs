@@ -245,6 +245,12 @@ async fn a_content_length_over_the_body_limit_gets_413_before_100_continue() {
     assert_eq!(r.json()["type"], "too_large");
     assert!(r.json()["error"].as_str().unwrap().contains(&max.to_string()));
     assert!(closed_within(&mut s, Duration::from_secs(2)).await, "the unread body's connection stays open");
+    // Headers over 64 KiB are refused too (by hyper: 431, empty body) and the connection closed.
+    let mut s = TcpStream::connect(running.addr).await.unwrap();
+    let big = format!("GET /health HTTP/1.1\r\nhost: t\r\nx-big: {}\r\n\r\n", "a".repeat(100 << 10));
+    let _ = s.write_all(big.as_bytes()).await;
+    assert_eq!(read_one(&mut s).await.status, 431);
+    assert!(closed_within(&mut s, Duration::from_secs(2)).await);
     // Within the limit, the client is still told to go on, and served.
     let body = json!({"inputs": [{"input_ids": [1, 2, 3]}]}).to_string();
     let mut s = TcpStream::connect(running.addr).await.unwrap();

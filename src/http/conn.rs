@@ -17,6 +17,8 @@
 //!   read, so `Expect: 100-continue` clients never get `100 Continue` for it.
 //! - While draining, requests (other than `/health`, `/ready` and `/metrics`) get 503 with
 //!   `Retry-After` and `Connection: close`; every answer carries `Connection: close`.
+//! - A request line plus headers over 64 KiB gets hyper's 431 (hyper's own parse-error answers
+//!   have empty bodies: they are written by hyper before any service sees the request).
 //! - Accept errors that are not about one connection (EMFILE, ENFILE, ENOBUFS, ENOMEM) back off
 //!   from 10 ms up to 1 s, and are logged at most once every 10 s with a count of the rest.
 
@@ -58,6 +60,8 @@ const RETRY_AFTER_S: u64 = 1;
 const BACKOFF_MIN: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 const LOG_EVERY: Duration = Duration::from_secs(10);
+/// Largest request line plus headers; past it hyper answers 431 and closes the connection.
+const MAX_HEADER_BYTES: usize = 64 << 10;
 /// Routes still served normally while draining (each answer then closes its connection).
 const OPEN_WHILE_DRAINING: [&str; 3] = ["/health", "/ready", "/metrics"];
 
@@ -275,7 +279,11 @@ async fn serve_connection(
     };
     let l = &shared.limits;
     let mut builder = hyper::server::conn::http1::Builder::new();
-    builder.timer(TokioTimer::new()).keep_alive(true).header_read_timeout(l.header_read_timeout + l.idle_timeout);
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive(true)
+        .max_header_size(MAX_HEADER_BYTES)
+        .header_read_timeout(l.header_read_timeout + l.idle_timeout);
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
     let mut shutting = false;

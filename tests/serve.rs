@@ -133,10 +133,12 @@ async fn queued(base: &str) -> i64 {
         .map_or(0, |v| v as i64)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sigterm_with_thirty_requests_in_flight_answers_each_and_exits_within_the_timeout() {
+/// Serves the default model with `--shutdown-timeout timeout_s`, puts 30 requests in flight,
+/// sends SIGTERM (and a second one `second_after` later, if given). Checks that every request
+/// got 200 or 503 with Retry-After and the exit status is 0; returns (200s, 503s, time from the
+/// first signal to exit).
+async fn drain_the_binary(timeout_s: u64, second_after: Option<Duration>) -> (usize, usize, Duration) {
     let port = free_port();
-    let timeout_s = 2;
     let mut child = Command::new(env!("CARGO_BIN_EXE_layertap"))
         .args(["serve", "--model", &default_model().to_string_lossy(), "--host", "127.0.0.1"])
         .args(["--port", &port.to_string(), "--shutdown-timeout", &timeout_s.to_string()])
@@ -170,9 +172,14 @@ async fn sigterm_with_thirty_requests_in_flight_answers_each_and_exits_within_th
         assert!(t.elapsed() < Duration::from_secs(30), "the 30 requests were never all admitted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
-    assert!(status.success());
+    let pid = child.id().to_string();
+    let term = move || assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    term();
     let signalled = std::time::Instant::now();
+    if let Some(d) = second_after {
+        tokio::time::sleep(d).await;
+        term();
+    }
     let (code, exited) =
         tokio::task::spawn_blocking(move || (child.wait().unwrap(), signalled.elapsed())).await.unwrap();
     assert!(code.success(), "exit status {code:?}");
@@ -184,10 +191,22 @@ async fn sigterm_with_thirty_requests_in_flight_answers_each_and_exits_within_th
             other => panic!("a request in flight got {other:?}"),
         }
     }
-    eprintln!("SIGTERM with 30 in flight: {ok} x 200, {unavailable} x 503, exit after {exited:?}");
+    eprintln!("30 in flight, --shutdown-timeout {timeout_s}, second signal {second_after:?}: {ok} x 200, {unavailable} x 503, exit after {exited:?}");
+    (ok, unavailable, exited)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_with_thirty_requests_in_flight_answers_each_and_exits_within_the_timeout() {
+    let (_, unavailable, exited) = drain_the_binary(2, None).await;
     assert!(unavailable >= 1, "nothing was left in flight at the deadline");
-    let bound = Duration::from_secs(timeout_s) + Duration::from_secs(3);
-    assert!(exited < bound, "exited {exited:?} after SIGTERM with --shutdown-timeout {timeout_s}");
+    assert!(exited < Duration::from_secs(2 + 3), "exited {exited:?} after SIGTERM with --shutdown-timeout 2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_sigterm_cuts_the_drain_short_and_still_answers_each_request() {
+    let (_, unavailable, exited) = drain_the_binary(60, Some(Duration::from_millis(500))).await;
+    assert!(unavailable >= 1);
+    assert!(exited < Duration::from_secs(4), "exited {exited:?} after two signals with --shutdown-timeout 60");
 }
 
 #[test]

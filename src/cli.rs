@@ -148,6 +148,21 @@ pub struct ServeArgs {
     /// Largest answer in bytes of hidden states (before compression), in every encoding.
     #[arg(long, default_value_t = 2 << 30, env = "LAYERTAP_MAX_ANSWER_BYTES")]
     pub max_answer_bytes: usize,
+    /// Seconds a client has to send a request's line and headers (from accept, or from the first
+    /// byte of a later request on a keep-alive connection); then the connection is closed.
+    #[arg(long = "header-read-timeout", default_value_t = 10, env = "LAYERTAP_HEADER_READ_TIMEOUT")]
+    pub header_read_timeout_s: u64,
+    /// Seconds a client has to send a request's whole body once its headers are in; then 408.
+    #[arg(long = "body-read-timeout", default_value_t = 60, env = "LAYERTAP_BODY_READ_TIMEOUT")]
+    pub body_read_timeout_s: u64,
+    /// Seconds an idle keep-alive connection stays open (and the longest a response write may
+    /// stay blocked on a client that does not read).
+    #[arg(long = "idle-timeout", default_value_t = 75, env = "LAYERTAP_IDLE_TIMEOUT")]
+    pub idle_timeout_s: u64,
+    /// Most open client connections; past it a new connection gets 503 and is closed at once.
+    /// Lowered to fit the open-file limit when that is smaller.
+    #[arg(long, default_value_t = 1024, env = "LAYERTAP_MAX_CONNECTIONS")]
+    pub max_connections: usize,
 }
 
 impl ServeArgs {
@@ -229,6 +244,23 @@ impl ServeArgs {
                     .map_err(|_| format!("bad device index {i:?} in --device"))
             })
             .collect()
+    }
+
+    /// Checks the connection limits (timeouts and the connection cap must be positive).
+    pub fn validate_connections(&self) -> Result<(), String> {
+        for (v, flag) in [
+            (self.header_read_timeout_s, "--header-read-timeout"),
+            (self.body_read_timeout_s, "--body-read-timeout"),
+            (self.idle_timeout_s, "--idle-timeout"),
+        ] {
+            if v == 0 {
+                return Err(format!("{flag} must be at least 1 second"));
+            }
+        }
+        if self.max_connections == 0 {
+            return Err("--max-connections must be positive".into());
+        }
+        Ok(())
     }
 }
 

@@ -21,6 +21,8 @@ pub enum ErrorKind {
     MethodNotAllowed,
     /// 406: the Accept header allows no format this route answers in.
     NotAcceptable,
+    /// 408: the request body did not arrive in time.
+    RequestTimeout,
     /// 413: body, input or answer too large.
     TooLarge,
     /// 415: the body is not `application/json`.
@@ -43,6 +45,7 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::NotAcceptable => StatusCode::NOT_ACCEPTABLE,
+            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::Invalid => StatusCode::UNPROCESSABLE_ENTITY,
@@ -59,6 +62,7 @@ impl ErrorKind {
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::NotAcceptable => "not_acceptable",
+            ErrorKind::RequestTimeout => "request_timeout",
             ErrorKind::TooLarge => "too_large",
             ErrorKind::UnsupportedMediaType => "unsupported_media_type",
             ErrorKind::Invalid => "invalid_request",
@@ -81,8 +85,8 @@ pub struct ApiError {
 pub struct ErrorBody {
     /// What went wrong and how to fix it.
     pub error: String,
-    /// bad_request, unauthorized, not_found, method_not_allowed, not_acceptable, too_large, unsupported_media_type,
-    /// invalid_request, overloaded, unavailable or internal.
+    /// bad_request, unauthorized, not_found, method_not_allowed, not_acceptable, request_timeout, too_large,
+    /// unsupported_media_type, invalid_request, overloaded, unavailable or internal.
     #[serde(rename = "type")]
     pub kind: String,
 }

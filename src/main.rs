@@ -45,7 +45,10 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("layertap-http").build()?;
-    rt.block_on(layertap::run(a))
+    let r = rt.block_on(layertap::run(a));
+    // Answers are written by now; do not wait on blocking tasks of abandoned requests.
+    rt.shutdown_timeout(std::time::Duration::from_millis(500));
+    r
 }
 
 fn init_logging(format: LogFormat) {

@@ -12,7 +12,7 @@ use crate::batching::{spawn_worker, Queue, WorkerHandle};
 use crate::cli::ServeArgs;
 use crate::engine::loader::ModelFiles;
 use crate::engine::{parse_device, tokens_for_memory, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType};
-use crate::http::{app, AppState, Limits};
+use crate::http::{app, conn, AppState, Limits};
 use crate::metrics::Metrics;
 use crate::tokenizer::TextTokenizer;
 
@@ -29,8 +29,19 @@ pub struct Running {
     pub load_error: Arc<std::sync::Mutex<Option<String>>>,
 }
 
-/// Serves `state` on `listener` until `shutdown` is cancelled, then drains (bounded by
-/// `drain_timeout`), closes the queue and joins the workers.
+/// After the drain deadline, how long the 503s of what was still in flight get to be written
+/// before the connections that still hold are closed.
+const ANSWER_GRACE: Duration = Duration::from_secs(1);
+/// How long to wait for the workers to stop once the queue is closed; a worker still in a long
+/// batch is not waited for (the process may exit under it: every answer is written by then).
+const WORKER_GRACE: Duration = Duration::from_millis(300);
+
+/// Serves `state` on `listener` until `shutdown` is cancelled, then drains: readiness turns 503,
+/// the listener is closed, idle connections are closed and busy ones finish their request (new
+/// requests get 503 with Retry-After and `Connection: close`). At `drain_timeout` (or when
+/// `state.abandon` is cancelled, e.g. by a second signal) whatever is still queued or running is
+/// answered 503 with Retry-After; connections still open [`ANSWER_GRACE`] later are closed.
+/// Then the queue is closed and the workers are given [`WORKER_GRACE`] to stop.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
@@ -39,30 +50,51 @@ pub async fn serve(
     drain_timeout: Duration,
 ) -> anyhow::Result<()> {
     let router = app(state.clone());
-    let token = shutdown.clone();
-    let draining = state.draining.clone();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-        token.cancelled().await;
-        draining.store(true, Ordering::SeqCst);
-        tracing::info!("shutting down: readiness is now 503, letting in-flight requests finish");
-    });
-    let mut server_task = tokio::spawn(async move { server.await });
-    tokio::select! {
-        r = &mut server_task => { r??; }
-        _ = shutdown.cancelled() => {
-            match tokio::time::timeout(drain_timeout, &mut server_task).await {
-                Ok(r) => r??,
-                Err(_) => {
-                    tracing::warn!(timeout_s = drain_timeout.as_secs(), "in-flight requests did not finish in time; closing");
-                    server_task.abort();
-                }
-            }
+    let closing = CancellationToken::new();
+    let mut conns = tokio::task::JoinSet::new();
+    conn::accept_until(listener, router, state.clone(), &shutdown, closing.clone(), &mut conns).await;
+    state.draining.store(true, Ordering::SeqCst);
+    closing.cancel();
+    tracing::info!(
+        open_connections = conns.len(),
+        timeout_s = drain_timeout.as_secs_f64(),
+        "shutting down: readiness is now 503, no new connections; letting in-flight requests finish"
+    );
+    let drained = tokio::select! {
+        _ = join_all(&mut conns) => true,
+        _ = tokio::time::sleep(drain_timeout) => false,
+        _ = state.abandon.cancelled() => false,
+    };
+    if !drained {
+        tracing::warn!(
+            open_connections = conns.len(),
+            "drain time is up: answering the requests still queued or running with 503"
+        );
+        state.abandon.cancel();
+        if tokio::time::timeout(ANSWER_GRACE, join_all(&mut conns)).await.is_err() {
+            tracing::warn!(
+                open_connections = conns.len(),
+                "closing connections whose answers could not be written in time"
+            );
+            conns.abort_all();
+            join_all(&mut conns).await;
         }
     }
     state.scheduler.close();
-    tokio::task::spawn_blocking(move || workers.into_iter().for_each(WorkerHandle::join)).await?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        workers.into_iter().for_each(WorkerHandle::join);
+        let _ = tx.send(());
+    });
+    if tokio::time::timeout(WORKER_GRACE, rx).await.is_err() {
+        tracing::warn!("a worker is still in a batch; not waiting for it");
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+async fn join_all(conns: &mut tokio::task::JoinSet<()>) {
+    while conns.join_next().await.is_some() {}
 }
 
 /// Resolves when SIGTERM or SIGINT arrives.
@@ -134,6 +166,7 @@ where
         loaded: Arc::new(AtomicBool::new(false)),
         memory: Default::default(),
         draining: Arc::new(AtomicBool::new(false)),
+        abandon: CancellationToken::new(),
     };
     let shutdown = CancellationToken::new();
     // Readiness flips once every worker has its model; a failed load stops the server.
@@ -200,6 +233,7 @@ where
 /// `layertap serve`.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     args.validate().map_err(anyhow::Error::msg)?;
+    args.validate_connections().map_err(anyhow::Error::msg)?;
     let devices = args.devices().map_err(anyhow::Error::msg)?;
     let spec = args.model.clone();
     let files = Arc::new(tokio::task::spawn_blocking(move || ModelFiles::locate(&spec)).await??);
@@ -230,6 +264,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_inputs: args.max_inputs,
         max_messages: args.max_messages,
         max_answer_bytes: args.max_answer_bytes,
+        header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
+        body_read_timeout: Duration::from_secs(args.body_read_timeout_s),
+        idle_timeout: Duration::from_secs(args.idle_timeout_s),
+        max_connections: fit_open_file_limit(args.max_connections),
     };
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
@@ -250,13 +288,45 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let setup = Setup { info, tokenizer, devices, limits, api_keys: args.keys(), auto_batch_tokens };
     let running = start(listener, setup, make, Duration::from_secs(args.shutdown_timeout_s))?;
     let stop = running.shutdown.clone();
+    let abandon = running.state.abandon.clone();
     tokio::spawn(async move {
         termination_signal().await;
         stop.cancel();
+        termination_signal().await;
+        tracing::warn!("second signal: answering what is still in flight with 503 now");
+        abandon.cancel();
     });
     running.task.await??;
     match running.load_error.lock().ok().and_then(|mut e| e.take()) {
         Some(e) => Err(anyhow::anyhow!("loading the model failed: {e}")),
         None => Ok(()),
     }
+}
+
+/// File descriptors kept for everything but client connections (model files, the runtime,
+/// logs, connections being refused).
+const FD_RESERVE: usize = 128;
+
+/// `want`, lowered so that the connections fit under the open-file limit (else accepting would
+/// fail with EMFILE before the cap is reached).
+fn fit_open_file_limit(want: usize) -> usize {
+    #[cfg(unix)]
+    {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit only writes the struct it is given.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+        if ok && r.rlim_cur != libc::RLIM_INFINITY {
+            let room = (r.rlim_cur as usize).saturating_sub(FD_RESERVE).max(1);
+            if room < want {
+                tracing::warn!(
+                    max_connections = room,
+                    asked = want,
+                    open_file_limit = r.rlim_cur,
+                    "--max-connections lowered to fit the open-file limit (raise it with ulimit -n)"
+                );
+                return room;
+            }
+        }
+    }
+    want
 }

@@ -115,6 +115,100 @@ async fn the_binary_serves_then_drains_on_sigterm() {
     assert!(inflight.await.unwrap() >= 1, "requests before the signal were served");
 }
 
+/// The default model (slow enough in a test build for work to be in flight at the signal).
+fn default_model() -> std::path::PathBuf {
+    let p = std::env::var("LAYERTAP_DEFAULT_MODEL").map(std::path::PathBuf::from).unwrap_or_else(|_| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    assert!(p.is_file(), "{} is missing: run `make model`", p.display());
+    p
+}
+
+async fn queued(base: &str) -> i64 {
+    let Ok(r) = reqwest::get(format!("{base}/metrics")).await else { return 0 };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix("layertap_queue_requests "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as i64)
+}
+
+/// Serves the default model with `--shutdown-timeout timeout_s`, puts 30 requests in flight,
+/// sends SIGTERM (and a second one `second_after` later, if given). Checks that every request
+/// got 200 or 503 with Retry-After and the exit status is 0; returns (200s, 503s, time from the
+/// first signal to exit).
+async fn drain_the_binary(timeout_s: u64, second_after: Option<Duration>) -> (usize, usize, Duration) {
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_layertap"))
+        .args(["serve", "--model", &default_model().to_string_lossy(), "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string(), "--shutdown-timeout", &timeout_s.to_string()])
+        .args(["--max-input-tokens", "256", "--max-batch-tokens", "256"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&base).await;
+    // One 256-token batch per request: about a second each on the CPU, far more than the timeout.
+    let tasks: Vec<_> = (0..30u32)
+        .map(|k| {
+            let base = base.clone();
+            tokio::spawn(async move {
+                let ids: Vec<u32> = (0..256u32).map(|t| 1 + (t * 7 + k) % 40000).collect();
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/v1/hidden-states"))
+                    .json(&json!({"inputs": [{"input_ids": ids}], "layers": [-1]}))
+                    .send()
+                    .await
+                    .map_err(|e| format!("{e:?}"))?;
+                let (status, retry) = (r.status().as_u16(), r.headers().contains_key("retry-after"));
+                r.bytes().await.map_err(|e| format!("{e:?}"))?;
+                Ok::<_, String>((status, retry))
+            })
+        })
+        .collect();
+    let t = std::time::Instant::now();
+    while queued(&base).await < 30 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the 30 requests were never all admitted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pid = child.id().to_string();
+    let term = move || assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    term();
+    let signalled = std::time::Instant::now();
+    if let Some(d) = second_after {
+        tokio::time::sleep(d).await;
+        term();
+    }
+    let (code, exited) =
+        tokio::task::spawn_blocking(move || (child.wait().unwrap(), signalled.elapsed())).await.unwrap();
+    assert!(code.success(), "exit status {code:?}");
+    let (mut ok, mut unavailable) = (0, 0);
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok((200, _)) => ok += 1,
+            Ok((503, true)) => unavailable += 1,
+            other => panic!("a request in flight got {other:?}"),
+        }
+    }
+    eprintln!("30 in flight, --shutdown-timeout {timeout_s}, second signal {second_after:?}: {ok} x 200, {unavailable} x 503, exit after {exited:?}");
+    (ok, unavailable, exited)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_with_thirty_requests_in_flight_answers_each_and_exits_within_the_timeout() {
+    let (_, unavailable, exited) = drain_the_binary(2, None).await;
+    assert!(unavailable >= 1, "nothing was left in flight at the deadline");
+    assert!(exited < Duration::from_secs(2 + 3), "exited {exited:?} after SIGTERM with --shutdown-timeout 2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_sigterm_cuts_the_drain_short_and_still_answers_each_request() {
+    let (_, unavailable, exited) = drain_the_binary(60, Some(Duration::from_millis(500))).await;
+    assert!(unavailable >= 1);
+    assert!(exited < Duration::from_secs(4), "exited {exited:?} after two signals with --shutdown-timeout 60");
+}
+
 #[test]
 fn extract_writes_the_same_tensors_as_transformers() {
     let dir = tempfile::tempdir().unwrap();

@@ -330,8 +330,21 @@ pub async fn hidden_states(
     let meta = metadata(&s.info, &layers, dtype);
     let rx = s.scheduler.submit(sub)?;
     s.metrics.queue_requests.inc();
-    let waited = tokio::time::timeout(s.limits.request_timeout, rx).await;
+    // Stop waiting when the drain deadline passes: dropping `rx` makes the queue skip the rest.
+    let waited = tokio::select! {
+        w = tokio::time::timeout(s.limits.request_timeout, rx) => Some(w),
+        _ = s.abandon.cancelled() => None,
+    };
     s.metrics.queue_requests.dec();
+    let Some(waited) = waited else {
+        return Err(ApiError {
+            retry_after_s: Some(1),
+            ..ApiError::new(
+                ErrorKind::Unavailable,
+                "the server shut down before this request finished; retry on another replica",
+            )
+        });
+    };
     let answer = match waited {
         Err(_) => {
             tracing::warn!(timeout_s = s.limits.request_timeout.as_secs_f64(), "a request timed out in the server");

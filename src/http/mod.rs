@@ -1,5 +1,6 @@
 //! The HTTP layer: parse and validate, admit or refuse, encode the answer.
 
+pub mod conn;
 mod extract;
 pub mod hidden_states;
 pub mod openapi;
@@ -48,6 +49,16 @@ pub struct Limits {
     pub max_messages: usize,
     /// Largest answer (the hidden states' bytes before compression) in any encoding.
     pub max_answer_bytes: usize,
+    /// A request's head (request line and headers) must arrive within this, counted from the
+    /// connection's accept or, on a keep-alive connection, from the first byte of the request.
+    pub header_read_timeout: Duration,
+    /// A request's whole body must arrive within this, counted from its head; else 408.
+    pub body_read_timeout: Duration,
+    /// A keep-alive connection with no request in flight is closed after this long; also the
+    /// longest a response write may stay blocked on a client that does not read.
+    pub idle_timeout: Duration,
+    /// Most open client connections; past it new ones get a 503 and are closed at once.
+    pub max_connections: usize,
 }
 
 impl Default for Limits {
@@ -65,6 +76,10 @@ impl Default for Limits {
             max_inputs: 1024,
             max_messages: 512,
             max_answer_bytes: 2 << 30,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(75),
+            max_connections: 1024,
         }
     }
 }
@@ -85,6 +100,9 @@ pub struct AppState {
     pub memory: Arc<std::sync::Mutex<Vec<(String, MemoryProbe)>>>,
     /// Shutdown has begun.
     pub draining: Arc<AtomicBool>,
+    /// The drain deadline has passed (or a second signal came): handlers stop waiting for the
+    /// queue and answer 503 with Retry-After.
+    pub abandon: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {

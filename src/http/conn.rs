@@ -1,0 +1,638 @@
+//! Client connections: the accept loop and HTTP/1 over hyper, with the deadlines and the cap that
+//! keep slow or idle clients from holding the server.
+//!
+//! - **Connection cap** (`max_connections`): an accepted connection takes a slot; when none is free
+//!   it gets a short 503 JSON answer with `Connection: close` and is closed (a few such answers are
+//!   written at once; past that the socket is closed without one). Connections never pile up.
+//! - **Header read timeout**: a request's line and headers must arrive within it, counted from
+//!   the accept or, on a keep-alive connection, from the request's first byte; else the connection
+//!   is closed. (hyper's own `header_read_timeout` starts as soon as the connection is ready for the
+//!   next request, so on a keep-alive connection it counts idle time and head time together; it
+//!   is kept only as a backstop at header + idle.)
+//! - **Idle timeout**: a connection with no request in flight is closed after it; a response write
+//!   that stays blocked that long (a client that does not read) also ends the connection.
+//! - **Body read timeout**: a request's whole body must arrive within it, counted from its head;
+//!   else 408 JSON and the connection is closed.
+//! - A `Content-Length` over `max_body_bytes` is refused with 413 JSON before any of the body is
+//!   read, so `Expect: 100-continue` clients never get `100 Continue` for it.
+//! - While draining, requests (other than `/health`, `/ready` and `/metrics`) get 503 with
+//!   `Retry-After` and `Connection: close`; every answer carries `Connection: close`.
+//! - A request line plus headers over 64 KiB gets hyper's 431 (hyper's own parse-error answers
+//!   have empty bodies: they are written by hyper before any service sees the request).
+//! - Accept errors that are not about one connection (EMFILE, ENFILE, ENOBUFS, ENOMEM) back off
+//!   from 10 ms up to 1 s, and are logged at most once every 10 s with a count of the rest.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, Request, Response, StatusCode};
+use axum::response::IntoResponse;
+use axum::Router;
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+use super::{AppState, Limits};
+use crate::error::{ApiError, ErrorBody, ErrorKind};
+
+/// Connections over the cap that may be getting their 503 at once; past it they are just closed.
+const MAX_REFUSING: usize = 32;
+/// How long a refused connection is given to take its 503 before it is closed.
+const REFUSE_GRACE: Duration = Duration::from_millis(250);
+/// Seconds sent in `Retry-After` while draining or over the cap.
+const RETRY_AFTER_S: u64 = 1;
+/// Accept-error back-off bounds, and how often such errors are logged.
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+const LOG_EVERY: Duration = Duration::from_secs(10);
+/// Largest request line plus headers; past it hyper answers 431 and closes the connection.
+const MAX_HEADER_BYTES: usize = 64 << 10;
+/// Routes still served normally while draining (each answer then closes its connection).
+const OPEN_WHILE_DRAINING: [&str; 3] = ["/health", "/ready", "/metrics"];
+
+/// The per-connection limits, from [`Limits`].
+#[derive(Clone, Debug)]
+pub struct ConnLimits {
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+    pub max_body_bytes: usize,
+}
+
+impl ConnLimits {
+    pub fn from_limits(l: &Limits) -> Self {
+        ConnLimits {
+            header_read_timeout: l.header_read_timeout,
+            body_read_timeout: l.body_read_timeout,
+            idle_timeout: l.idle_timeout,
+            max_connections: l.max_connections.max(1),
+            max_body_bytes: l.max_body_bytes,
+        }
+    }
+}
+
+struct Shared {
+    router: Router,
+    state: AppState,
+    limits: ConnLimits,
+}
+
+/// Accepts connections on `listener` until `shutdown` is cancelled and serves each one in a task
+/// of `conns`; every connection task starts closing when `closing` is cancelled. Returns (and
+/// drops the listener, so new connections are refused) once `shutdown` is cancelled.
+pub async fn accept_until(
+    mut listener: TcpListener,
+    router: Router,
+    state: AppState,
+    shutdown: &CancellationToken,
+    closing: CancellationToken,
+    conns: &mut JoinSet<()>,
+) {
+    let limits = ConnLimits::from_limits(&state.limits);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
+    let refusal: Bytes = over_cap_answer().into();
+    let shared = Arc::new(Shared { router, state, limits });
+    let mut backoff = Backoff::default();
+    let mut over_cap = RateLog::default();
+    loop {
+        let stream = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            s = next_connection(&mut listener, &mut backoff) => s,
+        };
+        while let Some(done) = conns.try_join_next() {
+            if done.is_err_and(|e| e.is_panic()) {
+                tracing::error!("a connection task panicked");
+            }
+        }
+        match slots.clone().try_acquire_owned() {
+            Ok(slot) => {
+                let _ = stream.set_nodelay(true);
+                conns.spawn(serve_connection(stream, shared.clone(), closing.clone(), slot));
+            }
+            Err(_) => {
+                if over_cap.due() {
+                    tracing::warn!(
+                        max_connections = shared.limits.max_connections,
+                        refused_since_last_log = over_cap.take(),
+                        "connection limit reached: refusing new connections with 503"
+                    );
+                }
+                if let Ok(p) = refusing.clone().try_acquire_owned() {
+                    conns.spawn(refuse(stream, refusal.clone(), p));
+                }
+            }
+        }
+    }
+}
+
+/// Where connections come from (a trait so the back-off can be tested without running out of
+/// file descriptors).
+pub(crate) trait Accept {
+    fn accept_stream(&mut self) -> impl Future<Output = io::Result<TcpStream>> + Send;
+}
+
+impl Accept for TcpListener {
+    async fn accept_stream(&mut self) -> io::Result<TcpStream> {
+        self.accept().await.map(|(s, _)| s)
+    }
+}
+
+/// Accept-error state: the current delay and the log limiter.
+#[derive(Default)]
+struct Backoff {
+    delay: Duration,
+    log: RateLog,
+}
+
+/// The next accepted connection. Errors of one connection are skipped at once; others (out of
+/// file descriptors or memory) wait, from BACKOFF_MIN doubling up to BACKOFF_MAX, and are
+/// logged at most once per LOG_EVERY.
+async fn next_connection<L: Accept>(listener: &mut L, b: &mut Backoff) -> TcpStream {
+    loop {
+        match listener.accept_stream().await {
+            Ok(s) => {
+                b.delay = Duration::ZERO;
+                return s;
+            }
+            Err(e) if per_connection(&e) => {}
+            Err(e) => {
+                b.delay = (b.delay * 2).clamp(BACKOFF_MIN, BACKOFF_MAX);
+                if b.log.due() {
+                    tracing::error!(
+                        error = %e,
+                        retry_in_ms = b.delay.as_millis() as u64,
+                        failures_since_last_log = b.log.take(),
+                        "accepting a connection failed; backing off (for EMFILE lower --max-connections or raise the open-file limit)"
+                    );
+                }
+                tokio::time::sleep(b.delay).await;
+            }
+        }
+    }
+}
+
+/// Errors of one connection that went away before it was accepted: try the next one at once.
+fn per_connection(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+    )
+}
+
+/// Logs at most once per [`LOG_EVERY`], counting what it skipped.
+#[derive(Default)]
+struct RateLog {
+    last: Option<Instant>,
+    count: u64,
+    /// Lines logged so far.
+    lines: u64,
+}
+
+impl RateLog {
+    fn due(&mut self) -> bool {
+        self.count += 1;
+        let now = Instant::now();
+        if self.last.is_none_or(|t| now.duration_since(t) >= LOG_EVERY) {
+            self.last = Some(now);
+            self.lines += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Events since the last log line, this one included.
+    fn take(&mut self) -> u64 {
+        std::mem::take(&mut self.count)
+    }
+}
+
+fn over_cap_answer() -> Vec<u8> {
+    let body = serde_json::to_string(&ErrorBody {
+        error: "too many open connections; retry shortly".into(),
+        kind: ErrorKind::Unavailable.name().into(),
+    })
+    .unwrap_or_default();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         retry-after: {RETRY_AFTER_S}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Writes the 503 to a connection over the cap, then reads what the client sent (so closing
+/// does not reset the connection before the client reads the answer), bounded by REFUSE_GRACE.
+async fn refuse(mut stream: TcpStream, answer: Bytes, _slot: OwnedSemaphorePermit) {
+    let _ = tokio::time::timeout(REFUSE_GRACE, async {
+        stream.write_all(&answer).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<(), io::Error>(())
+    })
+    .await;
+}
+
+/// Serves one connection until the client or a deadline ends it, or `closing` drains it.
+async fn serve_connection(
+    stream: TcpStream,
+    shared: Arc<Shared>,
+    closing: CancellationToken,
+    _slot: OwnedSemaphorePermit,
+) {
+    let activity = Arc::new(Activity::new());
+    let io = TokioIo::new(Watched { io: stream, activity: activity.clone(), write_blocked: false });
+    let service = {
+        let activity = activity.clone();
+        let shared = shared.clone();
+        hyper::service::service_fn(move |req| {
+            let guard = activity.begin();
+            let shared = shared.clone();
+            async move {
+                let resp = respond(req, &shared).await;
+                Ok::<_, Infallible>(resp.map(|body| Tracked { body, _guard: guard }))
+            }
+        })
+    };
+    let l = &shared.limits;
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive(true)
+        .max_header_size(MAX_HEADER_BYTES)
+        .header_read_timeout(l.header_read_timeout + l.idle_timeout);
+    let conn = builder.serve_connection(io, service);
+    tokio::pin!(conn);
+    let mut shutting = false;
+    loop {
+        let wake = match activity.due(l, Instant::now()) {
+            Due::Wait(at) => at,
+            Due::Idle => {
+                if !shutting {
+                    shutting = true;
+                    conn.as_mut().graceful_shutdown();
+                }
+                None
+            }
+            Due::HeadTimeout => {
+                tracing::debug!("closing a connection whose request head did not arrive in time");
+                return;
+            }
+            Due::WriteStalled => {
+                tracing::debug!("closing a connection whose client stopped reading its answer");
+                return;
+            }
+        };
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = closing.cancelled(), if !shutting => {
+                shutting = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = activity.changed.notified() => {}
+            _ = sleep_until(wake) => {}
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// One request: refusals that need no body first, then the router with a body deadline.
+async fn respond(req: Request<Incoming>, shared: &Shared) -> Response<Body> {
+    let state = &shared.state;
+    let draining = state.draining.load(Ordering::SeqCst);
+    if draining && !OPEN_WHILE_DRAINING.contains(&req.uri().path()) {
+        return closing(
+            ApiError {
+                retry_after_s: Some(RETRY_AFTER_S),
+                ..ApiError::new(ErrorKind::Unavailable, "the server is shutting down; retry on another replica")
+            }
+            .into_response(),
+        );
+    }
+    let max = shared.limits.max_body_bytes as u64;
+    let declared = req.body().size_hint().lower();
+    if declared > max {
+        return closing(
+            ApiError::new(
+                ErrorKind::TooLarge,
+                format!("the request body ({declared} bytes) is larger than the {max} bytes --max-body-bytes allows"),
+            )
+            .into_response(),
+        );
+    }
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let req = if req.body().is_end_stream() {
+        req.map(Body::new)
+    } else {
+        let deadline = Instant::now() + shared.limits.body_read_timeout;
+        let fired = timed_out.clone();
+        req.map(|b| Body::new(BodyDeadline { inner: b, sleep: Box::pin(tokio::time::sleep_until(deadline)), fired }))
+    };
+    let resp = match shared.router.clone().oneshot(req).await {
+        Ok(r) => r,
+        Err(never) => match never {},
+    };
+    if timed_out.load(Ordering::SeqCst) {
+        let secs = shared.limits.body_read_timeout.as_secs_f64();
+        return closing(
+            ApiError::new(
+                ErrorKind::RequestTimeout,
+                format!("the request body did not arrive within {secs} s (--body-read-timeout)"),
+            )
+            .into_response(),
+        );
+    }
+    if state.draining.load(Ordering::SeqCst) {
+        let mut resp = closing(resp);
+        if resp.status() == StatusCode::SERVICE_UNAVAILABLE && !resp.headers().contains_key(header::RETRY_AFTER) {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_S));
+        }
+        return resp;
+    }
+    resp
+}
+
+/// The answer closes its connection.
+fn closing(mut resp: Response<Body>) -> Response<Body> {
+    resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
+}
+
+/// A request body that fails (and says so in `fired`) once its deadline passes.
+struct BodyDeadline {
+    inner: Incoming,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    fired: Arc<AtomicBool>,
+}
+
+impl HttpBody for BodyDeadline {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(r) => Poll::Ready(r.map(|f| f.map_err(Into::into))),
+            Poll::Pending => {
+                if this.sleep.as_mut().poll(cx).is_ready() {
+                    this.fired.store(true, Ordering::SeqCst);
+                    Poll::Ready(Some(Err("the request body did not arrive in time".into())))
+                } else {
+                    Poll::Pending
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A response body that marks its request finished when hyper is done with it.
+struct Tracked {
+    body: Body,
+    _guard: InFlight,
+}
+
+impl HttpBody for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// What a connection is doing, for its deadlines.
+struct Activity {
+    phase: Mutex<Phase>,
+    changed: Notify,
+}
+
+struct Phase {
+    /// Requests whose answer is not yet fully handed to hyper.
+    in_flight: usize,
+    /// With none in flight: a request head has begun (or the connection is new).
+    reading_head: bool,
+    /// When the current idle or head-reading stretch began.
+    since: Instant,
+    /// Since when a write has been waiting on the client.
+    write_blocked: Option<Instant>,
+}
+
+enum Due {
+    /// Nothing is due; check again at this time (or when the phase changes).
+    Wait(Option<Instant>),
+    Idle,
+    HeadTimeout,
+    WriteStalled,
+}
+
+impl Activity {
+    fn new() -> Self {
+        // A new connection is reading its first head from the accept on.
+        let phase = Phase { in_flight: 0, reading_head: true, since: Instant::now(), write_blocked: None };
+        Activity { phase: Mutex::new(phase), changed: Notify::new() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Phase> {
+        self.phase.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn begin(self: &Arc<Self>) -> InFlight {
+        let mut p = self.lock();
+        p.in_flight += 1;
+        p.reading_head = false;
+        drop(p);
+        self.changed.notify_one();
+        InFlight(self.clone())
+    }
+
+    fn read_some(&self) {
+        let mut p = self.lock();
+        if p.in_flight == 0 && !p.reading_head {
+            p.reading_head = true;
+            p.since = Instant::now();
+            drop(p);
+            self.changed.notify_one();
+        }
+    }
+
+    fn write_blocked(&self, blocked: bool) {
+        self.lock().write_blocked = blocked.then(Instant::now);
+        self.changed.notify_one();
+    }
+
+    fn due(&self, l: &ConnLimits, now: Instant) -> Due {
+        let p = self.lock();
+        let mut next = None;
+        if let Some(t) = p.write_blocked {
+            let at = t + l.idle_timeout;
+            if now >= at {
+                return Due::WriteStalled;
+            }
+            next = Some(at);
+        }
+        if p.in_flight == 0 {
+            let (limit, due) =
+                if p.reading_head { (l.header_read_timeout, Due::HeadTimeout) } else { (l.idle_timeout, Due::Idle) };
+            let at = p.since + limit;
+            if now >= at {
+                return due;
+            }
+            next = Some(next.map_or(at, |n: Instant| n.min(at)));
+        }
+        Due::Wait(next)
+    }
+}
+
+/// A request in flight on its connection; dropping it ends the request.
+struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut p = self.0.lock();
+        p.in_flight -= 1;
+        if p.in_flight == 0 {
+            p.reading_head = false;
+            p.since = Instant::now();
+        }
+        drop(p);
+        self.0.changed.notify_one();
+    }
+}
+
+/// The socket, reporting reads and blocked writes to its connection's [`Activity`].
+struct Watched {
+    io: TcpStream,
+    activity: Arc<Activity>,
+    write_blocked: bool,
+}
+
+impl Watched {
+    fn note_write<T>(&mut self, r: &Poll<T>) {
+        let blocked = r.is_pending();
+        if blocked != self.write_blocked {
+            self.write_blocked = blocked;
+            self.activity.write_blocked(blocked);
+        }
+    }
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut this.io).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.activity.read_some();
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.note_write(&r);
+        r
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.note_write(&r);
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener whose every accept fails with EMFILE, counting the attempts.
+    struct OutOfFiles(u64);
+
+    impl Accept for OutOfFiles {
+        async fn accept_stream(&mut self) -> io::Result<TcpStream> {
+            self.0 += 1;
+            Err(io::Error::from_raw_os_error(24))
+        }
+    }
+
+    #[tokio::test]
+    async fn accept_errors_back_off_and_are_logged_once_not_every_time() {
+        let mut l = OutOfFiles(0);
+        let mut b = Backoff::default();
+        let waited = tokio::time::timeout(Duration::from_millis(1500), next_connection(&mut l, &mut b)).await;
+        assert!(waited.is_err(), "no connection can be accepted");
+        // 10 + 20 + 40 + ... ms, capped at 1 s: 7 or 8 attempts in 1.5 s, not a busy loop.
+        assert!((3..=12).contains(&l.0), "{} accept attempts in 1.5 s", l.0);
+        assert_eq!(b.delay, BACKOFF_MAX);
+        assert_eq!(b.log.lines, 1, "logged {} times in 1.5 s", b.log.lines);
+    }
+}

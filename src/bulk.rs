@@ -61,15 +61,16 @@ fn read_samples(path: &Path) -> anyhow::Result<Vec<Sample>> {
     Ok(out)
 }
 
-/// Ids already recorded in the manifest (a torn last line is ignored).
-fn read_manifest(path: &Path) -> HashSet<String> {
-    let Ok(f) = std::fs::File::open(path) else { return HashSet::new() };
-    std::io::BufReader::new(f)
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| serde_json::from_str::<Value>(&l).ok())
+/// Ids already recorded in the manifest, and whether its last line is torn (no newline). Lines
+/// are read as bytes, so a corrupted line (a torn write, invalid UTF-8) hides no line after it.
+fn read_manifest(path: &Path) -> (HashSet<String>, bool) {
+    let Ok(bytes) = std::fs::read(path) else { return (HashSet::new(), false) };
+    let ids = bytes
+        .split(|&b| b == b'\n')
+        .filter_map(|l| serde_json::from_slice::<Value>(l).ok())
         .filter_map(|v| v["id"].as_str().map(String::from))
-        .collect()
+        .collect();
+    (ids, bytes.last().is_some_and(|&b| b != b'\n'))
 }
 
 struct Shared {
@@ -179,10 +180,14 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     std::fs::create_dir_all(&a.out)?;
     let samples = read_samples(&a.input)?;
     let manifest_path = a.out.join("manifest.jsonl");
-    let done = read_manifest(&manifest_path);
+    let (done, torn) = read_manifest(&manifest_path);
     let todo: Vec<Sample> = samples.into_iter().filter(|s| !done.contains(&s.id)).collect();
     eprintln!("{} samples already done, {} to go", done.len(), todo.len());
-    let manifest = std::fs::OpenOptions::new().create(true).append(true).open(&manifest_path)?;
+    let mut manifest = std::fs::OpenOptions::new().create(true).append(true).open(&manifest_path)?;
+    if torn {
+        // End the torn line, or the next entry would be glued to it and lost.
+        manifest.write_all(b"\n")?;
+    }
     let bar = indicatif::ProgressBar::new(todo.len() as u64).with_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} samples  {msg}  eta {eta}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),

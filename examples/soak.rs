@@ -227,7 +227,7 @@ fn valid_bodies(m: &Model, rng: &mut Rng) -> Vec<Value> {
     vec![
         json!({"inputs": [{"input_ids": ids(8)}], "layers": [1, -1]}),
         json!({"inputs": [{"input_ids": ids(40)}], "layers": [0, l / 2, l], "dtype": "bfloat16"}),
-        json!({"inputs": [{"input_ids": ids(3)}, {"input_ids": ids(17)}], "layers": [-1, 2, 2], "dtype": "float16"}),
+        json!({"inputs": [{"input_ids": ids(3)}, {"input_ids": ids(17)}], "layers": [-1, 2, 3], "dtype": "float16"}),
         json!({"inputs": [{"text": "The quick brown fox jumps over the lazy dog."}], "layers": [3, -2]}),
         json!({"inputs": [{"text": "Hello world"}, {"text": "Bonjour le monde, ça va ?"}], "layers": [l], "dtype": "float32"}),
         json!({"inputs": [{"messages": chat}], "layers": [2, 17, -1], "dtype": "bfloat16"}),
@@ -301,12 +301,15 @@ fn plan(rng: &mut Rng, m: &Model, valid: &[Vec<u8>]) -> Plan {
                 to(json!({"inputs": [{"input_ids": [1]}], "layers": [1], "temperature": 0.7})),
                 422,
             ),
-            2 => base(
-                Kind::Invalid,
-                "bad layers",
-                to(json!({"inputs": [{"input_ids": [1, 2]}], "layers": [m.layers + 1 + rng.below(50) as i64]})),
-                422,
-            ),
+            2 => {
+                // Out of range, or one index named twice (-1 and L are the same index).
+                let layers = if rng.below(2) == 0 {
+                    json!([m.layers + 1 + rng.below(50) as i64])
+                } else {
+                    json!([-1, 1, m.layers])
+                };
+                base(Kind::Invalid, "bad layers", to(json!({"inputs": [{"input_ids": [1, 2]}], "layers": layers})), 422)
+            }
             3 => {
                 let mut v = ids(4, rng);
                 v.push(m.vocab + rng.below(1000));

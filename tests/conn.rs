@@ -265,6 +265,27 @@ async fn a_content_length_over_the_body_limit_gets_413_before_100_continue() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_sending_a_refused_body_reads_its_413() {
+    let (running, _) = server(limits(), Duration::from_secs(5)).await;
+    let max = limits().max_body_bytes;
+    let url = format!("http://{}/v1/tokenize", running.addr);
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    // An HTTP client writes the whole body while the answer comes: the server must read on (and
+    // drop) what follows its 413 for a moment, or the client's writes fail on a closed socket
+    // before it has read the answer.
+    let body = format!("{{\"inputs\": [{{\"text\": \"{}\"}}]}}", "x".repeat(4 * max));
+    for i in 0..20 {
+        let r = client.post(&url).header("content-type", "application/json").body(body.clone()).send().await;
+        let r = r.unwrap_or_else(|e| panic!("request {i}: no answer: {e:?}"));
+        assert_eq!(r.status(), 413);
+        assert_eq!(r.headers()["connection"], "close");
+        assert_eq!(r.json::<Value>().await.unwrap()["type"], "too_large");
+    }
+    running.shutdown.cancel();
+    running.task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_does_not_arrive_in_time_gets_a_json_408() {
     let limits = Limits { body_read_timeout: Duration::from_millis(500), ..limits() };
     let (running, _) = server(limits, Duration::from_secs(5)).await;

@@ -108,3 +108,24 @@ fn hidden_states_equal_transformers_in_f32() {
         }
     }
 }
+
+/// A batch of one token in all computes that token's states with the same bits as any larger batch
+/// (the matmul library sums a one-row product in another order than its general kernel).
+#[test]
+fn a_one_token_batch_has_the_bits_of_the_same_token_batched() {
+    let f = files();
+    let mut engine = f.load(&Device::Cpu, DType::F32).unwrap().engine;
+    let layers = vec![1, 5, 30];
+    let run = |engine: &mut dyn Engine, seqs: &[&[u32]]| {
+        let mut cu = vec![0];
+        for s in seqs {
+            cu.push(cu.last().unwrap() + s.len());
+        }
+        let batch = Batch { input_ids: seqs.concat(), cu_seqlens: cu, layers: layers.clone() };
+        let taps = engine.forward(&batch).unwrap();
+        taps.gather(0, 1, &layers, OutDType::Float32).unwrap().to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    };
+    let alone = run(&mut engine, &[&[1000]]);
+    let beside = run(&mut engine, &[&[1000], &[5, 6, 7]]);
+    assert_eq!(alone, beside);
+}

@@ -261,10 +261,16 @@ async fn serve_connection(
     stream: TcpStream,
     shared: Arc<Shared>,
     closing: CancellationToken,
-    _slot: OwnedSemaphorePermit,
+    slot: OwnedSemaphorePermit,
 ) {
     let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(Watched { io: stream, activity: activity.clone(), write_blocked: false });
+    let io = TokioIo::new(Watched {
+        io: Some(stream),
+        activity: activity.clone(),
+        write_blocked: false,
+        shut_down: false,
+        slot: Some(slot),
+    });
     let service = {
         let activity = activity.clone();
         let shared = shared.clone();
@@ -549,14 +555,63 @@ impl Drop for InFlight {
     }
 }
 
-/// The socket, reporting reads and blocked writes to its connection's [`Activity`].
+/// The socket, reporting reads and blocked writes to its connection's [`Activity`]. It holds the
+/// connection's slot, and lingers when dropped after an orderly close (see [`linger`]).
 struct Watched {
-    io: TcpStream,
+    /// Present until dropped.
+    io: Option<TcpStream>,
     activity: Arc<Activity>,
     write_blocked: bool,
+    /// The server closed its side after its last answer.
+    shut_down: bool,
+    slot: Option<OwnedSemaphorePermit>,
+}
+
+/// How long in all, how long between reads, and how many bytes a closed connection keeps reading
+/// what its client still sends.
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_GAP: Duration = Duration::from_millis(250);
+const LINGER_BYTES: usize = 128 << 20;
+
+/// Reads and drops what the client still sends after the server's last answer (typically the
+/// rest of a body refused with 413), until it stops (nothing for [`LINGER_GAP`]) or for [`LINGER`]
+/// at most. Closing a socket
+/// with unread data resets the connection, and a reset can destroy the answer before the client
+/// has read it.
+async fn linger(mut io: TcpStream) {
+    let deadline = Instant::now() + LINGER;
+    let mut buf = vec![0u8; 64 << 10];
+    let mut read = 0;
+    while read < LINGER_BYTES {
+        let until = deadline.min(Instant::now() + LINGER_GAP);
+        match tokio::time::timeout_at(until, io.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => read += n,
+            _ => break,
+        }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        let Some(io) = self.io.take() else { return };
+        if !self.shut_down {
+            return;
+        }
+        let slot = self.slot.take();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                linger(io).await;
+                drop(slot);
+            });
+        }
+    }
 }
 
 impl Watched {
+    fn io(&mut self) -> Pin<&mut TcpStream> {
+        Pin::new(self.io.as_mut().expect("the socket is present until dropped"))
+    }
+
     fn note_write<T>(&mut self, r: &Poll<T>) {
         let blocked = r.is_pending();
         if blocked != self.write_blocked {
@@ -570,7 +625,7 @@ impl AsyncRead for Watched {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let before = buf.filled().len();
-        let r = Pin::new(&mut this.io).poll_read(cx, buf);
+        let r = this.io().poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             this.activity.read_some();
         }
@@ -581,7 +636,7 @@ impl AsyncRead for Watched {
 impl AsyncWrite for Watched {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        let r = Pin::new(&mut this.io).poll_write(cx, buf);
+        let r = this.io().poll_write(cx, buf);
         this.note_write(&r);
         r
     }
@@ -592,21 +647,26 @@ impl AsyncWrite for Watched {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        let r = this.io().poll_write_vectored(cx, bufs);
         this.note_write(&r);
         r
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
+        self.io.as_ref().is_some_and(|io| io.is_write_vectored())
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+        self.get_mut().io().poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+        let this = self.get_mut();
+        let r = this.io().poll_shutdown(cx);
+        if r.is_ready() {
+            this.shut_down = true;
+        }
+        r
     }
 }
 

@@ -103,6 +103,11 @@ pub fn residual(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
 
 /// `a @ b`; bf16 on the CPU (which candle's CPU matmul lacks) accumulates in f32, as PyTorch does.
 pub fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if a.device().is_cpu() && a.rank() == 2 && a.dim(0)? == 1 {
+        // The CPU matmul sums a one-row product in another order than its general kernel: the row
+        // is computed as one of two, so a batch of one token gets the bits any larger batch gives it.
+        return matmul(&Tensor::cat(&[a, a], 0)?, b)?.narrow(0, 0, 1);
+    }
     if a.dtype() == DType::BF16 && a.device().is_cpu() {
         a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)?.to_dtype(DType::BF16)
     } else {

@@ -82,6 +82,8 @@ impl Request {
 pub(super) struct Item {
     pub(super) req: Arc<Request>,
     pub(super) idx: usize,
+    /// Already run again alone after running out of device memory alone.
+    pub(super) oom_retried: bool,
 }
 
 impl Item {
@@ -107,6 +109,7 @@ pub struct Queue {
 
 impl Queue {
     pub fn new(max_batch_tokens: usize, max_queue_tokens: usize, metrics: Arc<Metrics>) -> Arc<Self> {
+        metrics.batch_token_budget.set(max_batch_tokens as i64);
         Arc::new(Queue {
             state: Mutex::new(State { items: VecDeque::new(), queued_tokens: 0, closed: false }),
             ready: Condvar::new(),
@@ -140,7 +143,7 @@ impl Queue {
             reply: Mutex::new(Some(tx)),
         });
         for idx in 0..n {
-            st.items.push_back(Item { req: req.clone(), idx });
+            st.items.push_back(Item { req: req.clone(), idx, oom_retried: false });
         }
         st.queued_tokens += tokens;
         self.metrics.queue_tokens.set(st.queued_tokens as i64);
@@ -196,5 +199,29 @@ impl Queue {
     /// Changes the batch budget (once the devices have measured their free memory).
     pub fn set_max_batch_tokens(&self, n: usize) {
         self.max_batch_tokens.store(n, Ordering::Relaxed);
+        self.metrics.batch_token_budget.set(n as i64);
+    }
+
+    /// Lowers the batch budget to at most `n` tokens (at least 1: a sequence longer than the
+    /// budget still runs, in a batch of its own); returns the budget now in force.
+    pub fn lower_max_batch_tokens(&self, n: usize) -> usize {
+        let n = n.max(1);
+        let now = self.max_batch_tokens.fetch_min(n, Ordering::Relaxed).min(n);
+        self.metrics.batch_token_budget.set(now as i64);
+        now
+    }
+
+    /// Puts sequences back at the front of the queue, in their order, ahead of everything that
+    /// waits (they were taken first): a batch that ran out of memory is retried this way, in
+    /// the smaller pieces the lowered budget allows.
+    pub(super) fn requeue_front(&self, items: Vec<Item>) {
+        let mut st = self.lock();
+        for it in items.into_iter().rev() {
+            st.queued_tokens += it.ids().len();
+            st.items.push_front(it);
+        }
+        self.metrics.queue_tokens.set(st.queued_tokens as i64);
+        drop(st);
+        self.ready.notify_all();
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use layertap::engine::{Batch, Cancel, DType, Device, Engine, EngineError};
+use layertap::http::Limits;
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
@@ -148,6 +149,40 @@ async fn a_batch_with_one_live_request_runs_to_the_end() {
     assert_eq!(s.control.batch_tokens.lock().unwrap()[1], 5, "the two requests share one batch");
     assert_eq!(s.control.layers_run.lock().unwrap()[1], FAKE_LAYERS);
     assert_eq!(metric(&s.base, "layertap_cancelled_batches_total").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_sequences_go_before_a_long_one_which_waits_at_most_its_own_length() {
+    const LONG: usize = 40;
+    let s = fake_server(Limits { max_batch_tokens: 16, ..limits() }, vec![]).await;
+    let first = blocker(&s, 1000);
+    until("the blocker to start", || s.control.batches.load(Ordering::SeqCst) == 1).await;
+    s.control.delay_ms.store(0, Ordering::SeqCst);
+    let m = s.running.state.metrics.clone();
+    // A sequence longer than the budget (it runs alone), then forty 2-token requests behind it.
+    let long: Vec<u32> = (200..200 + LONG as u32).collect();
+    let mut tasks = vec![tokio::spawn({
+        let base = s.base.clone();
+        async move { post(&base, &json!({"inputs": [{"input_ids": long}], "layers": [1]})).await.status() }
+    })];
+    until("the long request to be queued", || m.queue_tokens.get() as usize == LONG).await;
+    for i in 0..40u32 {
+        let base = s.base.clone();
+        tasks.push(tokio::spawn(async move {
+            post(&base, &json!({"inputs": [{"input_ids": [i, i + 1]}], "layers": [1]})).await.status()
+        }));
+    }
+    until("every request to be queued", || m.queue_tokens.get() as usize == LONG + 80).await;
+    assert_eq!(first.await.unwrap(), 200);
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let sizes = s.control.batch_tokens.lock().unwrap()[1..].to_vec();
+    let at = sizes.iter().position(|&t| t == LONG).expect("the long sequence ran alone");
+    let before: usize = sizes[..at].iter().sum();
+    assert!(before > 0, "the long sequence ran ahead of every short one: {sizes:?}");
+    assert!(before < LONG + 16, "the long sequence waited behind {before} tokens of later work: {sizes:?}");
+    assert!(at + 1 < sizes.len(), "every short sequence went first: {sizes:?}");
 }
 
 /// Requests of several inputs each, with layers and dtypes that differ between requests.

@@ -84,6 +84,9 @@ pub(super) struct Item {
     pub(super) idx: usize,
     /// Already run again alone after running out of device memory alone.
     pub(super) oom_retried: bool,
+    /// Tokens of later, shorter sequences run ahead of this one while it waited (only sequences
+    /// longer than the batch budget are passed over; see [`Queue::next_batch`]).
+    overtaken: usize,
 }
 
 impl Item {
@@ -143,7 +146,7 @@ impl Queue {
             reply: Mutex::new(Some(tx)),
         });
         for idx in 0..n {
-            st.items.push_back(Item { req: req.clone(), idx, oom_retried: false });
+            st.items.push_back(Item { req: req.clone(), idx, oom_retried: false, overtaken: 0 });
         }
         st.queued_tokens += tokens;
         self.metrics.queue_tokens.set(st.queued_tokens as i64);
@@ -154,25 +157,59 @@ impl Queue {
 
     /// Blocks until there is work; returns up to `max_batch_tokens` tokens of sequences in
     /// arrival order, skipping those whose client has gone. `None` once closed and drained.
+    ///
+    /// A sequence longer than the budget runs in a batch of its own, and may cost minutes on a
+    /// CPU: shorter sequences queued behind it go first, until they have taken as many tokens as
+    /// it has. So a short request does not wait behind a long backlog, and a long sequence waits
+    /// at most about its own length of other work more than it would have in arrival order.
     pub(super) fn next_batch(&self) -> Option<Vec<Item>> {
         let mut st = self.lock();
         loop {
+            let budget = self.max_batch_tokens();
             let mut batch: Vec<Item> = Vec::new();
             let mut tokens = 0;
-            while let Some(front) = st.items.front() {
-                let len = front.ids().len();
-                if front.req.is_cancelled() {
-                    st.items.pop_front();
+            // Long sequences passed over; taking or dropping an item only shifts those after it.
+            let mut passed: Vec<usize> = Vec::new();
+            let mut i = 0;
+            while let Some(it) = st.items.get(i) {
+                let len = it.ids().len();
+                if it.req.is_cancelled() {
+                    st.items.remove(i);
                     st.queued_tokens -= len;
                     self.metrics.sequences_cancelled.inc();
                     continue;
                 }
-                if !batch.is_empty() && tokens + len > self.max_batch_tokens() {
+                if len > budget {
+                    if it.overtaken < len {
+                        passed.push(i);
+                        i += 1;
+                        continue;
+                    }
+                    if batch.is_empty() {
+                        tokens = len;
+                        st.queued_tokens -= len;
+                        batch.extend(st.items.remove(i));
+                    }
+                    break;
+                }
+                if !batch.is_empty() && tokens + len > budget {
                     break;
                 }
                 tokens += len;
                 st.queued_tokens -= len;
-                batch.extend(st.items.pop_front());
+                batch.extend(st.items.remove(i));
+            }
+            if batch.is_empty() {
+                if let Some(&first) = passed.first() {
+                    if let Some(it) = st.items.remove(first) {
+                        st.queued_tokens -= it.ids().len();
+                        batch.push(it);
+                    }
+                }
+            } else {
+                for &k in &passed {
+                    st.items[k].overtaken += tokens;
+                }
             }
             self.metrics.queue_tokens.set(st.queued_tokens as i64);
             if !batch.is_empty() {

@@ -100,7 +100,7 @@ async fn a_batch_whose_clients_all_hung_up_stops_between_layers_and_the_next_req
     let full = Duration::from_millis((FAKE_LAYERS * LAYER_MS) as u64);
     assert!(waited < full, "the short request waited {waited:?}, as long as the whole abandoned batch ({full:?})");
     let run = s.control.layers_run.lock().unwrap().clone();
-    assert!(run[1] < FAKE_LAYERS && run[1] <= 2, "the abandoned batch ran {} of {FAKE_LAYERS} layers", run[1]);
+    assert!(run[1] <= 2, "the abandoned batch ran {} of {FAKE_LAYERS} layers", run[1]);
     assert_eq!(metric(&s.base, "layertap_cancelled_batches_total").await, 1.0);
     assert_eq!(metric(&s.base, "layertap_cancelled_sequences_total").await, 6.0);
 }

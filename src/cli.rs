@@ -105,7 +105,7 @@ pub struct ServeArgs {
     /// Compute dtype (also the default output dtype): f32, bf16 or f16.
     #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
     pub dtype: OutDType,
-    /// Most tokens in one forward pass. Default: 8192 on CPU; on CUDA sized from free memory after loading.
+    /// Most tokens in one forward pass (a longer input runs alone). Default: 1024 on CPU; on CUDA sized from free memory after loading.
     #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]
     pub max_batch_tokens: Option<usize>,
     /// Longest single input in tokens; longer ones are refused with 413.

@@ -145,6 +145,7 @@ impl From<BatchError> for ApiError {
         match e {
             BatchError::Invalid(m) => ApiError::invalid(m),
             BatchError::Internal(m) => ApiError::internal(m),
+            BatchError::TooLarge(m) => ApiError::new(ErrorKind::TooLarge, m),
             BatchError::ShuttingDown => ApiError::new(ErrorKind::Unavailable, "the server is shutting down"),
         }
     }

@@ -22,6 +22,9 @@ pub struct Metrics {
     pub device_memory_used: IntGaugeVec,
     pub device_memory_total: IntGaugeVec,
     pub model_info: IntGaugeVec,
+    pub batches_cancelled: IntCounter,
+    pub oom_retries: IntCounter,
+    pub batch_token_budget: IntGauge,
 }
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: T) -> T {
@@ -108,7 +111,7 @@ impl Metrics {
                 &r,
                 IntCounter::new(
                     "layertap_cancelled_sequences_total",
-                    "Sequences dropped before running because their client went away",
+                    "Sequences dropped because their client went away: before running, or stopped between layers",
                 )
                 .unwrap(),
             ),
@@ -147,6 +150,30 @@ impl Metrics {
                 IntGaugeVec::new(
                     Opts::new("layertap_model_info", "The served model (value 1)"),
                     &["model", "architecture", "num_layers", "hidden_size", "dtype"],
+                )
+                .unwrap(),
+            ),
+            batches_cancelled: reg(
+                &r,
+                IntCounter::new(
+                    "layertap_cancelled_batches_total",
+                    "Batches stopped between layers because every request in them had gone",
+                )
+                .unwrap(),
+            ),
+            oom_retries: reg(
+                &r,
+                IntCounter::new(
+                    "layertap_oom_retries_total",
+                    "Batches that ran out of device memory and were retried in smaller pieces (or once more alone)",
+                )
+                .unwrap(),
+            ),
+            batch_token_budget: reg(
+                &r,
+                IntGauge::new(
+                    "layertap_batch_token_budget",
+                    "Most tokens per batch now (lowered when a batch runs out of device memory)",
                 )
                 .unwrap(),
             ),

@@ -603,6 +603,15 @@ fn check_chat(m: &[ChatMessage]) -> Result<(), TestCaseError> {
         check!(r.is_err(), "an empty chat was accepted");
         return Ok(());
     }
+    // Roles the template does not know are refused, naming the first such message.
+    if let Some(i) = m.iter().position(|x| !tok.roles().contains(&x.role)) {
+        let e = match r {
+            Err(layertap::tokenizer::TokenizeError::Invalid(e)) => e,
+            other => return Err(TestCaseError::fail(format!("role {:?} was not refused: {other:?}", m[i].role))),
+        };
+        check!(e.contains(&format!("messages[{i}].role")), "the refusal names another message: {e}");
+        return Ok(());
+    }
     let t = r.map_err(|e| TestCaseError::fail(format!("chat refused: {e}")))?;
     check!(t.ids.len() == t.loss_mask.len(), "{} ids, {} mask", t.ids.len(), t.loss_mask.len());
     check!(t.loss_mask.iter().all(|&x| x <= 1), "mask values {:?}", t.loss_mask);
@@ -620,6 +629,13 @@ fn check_chat(m: &[ChatMessage]) -> Result<(), TestCaseError> {
     for x in m {
         check!(rendered.contains(&x.content) && rendered.contains(&x.role), "a turn is missing from {rendered:?}");
     }
+    // Content's control-token text as plain text: the same text, the same turns counted.
+    let split = layertap::tokenizer::Budget { split_special_tokens: true, ..layertap::tokenizer::Budget::unlimited() };
+    let p = tok.encode_chat_within(m, &split).map_err(|e| TestCaseError::fail(format!("split chat refused: {e}")))?;
+    check!(p.ids.len() == p.loss_mask.len(), "split: {} ids, {} mask", p.ids.len(), p.loss_mask.len());
+    let text = tok.decode(&p.ids).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    check!(text == rendered, "split: decoded {text:?} != rendered {rendered:?}");
+    check!(has_assistant == p.loss_mask.contains(&1), "split: assistant turn present: {has_assistant}");
     Ok(())
 }
 

@@ -63,6 +63,9 @@ pub enum BatchError {
     Invalid(String),
     #[error("{0}")]
     Internal(String),
+    /// A sequence does not fit in the device's memory even in a batch of its own.
+    #[error("{0}")]
+    TooLarge(String),
     #[error("the server is shutting down")]
     ShuttingDown,
 }

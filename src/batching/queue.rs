@@ -82,6 +82,11 @@ impl Request {
 pub(super) struct Item {
     pub(super) req: Arc<Request>,
     pub(super) idx: usize,
+    /// Already run again alone after running out of device memory alone.
+    pub(super) oom_retried: bool,
+    /// Tokens of later, shorter sequences run ahead of this one while it waited (only sequences
+    /// longer than the batch budget are passed over; see [`Queue::next_batch`]).
+    overtaken: usize,
 }
 
 impl Item {
@@ -107,6 +112,7 @@ pub struct Queue {
 
 impl Queue {
     pub fn new(max_batch_tokens: usize, max_queue_tokens: usize, metrics: Arc<Metrics>) -> Arc<Self> {
+        metrics.batch_token_budget.set(max_batch_tokens as i64);
         Arc::new(Queue {
             state: Mutex::new(State { items: VecDeque::new(), queued_tokens: 0, closed: false }),
             ready: Condvar::new(),
@@ -140,7 +146,7 @@ impl Queue {
             reply: Mutex::new(Some(tx)),
         });
         for idx in 0..n {
-            st.items.push_back(Item { req: req.clone(), idx });
+            st.items.push_back(Item { req: req.clone(), idx, oom_retried: false, overtaken: 0 });
         }
         st.queued_tokens += tokens;
         self.metrics.queue_tokens.set(st.queued_tokens as i64);
@@ -151,25 +157,59 @@ impl Queue {
 
     /// Blocks until there is work; returns up to `max_batch_tokens` tokens of sequences in
     /// arrival order, skipping those whose client has gone. `None` once closed and drained.
+    ///
+    /// A sequence longer than the budget runs in a batch of its own, and may cost minutes on a
+    /// CPU: shorter sequences queued behind it go first, until they have taken as many tokens as
+    /// it has. So a short request does not wait behind a long backlog, and a long sequence waits
+    /// at most about its own length of other work more than it would have in arrival order.
     pub(super) fn next_batch(&self) -> Option<Vec<Item>> {
         let mut st = self.lock();
         loop {
+            let budget = self.max_batch_tokens();
             let mut batch: Vec<Item> = Vec::new();
             let mut tokens = 0;
-            while let Some(front) = st.items.front() {
-                let len = front.ids().len();
-                if front.req.is_cancelled() {
-                    st.items.pop_front();
+            // Long sequences passed over; taking or dropping an item only shifts those after it.
+            let mut passed: Vec<usize> = Vec::new();
+            let mut i = 0;
+            while let Some(it) = st.items.get(i) {
+                let len = it.ids().len();
+                if it.req.is_cancelled() {
+                    st.items.remove(i);
                     st.queued_tokens -= len;
                     self.metrics.sequences_cancelled.inc();
                     continue;
                 }
-                if !batch.is_empty() && tokens + len > self.max_batch_tokens() {
+                if len > budget {
+                    if it.overtaken < len {
+                        passed.push(i);
+                        i += 1;
+                        continue;
+                    }
+                    if batch.is_empty() {
+                        tokens = len;
+                        st.queued_tokens -= len;
+                        batch.extend(st.items.remove(i));
+                    }
+                    break;
+                }
+                if !batch.is_empty() && tokens + len > budget {
                     break;
                 }
                 tokens += len;
                 st.queued_tokens -= len;
-                batch.extend(st.items.pop_front());
+                batch.extend(st.items.remove(i));
+            }
+            if batch.is_empty() {
+                if let Some(&first) = passed.first() {
+                    if let Some(it) = st.items.remove(first) {
+                        st.queued_tokens -= it.ids().len();
+                        batch.push(it);
+                    }
+                }
+            } else {
+                for &k in &passed {
+                    st.items[k].overtaken += tokens;
+                }
             }
             self.metrics.queue_tokens.set(st.queued_tokens as i64);
             if !batch.is_empty() {
@@ -196,5 +236,29 @@ impl Queue {
     /// Changes the batch budget (once the devices have measured their free memory).
     pub fn set_max_batch_tokens(&self, n: usize) {
         self.max_batch_tokens.store(n, Ordering::Relaxed);
+        self.metrics.batch_token_budget.set(n as i64);
+    }
+
+    /// Lowers the batch budget to at most `n` tokens (at least 1: a sequence longer than the
+    /// budget still runs, in a batch of its own); returns the budget now in force.
+    pub fn lower_max_batch_tokens(&self, n: usize) -> usize {
+        let n = n.max(1);
+        let now = self.max_batch_tokens.fetch_min(n, Ordering::Relaxed).min(n);
+        self.metrics.batch_token_budget.set(now as i64);
+        now
+    }
+
+    /// Puts sequences back at the front of the queue, in their order, ahead of everything that
+    /// waits (they were taken first): a batch that ran out of memory is retried this way, in
+    /// the smaller pieces the lowered budget allows.
+    pub(super) fn requeue_front(&self, items: Vec<Item>) {
+        let mut st = self.lock();
+        for it in items.into_iter().rev() {
+            st.queued_tokens += it.ids().len();
+            st.items.push_front(it);
+        }
+        self.metrics.queue_tokens.set(st.queued_tokens as i64);
+        drop(st);
+        self.ready.notify_all();
     }
 }

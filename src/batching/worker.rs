@@ -3,9 +3,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::queue::{Item, Queue};
+use super::queue::{Item, Queue, Request};
 use super::{BatchError, Part};
-use crate::engine::{Batch, Engine, EngineError, LoadedEngine, MemoryProbe, Pending};
+use crate::engine::{Batch, Cancel, Engine, EngineError, LoadedEngine, MemoryProbe, Pending};
 use crate::extract::{cu_seqlens, distinct};
 
 /// What a worker reports once its model is resident.
@@ -60,27 +60,40 @@ where
         // The device thread launches batches; a second thread waits for each one's results and
         // hands them out, so the device starts the next batch while the last one is copied out.
         // The rendezvous channel keeps at most one batch waiting beside the one being launched.
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Launched>(0);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(0);
         let finisher = std::thread::Builder::new().name(format!("layertap-{name}-finish")).spawn({
             let queue = queue.clone();
-            move || rx.into_iter().for_each(|l| finish_batch(&queue, l))
+            move || {
+                rx.into_iter().for_each(|job| {
+                    if let Job::Finish(l) = job {
+                        finish_batch(&queue, l)
+                    }
+                })
+            }
         });
         let finisher = match finisher {
             Ok(f) => f,
             Err(e) => {
                 tracing::error!(device = %name, error = %e, "cannot start the result thread; serving without it");
                 while let Some(items) = queue.next_batch() {
-                    if let Some(l) = launch_batch(engine.as_mut(), &queue, items) {
+                    if let Some(l) = launch_batch(engine.as_mut(), &queue, items, &|| ()) {
                         finish_batch(&queue, l);
                     }
                 }
                 return;
             }
         };
+        // Handing the result thread a no-op returns once it has finished the batch before:
+        // after an out-of-memory error, the memory that batch held is free again.
+        let flush = || {
+            let _ = tx.send(Job::Flush);
+        };
         while let Some(items) = queue.next_batch() {
-            if let Some(l) = launch_batch(engine.as_mut(), &queue, items) {
-                if let Err(back) = tx.send(l) {
-                    finish_batch(&queue, back.0);
+            if let Some(l) = launch_batch(engine.as_mut(), &queue, items, &flush) {
+                if let Err(back) = tx.send(Job::Finish(l)) {
+                    if let Job::Finish(l) = back.0 {
+                        finish_batch(&queue, l);
+                    }
                 }
             }
         }
@@ -88,9 +101,23 @@ where
         if finisher.join().is_err() {
             tracing::error!(device = %name, "result thread panicked");
         }
+        // The last batch collected may have been put back (out of memory) after the queue
+        // closed: run what is left here. The queue is closed, so this never blocks.
+        while let Some(items) = queue.next_batch() {
+            if let Some(l) = launch_batch(engine.as_mut(), &queue, items, &|| ()) {
+                finish_batch(&queue, l);
+            }
+        }
         tracing::info!(device = %name, "worker stopped");
     })?;
     Ok(WorkerHandle { device, join: Some(join) })
+}
+
+/// What the device thread hands the result thread.
+enum Job {
+    Finish(Launched),
+    /// Nothing to do: received once the batch before it is finished.
+    Flush,
 }
 
 /// A batch whose device work has been started.
@@ -117,9 +144,57 @@ fn panicked(items: &[Item], tokens: usize) {
     items.iter().for_each(|i| i.req.fail(BatchError::Internal("the engine failed on this batch".into())));
 }
 
-/// Builds the packed batch and starts it on the device; `None` when it failed at once (the
-/// requests are answered with the error).
-fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>) -> Option<Launched> {
+/// The engine stopped a batch between layers because every request in it had gone.
+fn cancelled(queue: &Queue, items: &[Item], tokens: usize, layers_run: usize) {
+    tracing::info!(tokens, sequences = items.len(), layers_run, "batch stopped: every request in it has gone");
+    queue.metrics.batches_cancelled.inc();
+    queue.metrics.sequences_cancelled.inc_by(items.len() as u64);
+    // Nobody is listening; this only matters to an engine that stopped while someone was.
+    items.iter().for_each(|i| i.req.fail(BatchError::Internal("the batch was cancelled".into())));
+}
+
+/// A batch ran out of device memory. Several sequences: the batch budget drops to half of this
+/// batch and the sequences go back to the front of the queue, where the next batches take them
+/// in pieces that fit the new budget (halving again if need be, down to one sequence). One
+/// sequence: it runs once more; when it runs out of memory alone again, it does not fit and its
+/// request is refused. The budget is not lowered for a lone sequence: its own length, not
+/// the packing, is what did not fit.
+fn out_of_memory(queue: &Queue, mut items: Vec<Item>, tokens: usize, error: &str) {
+    let m = &queue.metrics;
+    if items.len() > 1 {
+        let budget = queue.lower_max_batch_tokens(tokens / 2);
+        m.oom_retries.inc();
+        tracing::warn!(
+            tokens,
+            sequences = items.len(),
+            budget,
+            error,
+            "out of device memory: retrying the batch in smaller pieces, with a lower batch budget"
+        );
+        queue.requeue_front(items);
+        return;
+    }
+    let Some(it) = items.first_mut() else { return };
+    if !it.oom_retried {
+        it.oom_retried = true;
+        m.oom_retries.inc();
+        tracing::warn!(tokens, error, "out of device memory on one sequence: running it once more");
+        queue.requeue_front(items);
+        return;
+    }
+    tracing::warn!(tokens, error, "one sequence does not fit in device memory even alone: refusing its request");
+    it.req.fail(BatchError::TooLarge(format!(
+        "inputs[{}] has {tokens} tokens, which do not fit in the device's memory even in a batch of their own \
+         (the batch budget is {} tokens, but the device ran out of memory on this input); send shorter inputs",
+        it.idx,
+        queue.max_batch_tokens()
+    )));
+}
+
+/// Builds the packed batch and starts it on the device; `None` when it ended at once (answered
+/// with the error, cancelled, or put back to be retried after running out of memory; `flush`
+/// first waits for the batch being collected, so that its memory is free for the retry).
+fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>, flush: &dyn Fn()) -> Option<Launched> {
     let m = &queue.metrics;
     let lens: Vec<usize> = items.iter().map(|i| i.ids().len()).collect();
     let cu = cu_seqlens(lens.iter());
@@ -134,8 +209,25 @@ fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>) -> Opt
     for it in &items {
         it.req.started(start, m);
     }
-    match std::panic::catch_unwind(AssertUnwindSafe(|| engine.launch(&batch))) {
+    // Gone for good once every request of the batch is (a request never comes back).
+    let mut reqs: Vec<Arc<Request>> = Vec::new();
+    for it in &items {
+        if !reqs.iter().any(|r| Arc::ptr_eq(r, &it.req)) {
+            reqs.push(it.req.clone());
+        }
+    }
+    let cancel = Cancel::new(move || reqs.iter().all(|r| r.is_cancelled()));
+    match std::panic::catch_unwind(AssertUnwindSafe(|| engine.launch_cancellable(&batch, &cancel))) {
         Ok(Ok(pending)) => Some(Launched { items, pending, start, tokens, cu, lens }),
+        Ok(Err(EngineError::Cancelled { layers_run })) => {
+            cancelled(queue, &items, tokens, layers_run);
+            None
+        }
+        Ok(Err(EngineError::OutOfMemory(e))) => {
+            flush();
+            out_of_memory(queue, items, tokens, &e);
+            None
+        }
         Ok(Err(e)) => {
             fail_all(&items, e, tokens);
             None
@@ -152,11 +244,15 @@ fn finish_batch(queue: &Queue, l: Launched) {
     let m = &queue.metrics;
     let Launched { items, pending, start, tokens, cu, lens } = l;
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| pending.wait()));
-    m.inference_duration.observe(start.elapsed().as_secs_f64());
-    m.batch_tokens.observe(tokens as f64);
-    m.batch_sequences.observe(items.len() as f64);
+    if !matches!(result, Ok(Err(EngineError::Cancelled { .. } | EngineError::OutOfMemory(_)))) {
+        m.inference_duration.observe(start.elapsed().as_secs_f64());
+        m.batch_tokens.observe(tokens as f64);
+        m.batch_sequences.observe(items.len() as f64);
+    }
     let taps = match result {
         Ok(Ok(t)) => t,
+        Ok(Err(EngineError::Cancelled { layers_run })) => return cancelled(queue, &items, tokens, layers_run),
+        Ok(Err(EngineError::OutOfMemory(e))) => return out_of_memory(queue, items, tokens, &e),
         Ok(Err(e)) => return fail_all(&items, e, tokens),
         Err(_) => return panicked(&items, tokens),
     };

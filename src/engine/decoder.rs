@@ -15,7 +15,7 @@ use super::layers::norm::RmsNorm;
 use super::layers::rope::Rope;
 use super::profile;
 use super::weights::Weights;
-use super::EngineError;
+use super::{Cancel, EngineError};
 
 pub enum Mixer {
     Attention(Attention),
@@ -119,14 +119,17 @@ impl Decoder {
     /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in
     /// `0..=L`, any order, repeats allowed), the `[T, hidden]` state Hugging Face reports as
     /// `hidden_states[i]`. Layers past the deepest tap are not run. `layers_run` counts the
-    /// decoder layers executed.
+    /// decoder layers executed. Before each layer `cancel` is asked whether the batch is still
+    /// wanted; once it is not, the loop stops with [`EngineError::Cancelled`] (on a GPU the
+    /// kernels already queued finish on their own and their results are dropped).
     pub fn forward_taps(
         &self,
         ids: &Tensor,
         pk: &BatchCtx,
         taps: &[usize],
         layers_run: &mut usize,
-    ) -> candle_core::Result<Vec<Tensor>> {
+        cancel: &Cancel,
+    ) -> Result<Vec<Tensor>, EngineError> {
         let n = self.layers.len();
         let deepest = taps.iter().copied().max().unwrap_or(0);
         let mut kept: Vec<Option<Tensor>> = vec![None; n + 1];
@@ -138,6 +141,7 @@ impl Decoder {
             kept[0] = Some(x.clone());
         }
         for (i, layer) in self.layers.iter().enumerate().take(deepest) {
+            cancel.check(*layers_run)?;
             x = layer.forward(&x, pk)?;
             *layers_run += 1;
             let idx = i + 1;
@@ -151,10 +155,9 @@ impl Decoder {
         // States are returned in the compute dtype (the f32 stream rounded once).
         taps.iter()
             .map(|&i| {
-                kept[i]
-                    .as_ref()
-                    .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))
-                    .and_then(|t| t.to_dtype(self.dtype()))
+                let t =
+                    kept[i].as_ref().ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
+                Ok(t.to_dtype(self.dtype())?)
             })
             .collect()
     }

@@ -216,7 +216,7 @@ pub(crate) mod cuda_copy {
     use std::sync::{Arc, Mutex};
 
     fn fail(msg: String) -> EngineError {
-        EngineError::Compute(candle_core::Error::Msg(msg))
+        EngineError::from(candle_core::Error::Msg(msg))
     }
 
     /// Page-locked host buffers: the device copies into them directly (no staging, no page

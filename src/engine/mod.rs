@@ -31,7 +31,74 @@ pub enum EngineError {
     #[error("{0}")]
     InvalidInput(String),
     #[error("model computation failed: {0}")]
-    Compute(#[from] candle_core::Error),
+    Compute(candle_core::Error),
+    /// The device ran out of memory; a smaller batch may fit. Candle reports CUDA's
+    /// `CUDA_ERROR_OUT_OF_MEMORY` (and allocation failures) as text, so it is recognised there.
+    #[error("the device ran out of memory: {0}")]
+    OutOfMemory(String),
+    /// Every request of the batch has gone, so the engine stopped between layers and its
+    /// device work was abandoned. Not a failure: nobody is waiting for the result.
+    #[error("the batch was cancelled after {layers_run} layers: every request in it has gone")]
+    Cancelled { layers_run: usize },
+}
+
+impl EngineError {
+    /// Whether a candle error's text says the device ran out of memory.
+    pub fn is_out_of_memory_text(text: &str) -> bool {
+        text.contains("CUDA_ERROR_OUT_OF_MEMORY")
+            || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
+            || text.to_ascii_lowercase().contains("out of memory")
+    }
+}
+
+impl From<candle_core::Error> for EngineError {
+    /// Every candle error enters the engine's errors here, so an out-of-memory error is
+    /// recognised wherever it surfaces (a kernel launch, an allocation, a copy to the host).
+    fn from(e: candle_core::Error) -> Self {
+        let text = e.to_string();
+        if EngineError::is_out_of_memory_text(&text) {
+            EngineError::OutOfMemory(text)
+        } else {
+            EngineError::Compute(e)
+        }
+    }
+}
+
+/// Asked by the engine between layers whether anyone still wants the batch it is running.
+/// The batching worker builds it from its requests (cancelled when every one has gone);
+/// [`Cancel::never`] for callers that always want the result.
+#[derive(Clone, Default)]
+pub struct Cancel(Option<std::sync::Arc<dyn Fn() -> bool + Send + Sync>>);
+
+impl Cancel {
+    /// Cancelled once `gone` returns true (it must stay true from then on).
+    pub fn new(gone: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Cancel(Some(std::sync::Arc::new(gone)))
+    }
+
+    pub fn never() -> Self {
+        Cancel(None)
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.as_ref().is_some_and(|gone| gone())
+    }
+
+    /// The check run between layers: `Err(Cancelled)` once nobody wants the batch, with the
+    /// number of layers already run.
+    pub fn check(&self, layers_run: usize) -> Result<(), EngineError> {
+        if self.is_cancelled() {
+            Err(EngineError::Cancelled { layers_run })
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl std::fmt::Debug for Cancel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Cancel(checked)" } else { "Cancel(never)" })
+    }
 }
 
 /// Output dtypes a caller can ask for.
@@ -257,6 +324,14 @@ pub trait Engine: Send {
     fn launch(&mut self, batch: &Batch) -> Result<Pending, EngineError> {
         Ok(Pending::ready(self.forward(batch)))
     }
+
+    /// [`Engine::launch`], asking `cancel` between layers and stopping with
+    /// [`EngineError::Cancelled`] once it says nobody wants the batch. What the batching worker
+    /// calls. The default never stops early.
+    fn launch_cancellable(&mut self, batch: &Batch, cancel: &Cancel) -> Result<Pending, EngineError> {
+        let _ = cancel;
+        self.launch(batch)
+    }
 }
 
 /// The real engine: a resident decoder on one device.
@@ -296,6 +371,10 @@ impl Engine for ModelEngine {
     }
 
     fn launch(&mut self, batch: &Batch) -> Result<Pending, EngineError> {
+        self.launch_cancellable(batch, &Cancel::never())
+    }
+
+    fn launch_cancellable(&mut self, batch: &Batch, cancel: &Cancel) -> Result<Pending, EngineError> {
         let vocab = self.decoder.cfg.vocab_size;
         if let Some(bad) = batch.input_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::InvalidInput(format!(
@@ -317,7 +396,7 @@ impl Engine for ModelEngine {
         let ids = Tensor::new(batch.input_ids.as_slice(), &device)?;
         let packing = self.decoder.packing(cu)?;
         let mut layers_run = 0;
-        let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run)?;
+        let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run, cancel)?;
         let stacked = Tensor::stack(&states, 1)?;
         drop(states);
         let layers = batch.layers.clone();

@@ -65,7 +65,7 @@ impl Default for Limits {
     /// The defaults of `layertap serve` (see its flags).
     fn default() -> Self {
         Limits {
-            max_batch_tokens: 8192,
+            max_batch_tokens: 1024,
             max_input_tokens: 8192,
             max_queue_tokens: 131072,
             max_body_bytes: 64 << 20,

@@ -62,7 +62,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layertap::engine::{
-    Batch, Device, Engine, EngineError, HostTensor, LoadedEngine, MemoryProbe, ModelInfo, OutDType, Pending, Taps,
+    Batch, Cancel, Device, Engine, EngineError, HostTensor, LoadedEngine, MemoryProbe, ModelInfo, OutDType, Pending,
+    Taps,
 };
 use layertap::http::Limits;
 use layertap::server::{start, Running, Setup};
@@ -90,21 +91,33 @@ pub struct FakeControl {
     pub collect_ms: AtomicUsize,
     /// ("launch" | "done", batch number), in the order they happened.
     pub events: Mutex<Vec<(&'static str, usize)>>,
+    /// Each simulated decoder layer (1 ..= the deepest index asked) sleeps this long (ms); before
+    /// each one the engine asks the batch's cancellation check, as the real decoder does.
+    pub layer_delay_ms: AtomicUsize,
+    /// Decoder layers run by each launched batch, in launch order (a cancelled batch's count
+    /// stops where it stopped; a batch that ran out of memory at launch counts 0).
+    pub layers_run: Mutex<Vec<usize>>,
+    /// Tokens of each launched batch, in launch order, including those that ran out of memory.
+    pub batch_tokens: Mutex<Vec<usize>>,
+    /// When non-zero, a batch of more tokens than this runs out of device memory, with the
+    /// error text a CUDA device gives.
+    pub oom_above: AtomicUsize,
+    /// The out-of-memory error surfaces when the launched batch is waited on, not at launch.
+    pub oom_at_wait: std::sync::atomic::AtomicBool,
+}
+
+/// The error candle reports when a CUDA allocation fails.
+pub fn cuda_oom_error() -> EngineError {
+    EngineError::from(candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into()))
 }
 
 /// An engine whose hidden states are a known function of the token and layer.
 pub struct FakeEngine(pub Arc<FakeControl>);
 
-impl Engine for FakeEngine {
-    fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError> {
-        // Recorded before the delay, so a test can tell that a batch has started.
-        self.0.seen.lock().unwrap().extend_from_slice(&batch.input_ids);
-        self.0.batches.fetch_add(1, Ordering::SeqCst);
-        let d = self.0.delay_ms.load(Ordering::SeqCst);
-        if d > 0 {
-            std::thread::sleep(Duration::from_millis(d as u64));
-        }
-        // [tokens, layers, hidden], the layout the real engine hands over.
+impl FakeEngine {
+    /// The states of `batch` at its layers, `[tokens, layers, hidden]` as the real engine lays
+    /// them out.
+    fn taps(batch: &Batch, layers_run: usize) -> Taps {
         let u = batch.layers.len();
         let mut v = Vec::with_capacity(batch.input_ids.len() * u * FAKE_HIDDEN);
         for &id in &batch.input_ids {
@@ -113,21 +126,63 @@ impl Engine for FakeEngine {
             }
         }
         let host = HostTensor::from_f32(&v, vec![batch.input_ids.len(), u, FAKE_HIDDEN]);
-        Ok(Taps { layers: batch.layers.clone(), host, layers_run: batch.layers.iter().copied().max().unwrap_or(0) })
+        Taps { layers: batch.layers.clone(), host, layers_run }
+    }
+}
+
+impl Engine for FakeEngine {
+    fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError> {
+        self.launch(batch)?.wait()
     }
 
     fn launch(&mut self, batch: &Batch) -> Result<Pending, EngineError> {
-        let n = self.0.batches.load(Ordering::SeqCst);
-        let taps = self.forward(batch);
-        self.0.events.lock().unwrap().push(("launch", n));
+        self.launch_cancellable(batch, &Cancel::never())
+    }
+
+    fn launch_cancellable(&mut self, batch: &Batch, cancel: &Cancel) -> Result<Pending, EngineError> {
         let c = self.0.clone();
+        // Recorded before the delay, so a test can tell that a batch has started.
+        c.seen.lock().unwrap().extend_from_slice(&batch.input_ids);
+        let n = c.batches.fetch_add(1, Ordering::SeqCst);
+        let tokens = batch.input_ids.len();
+        c.batch_tokens.lock().unwrap().push(tokens);
+        let limit = c.oom_above.load(Ordering::SeqCst);
+        let oom = limit > 0 && tokens > limit;
+        let at_wait = c.oom_at_wait.load(Ordering::SeqCst);
+        if oom && !at_wait {
+            c.layers_run.lock().unwrap().push(0);
+            return Err(cuda_oom_error());
+        }
+        let d = c.delay_ms.load(Ordering::SeqCst);
+        if d > 0 {
+            std::thread::sleep(Duration::from_millis(d as u64));
+        }
+        let deepest = batch.layers.iter().copied().max().unwrap_or(0);
+        let mut run = 0;
+        for _ in 0..deepest {
+            if let Err(e) = cancel.check(run) {
+                c.layers_run.lock().unwrap().push(run);
+                return Err(e);
+            }
+            let ms = c.layer_delay_ms.load(Ordering::SeqCst);
+            if ms > 0 {
+                std::thread::sleep(Duration::from_millis(ms as u64));
+            }
+            run += 1;
+        }
+        c.layers_run.lock().unwrap().push(run);
+        let taps = Self::taps(batch, run);
+        c.events.lock().unwrap().push(("launch", n));
         Ok(Pending::new(move || {
             let ms = c.collect_ms.load(Ordering::SeqCst);
             if ms > 0 {
                 std::thread::sleep(Duration::from_millis(ms as u64));
             }
             c.events.lock().unwrap().push(("done", n));
-            taps
+            if oom {
+                return Err(cuda_oom_error());
+            }
+            Ok(taps)
         }))
     }
 }

@@ -67,3 +67,45 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
         }
     }
 }
+
+/// The copy of the taps to the host runs on its own stream: it must wait for the kernels that
+/// wrote them. Asking a subset of layers of a large batch (the batch's own work still running
+/// when it is launched, its pinned buffer reused on the later runs) gives exactly the bits the
+/// same indices have when every layer is asked.
+#[test]
+fn a_subset_of_layers_is_copied_only_once_computed() {
+    let Some(dev) = common::cuda_device() else { return };
+    let mut dirs: Vec<_> = std::fs::read_dir(fixtures().join("tiny"))
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    dirs.sort();
+    for dir in dirs {
+        let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+        let mut m = files.load(&dev, DType::BF16).unwrap();
+        let (n, vocab) = (m.info.num_layers, m.info.vocab_size as u64);
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab) as u32
+        };
+        let (seqs, len) = (8, 2048);
+        let ids: Vec<u32> = (0..seqs * len).map(|_| next()).collect();
+        let cu: Vec<usize> = (0..=seqs).map(|i| i * len).collect();
+        let total = ids.len();
+        let run = |m: &mut layertap::engine::LoadedModel, layers: Vec<usize>, pick: &[usize]| {
+            let batch = Batch { input_ids: ids.clone(), cu_seqlens: cu.clone(), layers };
+            let taps = m.engine.forward(&batch).unwrap();
+            let v = taps.gather(0, total, pick, OutDType::Float32).unwrap().to_f32();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+        };
+        let pick = [1, n];
+        let want = run(&mut m, (0..=n).collect(), &pick);
+        for k in 0..3 {
+            let got = run(&mut m, pick.to_vec(), &pick);
+            let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert_eq!(differ, 0, "{}: run {k}: {differ} of {} values differ", dir.display(), want.len());
+        }
+    }
+}

@@ -125,6 +125,9 @@ def main():
             hs = t["hidden_states"]
             if list(hs.shape) != [lens[i], len(LAYERS), 2048] or not torch.isfinite(hs.float()).all():
                 bad.append((i, "shape or non-finite", list(hs.shape)))
+        for k, v in alone.items():
+            if not torch.isfinite(v.float()).all():
+                bad.append((k, "non-finite when sent alone", list(v.shape)))
         diffs = {k: (results[k][1]["hidden_states"].float() - v.float()).abs().max().item()
                  for k, v in alone.items() if results[k][0] == 200}
         m = get(url, "/metrics")
@@ -137,6 +140,8 @@ def main():
             "batches": metric(m, "layertap_batch_tokens_count"), "alone_vs_loaded_max_abs": diffs,
         }
         print(json.dumps(out), flush=True)
+        if bad or statuses != {200: len(seqs)} or out["oom_retries_total"] < 1:
+            raise SystemExit("oom check failed: " + json.dumps({"bad": bad[:5], "statuses": statuses}))
     finally:
         server.terminate()
         server.wait(timeout=60)

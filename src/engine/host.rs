@@ -313,8 +313,8 @@ pub(crate) mod cuda_copy {
         Ok(HostBytes::Lent(Box::new(dst)))
     }
 
-    /// Copies a contiguous tensor into host memory on `stream`, which first waits for the work
-    /// that wrote it (the context tracks events once a second stream exists).
+    /// Copies a contiguous tensor into host memory on `stream`. The caller orders `stream` after
+    /// the work that wrote the tensor (an event recorded on the compute stream).
     pub fn to_host(
         t: &Tensor,
         dtype: OutDType,

@@ -402,9 +402,20 @@ impl Engine for ModelEngine {
         let layers = batch.layers.clone();
         let dtype = OutDType::from_candle(stacked.dtype());
         #[cfg(feature = "cuda")]
-        if let (Some(stream), Some(pool)) = (&self.copy_stream, &self.pinned) {
+        if let (Some(stream), Some(pool), Device::Cuda(d)) = (&self.copy_stream, &self.pinned, &device) {
+            // The copy runs on its own stream, so it must be ordered after the work that wrote
+            // `stacked`: an event recorded now, behind that work on the compute stream. (Kernels
+            // that take their output as a shared reference record no write for the copy to wait
+            // on, and a copy that starts early reads rows not yet written.)
+            let written = d
+                .cuda_stream()
+                .record_event(None)
+                .map_err(|e| EngineError::from(candle_core::Error::Msg(format!("recording a CUDA event: {e}"))))?;
             let (stream, pool) = (stream.clone(), pool.clone());
             return Ok(Pending::new(move || {
+                stream
+                    .wait(&written)
+                    .map_err(|e| EngineError::from(candle_core::Error::Msg(format!("waiting on a CUDA event: {e}"))))?;
                 let host = host::cuda_copy::to_host(&stacked, dtype, &stream, &pool)?;
                 Ok(Taps { layers, host, layers_run })
             }));

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --example soak -- [--bin target/debug/layertap] [--model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf]
-//!                             [--seconds 60] [--warmup 10] [--clients 64] [--seed N]
+//!                             [--seconds 80] [--warmup 20] [--clients 64] [--seed N]
 //! ```
 //!
 //! Traffic: valid requests (input_ids, text, messages; several layer sets and dtypes; zstd and
@@ -15,8 +15,8 @@
 //! apart, they are allowed under overload); a 200 whose tensors differ bitwise from the answer to
 //! the same request computed alone before the soak; a request the client did not cancel that got
 //! no answer (reset, timeout); a status other than the one the API documents for that request;
-//! resident memory growing by 5 % or more between the end of the warm-up and the end; a panic in
-//! the server's log; a server that does not stop on SIGTERM.
+//! resident memory at rest (every answer delivered, 3 s later) growing by 5 % or more from the
+//! end of the warm-up round to the end of the load round; a panic in the server's log; a server that does not stop on SIGTERM.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -37,6 +37,8 @@ const SHUTDOWN_TIMEOUT_S: u64 = 30;
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the clients' last requests may take to come back once the soak is over.
 const DRAIN_CAP: Duration = Duration::from_secs(150);
+/// Rest before resident memory is read at the end of a round.
+const REST: Duration = Duration::from_secs(3);
 const RSS_GROWTH_LIMIT: f64 = 0.05;
 
 struct Args {
@@ -55,8 +57,8 @@ fn parse_args() -> Args {
             .map(PathBuf::from)
             .unwrap_or_else(|_| PathBuf::from(target).join("debug/layertap")),
         model: ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
-        seconds: 60,
-        warmup: 10,
+        seconds: 80,
+        warmup: 20,
         clients: 64,
         seed: 0x5eed,
     };
@@ -72,7 +74,7 @@ fn parse_args() -> Args {
             "--seed" => a.seed = val().parse().unwrap_or_else(|_| die("--seed: a number")),
             "-h" | "--help" => {
                 println!(
-                    "usage: soak [--bin PATH] [--model PATH] [--seconds 60] [--warmup 10] [--clients 64] [--seed N]"
+                    "usage: soak [--bin PATH] [--model PATH] [--seconds 80] [--warmup 20] [--clients 64] [--seed N]"
                 );
                 std::process::exit(0);
             }
@@ -660,30 +662,50 @@ async fn main() {
             }
         })
     };
-    let mut tasks = Vec::new();
-    for c in 0..a.clients {
-        let (refs, valid, model, stats, url, addr) =
-            (refs.clone(), valid.clone(), model.clone(), stats.clone(), url.clone(), addr.clone());
-        let mut rng = Rng((a.seed ^ (c as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
-        tasks.push(tokio::spawn(async move {
-            let client = reqwest::Client::builder().no_proxy().timeout(CLIENT_TIMEOUT).build().unwrap();
-            while Instant::now() < deadline {
-                let p = plan(&mut rng, &model, &valid);
-                run_one(&client, &url, &addr, &p, &refs, &stats).await;
+    // Two rounds: the warm-up, then the load. Each ends when every client's last request is
+    // answered; resident memory is compared at those two points of rest (plus a moment for the
+    // server's free memory to go back), so answers in flight at one instant do not count and a
+    // leak does.
+    let warm_end = start + Duration::from_secs(a.warmup);
+    let mut stuck = 0;
+    let mut at_rest = Vec::new();
+    let mut load_end = Duration::ZERO;
+    let mut drained = Duration::ZERO;
+    for (round, until) in [(0u64, warm_end), (1, deadline)] {
+        let mut tasks = Vec::new();
+        for c in 0..a.clients {
+            let (refs, valid, model, stats, url, addr) =
+                (refs.clone(), valid.clone(), model.clone(), stats.clone(), url.clone(), addr.clone());
+            let seed = a.seed ^ (c as u64 + 1 + round * 1_000_003).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut rng = Rng(seed | 1);
+            tasks.push(tokio::spawn(async move {
+                let client = reqwest::Client::builder().no_proxy().timeout(CLIENT_TIMEOUT).build().unwrap();
+                while Instant::now() < until {
+                    let p = plan(&mut rng, &model, &valid);
+                    run_one(&client, &url, &addr, &p, &refs, &stats).await;
+                }
+            }));
+        }
+        tokio::time::sleep_until(until.into()).await;
+        load_end = start.elapsed();
+        let drain_start = Instant::now();
+        for t in tasks {
+            let left = DRAIN_CAP.saturating_sub(drain_start.elapsed());
+            if tokio::time::timeout(left, t).await.is_err() {
+                stuck += 1;
             }
-        }));
+        }
+        drained = drain_start.elapsed();
+        tokio::time::sleep(REST).await;
+        let mut v: Vec<u64> = Vec::new();
+        for _ in 0..5 {
+            v.extend(rss_kib(pid));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        v.sort();
+        at_rest.push(v.get(v.len() / 2).copied());
     }
     let _ = sampler.await;
-    let load_end = start.elapsed();
-    let drain_start = Instant::now();
-    let mut stuck = 0;
-    for t in tasks {
-        let left = DRAIN_CAP.saturating_sub(drain_start.elapsed());
-        if tokio::time::timeout(left, t).await.is_err() {
-            stuck += 1;
-        }
-    }
-    let drained = drain_start.elapsed();
 
     // After the soak: still healthy, then a clean stop.
     let exited_early = child.try_wait().ok().flatten();
@@ -710,16 +732,7 @@ async fn main() {
     // Report.
     let mut s = stats.lock().unwrap();
     let rss = rss.lock().unwrap().clone();
-    // Medians over the 5 s after the warm-up and the last 5 s of the load: a leak shows in
-    // both, the buffers of the batch that happens to be in flight at one instant do not.
-    let window = |from: f64, to: f64| {
-        let mut v: Vec<u64> = rss.iter().filter(|(t, _)| *t >= from && *t <= to).map(|x| x.1).collect();
-        v.sort();
-        v.get(v.len() / 2).copied()
-    };
-    let (w, e) = (a.warmup as f64, a.seconds as f64);
-    let at_warmup = window(w, (w + 5.0).min(e));
-    let at_end = window((e - 5.0).max(w), e + 1.0);
+    let (at_warmup, at_end) = (at_rest[0], at_rest[1]);
     let peak = rss.iter().map(|x| x.1).max();
     if stuck > 0 {
         s.violation(format!("{stuck} clients still waiting on an answer {} s after the soak", DRAIN_CAP.as_secs()));
@@ -729,7 +742,7 @@ async fn main() {
     }
     match (at_warmup, at_end) {
         (Some(w), Some(e)) if (e as f64) >= (w as f64) * (1.0 + RSS_GROWTH_LIMIT) => s.violation(format!(
-            "resident memory grew {:.1} % after the warm-up ({w} KiB -> {e} KiB, medians of 5 s)",
+            "resident memory at rest grew {:.1} % after the warm-up ({w} KiB -> {e} KiB)",
             (e as f64 / w as f64 - 1.0) * 100.0
         )),
         (Some(_), Some(_)) => {}
@@ -771,7 +784,7 @@ async fn main() {
     println!("latency of valid 200s: p50 {:.0} ms, p99 {:.0} ms", percentile(&lat, 0.5), percentile(&lat, 0.99));
     let mb = |k: Option<u64>| k.map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0));
     println!(
-        "server RSS (median of 5 s): {} after the {} s warm-up, {} at the end of the load; peak {}, {} after draining",
+        "server RSS at rest: {} after the {} s warm-up, {} after the load; peak under load {}; {} at the stop",
         mb(at_warmup),
         a.warmup,
         mb(at_end),

@@ -44,7 +44,14 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("layertap-http").build()?;
+    // Tokenizing and encoding answers run on blocking threads; more of them than a few per core
+    // only add threads (each with its own stack and allocator arena), not throughput.
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("layertap-http")
+        .max_blocking_threads((4 * cores).max(8))
+        .build()?;
     let r = rt.block_on(layertap::run(a));
     // Answers are written by now; do not wait on blocking tasks of abandoned requests.
     rt.shutdown_timeout(std::time::Duration::from_millis(500));

@@ -9,52 +9,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use layertap::engine::{Device, LoadedEngine, MemoryProbe, ModelInfo, OutDType};
 use layertap::http::Limits;
-use layertap::server::{start, Running, Setup};
+use layertap::server::Running;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// A server on the fake engine with `drain` as its shutdown timeout.
 async fn server(limits: Limits, drain: Duration) -> (Running, Arc<FakeControl>) {
-    let control = Arc::new(FakeControl::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let setup = Setup {
-        info: ModelInfo {
-            model_id: "fake".into(),
-            architecture: "FakeForCausalLM".into(),
-            num_layers: FAKE_LAYERS,
-            hidden_size: FAKE_HIDDEN,
-            vocab_size: FAKE_VOCAB,
-            dtype: OutDType::Float32,
-            layer_kinds: Default::default(),
-        },
-        tokenizer: Some(tiny_tokenizer()),
-        devices: vec!["cpu".into()],
-        limits,
-        api_keys: vec![],
-        auto_batch_tokens: false,
-    };
-    let c = control.clone();
-    let running = start(
-        listener,
-        setup,
-        move |_| {
-            let c = c.clone();
-            Box::new(move || {
-                Ok(LoadedEngine {
-                    engine: Box::new(FakeEngine(c)),
-                    max_batch_tokens: None,
-                    memory: MemoryProbe::new(&Device::Cpu),
-                })
-            })
-        },
-        drain,
-    )
-    .unwrap();
-    wait_ready(&format!("http://{}", running.addr)).await;
-    (running, control)
+    let s = fake_server_with(fake_setup(limits), drain).await;
+    (s.running, s.control)
 }
 
 /// One response read off a raw connection.

@@ -8,20 +8,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::{json, Value};
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-async fn post(base: &str, path: &str, body: Value) -> reqwest::Response {
-    client().post(format!("{base}{path}")).json(&body).send().await.unwrap()
-}
-
-async fn error_of(r: reqwest::Response) -> (u16, String, String) {
-    let status = r.status().as_u16();
-    let v: Value = r.json().await.expect("error bodies are JSON");
-    (status, v["type"].as_str().unwrap().to_string(), v["error"].as_str().unwrap().to_string())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_request_returns_zstd_safetensors_with_every_tensor() {
     let s = fake_server(limits(), vec![]).await;

@@ -9,20 +9,6 @@ use common::*;
 use layertap::tokenizer::{Budget, ChatMessage, TokenizeError};
 use serde_json::{json, Value};
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-async fn post(base: &str, path: &str, body: Value) -> reqwest::Response {
-    client().post(format!("{base}{path}")).json(&body).send().await.unwrap()
-}
-
-async fn error_of(r: reqwest::Response) -> (u16, String, String) {
-    let status = r.status().as_u16();
-    let v: Value = r.json().await.expect("error bodies are JSON");
-    (status, v["type"].as_str().unwrap().to_string(), v["error"].as_str().unwrap().to_string())
-}
-
 fn budget(max_tokens: usize) -> Budget<'static> {
     Budget { max_tokens, ..Budget::unlimited() }
 }

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use layertap::engine::{Device, LoadedEngine, MemoryProbe, ModelInfo, OutDType};
-use layertap::server::{start, Setup};
+use layertap::engine::ModelInfo;
+use layertap::server::Setup;
 use serde_json::json;
 
 #[derive(Clone, Default)]
@@ -32,10 +32,6 @@ impl Buffer {
     }
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_are_logged_once_at_error_and_expected_states_lower() {
     let logs = Buffer::default();
@@ -47,45 +43,10 @@ async fn faults_are_logged_once_at_error_and_expected_states_lower() {
         .try_init()
         .unwrap();
     // A model whose vocabulary is smaller than its tokenizer's: text gives an internal error.
-    let control = Arc::new(FakeControl::default());
-    let info = ModelInfo {
-        model_id: "fake".into(),
-        architecture: "FakeForCausalLM".into(),
-        num_layers: FAKE_LAYERS,
-        hidden_size: FAKE_HIDDEN,
-        vocab_size: 50,
-        dtype: OutDType::Float32,
-        layer_kinds: Default::default(),
-    };
+    let info = ModelInfo { vocab_size: 50, ..fake_info() };
     let l = layertap::http::Limits { request_timeout: Duration::from_millis(200), ..limits() };
-    let setup = Setup {
-        info,
-        tokenizer: Some(tiny_tokenizer()),
-        devices: vec!["cpu".into()],
-        limits: l,
-        api_keys: vec![],
-        auto_batch_tokens: false,
-    };
-    let c = control.clone();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let running = start(
-        listener,
-        setup,
-        move |_| {
-            let c = c.clone();
-            Box::new(move || {
-                Ok(LoadedEngine {
-                    engine: Box::new(FakeEngine(c)),
-                    max_batch_tokens: None,
-                    memory: MemoryProbe::new(&Device::Cpu),
-                })
-            })
-        },
-        Duration::from_secs(5),
-    )
-    .unwrap();
-    let base = format!("http://{}", running.addr);
-    wait_ready(&base).await;
+    let s = fake_server_with(Setup { info, ..fake_setup(l) }, Duration::from_secs(5)).await;
+    let (running, control, base) = (s.running, s.control, s.base);
     let url = format!("{base}/v1/hidden-states");
     let r = client()
         .post(&url)

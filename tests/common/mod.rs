@@ -215,30 +215,40 @@ pub struct FakeServer {
     pub base: String,
 }
 
-/// A real server on 127.0.0.1:0 backed by the fake engine.
-pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
-    let control = Arc::new(FakeControl::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let setup = Setup {
-        info: ModelInfo {
-            model_id: "fake".into(),
-            architecture: "FakeForCausalLM".into(),
-            num_layers: FAKE_LAYERS,
-            hidden_size: FAKE_HIDDEN,
-            vocab_size: FAKE_VOCAB,
-            dtype: OutDType::Float32,
-            layer_kinds: layertap::engine::LayerKinds {
-                full_attention: FAKE_LAYERS,
-                dense_mlp: FAKE_LAYERS,
-                ..Default::default()
-            },
+/// The fake model: [`FAKE_LAYERS`] dense layers, [`FAKE_HIDDEN`] wide, [`FAKE_VOCAB`] ids.
+pub fn fake_info() -> ModelInfo {
+    ModelInfo {
+        model_id: "fake".into(),
+        architecture: "FakeForCausalLM".into(),
+        num_layers: FAKE_LAYERS,
+        hidden_size: FAKE_HIDDEN,
+        vocab_size: FAKE_VOCAB,
+        dtype: OutDType::Float32,
+        layer_kinds: layertap::engine::LayerKinds {
+            full_attention: FAKE_LAYERS,
+            dense_mlp: FAKE_LAYERS,
+            ..Default::default()
         },
+    }
+}
+
+/// The fake model with the tiny tokenizer on the CPU, no API keys.
+pub fn fake_setup(limits: Limits) -> Setup {
+    Setup {
+        info: fake_info(),
         tokenizer: Some(tiny_tokenizer()),
         devices: vec!["cpu".into()],
         limits,
-        api_keys,
+        api_keys: vec![],
         auto_batch_tokens: false,
-    };
+    }
+}
+
+/// A real server on 127.0.0.1:0 backed by the fake engine: `setup` as given, `drain` as its
+/// shutdown timeout; returns once it is ready.
+pub async fn fake_server_with(setup: Setup, drain: Duration) -> FakeServer {
+    let control = Arc::new(FakeControl::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let c = control.clone();
     let running = start(
         listener,
@@ -253,12 +263,34 @@ pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
                 })
             })
         },
-        Duration::from_secs(10),
+        drain,
     )
     .unwrap();
     let base = format!("http://{}", running.addr);
     wait_ready(&base).await;
     FakeServer { running, control, base }
+}
+
+/// A real server on 127.0.0.1:0 backed by the fake engine.
+pub async fn fake_server(limits: Limits, api_keys: Vec<String>) -> FakeServer {
+    fake_server_with(Setup { api_keys, ..fake_setup(limits) }, Duration::from_secs(10)).await
+}
+
+/// An HTTP client that ignores proxy settings.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+/// POSTs `body` as JSON to `base` + `path`.
+pub async fn post(base: &str, path: &str, body: serde_json::Value) -> reqwest::Response {
+    client().post(format!("{base}{path}")).json(&body).send().await.unwrap()
+}
+
+/// Status, `type` and `error` of an error answer (its body must be JSON).
+pub async fn error_of(r: reqwest::Response) -> (u16, String, String) {
+    let status = r.status().as_u16();
+    let v: serde_json::Value = r.json().await.expect("error bodies are JSON");
+    (status, v["type"].as_str().unwrap().to_string(), v["error"].as_str().unwrap().to_string())
 }
 
 pub async fn wait_ready(base: &str) {

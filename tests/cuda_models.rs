@@ -7,19 +7,14 @@
 
 mod common;
 
-use common::{fixtures, read_safetensors, rel_err};
+use common::{read_safetensors, rel_err};
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Engine, OutDType};
 
 #[test]
 fn every_fixture_family_matches_transformers_on_the_gpu() {
     let Some(dev) = common::cuda_device() else { return };
-    let mut dirs: Vec<_> = std::fs::read_dir(fixtures().join("tiny"))
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.safetensors").is_file())
-        .collect();
-    dirs.sort();
+    let dirs = common::fixture_models();
     assert!(dirs.len() >= 10, "{dirs:?}");
     for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
@@ -75,13 +70,7 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
 #[test]
 fn a_subset_of_layers_is_copied_only_once_computed() {
     let Some(dev) = common::cuda_device() else { return };
-    let mut dirs: Vec<_> = std::fs::read_dir(fixtures().join("tiny"))
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("config.json").is_file())
-        .collect();
-    dirs.sort();
-    for dir in dirs {
+    for dir in common::fixture_models() {
         let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
         let mut m = files.load(&dev, DType::BF16).unwrap();
         let (n, vocab) = (m.info.num_layers, m.info.vocab_size as u64);

@@ -13,12 +13,7 @@ use layertap::engine::{Batch, DType, Device, Engine, ModelEngine, OutDType};
 const F32_TOLERANCE: f64 = 1e-5;
 
 fn variants() -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures().join("tiny"))
-        .expect("tests/fixtures/tiny exists")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("reference.safetensors").is_file())
-        .collect();
-    v.sort();
+    let v = common::fixture_models();
     assert!(v.len() >= 5, "expected the five tiny fixtures, found {v:?}");
     v
 }

@@ -71,18 +71,10 @@ async fn faults_are_logged_once_at_error_and_expected_states_lower() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_writes_no_colour_codes_to_a_pipe() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let model = fixtures().join("tiny/llama_gqa_rope3");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_layertap"))
-        .args(["serve", "--model", &model.to_string_lossy(), "--host", "127.0.0.1", "--port", &port.to_string()])
-        .env("LAYERTAP_LOG", "debug")
-        .env_remove("NO_COLOR")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    wait_ready(&base).await;
+    let (mut child, base) = serve_binary(&fixtures().join("tiny/llama_gqa_rope3"), &[], |c| {
+        c.env("LAYERTAP_LOG", "debug").env_remove("NO_COLOR").stderr(Stdio::piped());
+    })
+    .await;
     let r = client().get(format!("{base}/v1/info")).header("x-request-id", "id with\tspace").send().await.unwrap();
     assert_eq!(r.status(), 200);
     Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();

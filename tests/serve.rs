@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -58,23 +58,12 @@ async fn concurrent_requests_equal_solo_requests_bitwise_and_match_transformers(
     running.task.await.unwrap().unwrap();
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_serves_then_drains_on_sigterm() {
-    let port = free_port();
-    let model = fixtures().join("tiny/llama_gqa_rope3");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_layertap"))
-        .args(["serve", "--model", &model.to_string_lossy(), "--host", "127.0.0.1", "--port", &port.to_string()])
-        .env("LAYERTAP_MAX_INPUT_TOKENS", "64")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    wait_ready(&base).await;
+    let (mut child, base) = serve_binary(&fixtures().join("tiny/llama_gqa_rope3"), &[], |c| {
+        c.env("LAYERTAP_MAX_INPUT_TOKENS", "64");
+    })
+    .await;
     let c = reqwest::Client::new();
     let info: Value = c.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
     assert_eq!(info["architecture"], "LlamaForCausalLM");
@@ -138,17 +127,9 @@ async fn queued(base: &str) -> i64 {
 /// got 200 or 503 with Retry-After and the exit status is 0; returns (200s, 503s, time from the
 /// first signal to exit).
 async fn drain_the_binary(timeout_s: u64, second_after: Option<Duration>) -> (usize, usize, Duration) {
-    let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_layertap"))
-        .args(["serve", "--model", &default_model().to_string_lossy(), "--host", "127.0.0.1"])
-        .args(["--port", &port.to_string(), "--shutdown-timeout", &timeout_s.to_string()])
-        .args(["--max-input-tokens", "256", "--max-batch-tokens", "256"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    wait_ready(&base).await;
+    let timeout = timeout_s.to_string();
+    let args = ["--shutdown-timeout", &timeout, "--max-input-tokens", "256", "--max-batch-tokens", "256"];
+    let (mut child, base) = serve_binary(&default_model(), &args, |_| {}).await;
     // One 256-token batch per request: about a second each on the CPU, far more than the timeout.
     let tasks: Vec<_> = (0..30u32)
         .map(|k| {

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -23,26 +24,18 @@ import urllib.request
 import torch
 from safetensors.torch import load as st_load
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prepare import make_model  # noqa: E402
+
 LAYERS = [2, 10, 19, 27, -1]
 
 
-def make_model(path):
-    """A Qwen3-1.7B-shaped checkpoint with random weights (28 layers, hidden 2048)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    if os.path.exists(os.path.join(path, "config.json")):
-        return
-    cfg = Qwen3Config(
-        num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="bfloat16",
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path, max_shard_size="5GB")
-    del model
-    torch.cuda.empty_cache()
+# A Qwen3-1.7B shape: 28 layers, hidden 2048.
+QWEN3_1_7B = dict(
+    num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True,
+)
 
 
 def post(url, ids, timeout=600):
@@ -74,7 +67,7 @@ def main():
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--port", type=int, default=18090)
     a = ap.parse_args()
-    make_model(a.model_dir)
+    make_model(a.model_dir, QWEN3_1_7B)
     free, total = torch.cuda.mem_get_info()
     hog_bytes = int(free - a.leave_gb * 2**30)
     hog = torch.empty(max(hog_bytes, 0), dtype=torch.uint8, device="cuda")

@@ -18,16 +18,20 @@ import numpy as np
 import torch
 
 
-def make_model(path):
+QWEN3_8B = dict(
+    num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def make_model(path, shape=QWEN3_8B):
+    """A random-weight Qwen3 checkpoint of `shape` (Qwen3Config arguments) at `path`, bf16."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if os.path.exists(os.path.join(path, "config.json")):
         return
-    cfg = Qwen3Config(
-        num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16",
-    )
+    cfg = Qwen3Config(**shape, torch_dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

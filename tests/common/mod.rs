@@ -11,6 +11,17 @@ pub fn fixtures() -> PathBuf {
 }
 
 /// A tensor read back from a safetensors file, independently of the engine.
+/// Every tiny fixture model (a folder with reference states), sorted.
+pub fn fixture_models() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures().join("tiny"))
+        .expect("tests/fixtures/tiny exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.safetensors").is_file())
+        .collect();
+    v.sort();
+    v
+}
+
 #[derive(Clone, Debug)]
 pub struct Read {
     pub shape: Vec<usize>,
@@ -291,6 +302,26 @@ pub async fn error_of(r: reqwest::Response) -> (u16, String, String) {
     let status = r.status().as_u16();
     let v: serde_json::Value = r.json().await.expect("error bodies are JSON");
     (status, v["type"].as_str().unwrap().to_string(), v["error"].as_str().unwrap().to_string())
+}
+
+/// Starts `layertap serve --model model --host 127.0.0.1 --port <free>` with `args` after them,
+/// `configure` setting env and stdio; returns the child and its base URL once it is ready.
+pub async fn serve_binary(
+    model: &Path,
+    args: &[&str],
+    configure: impl FnOnce(&mut std::process::Command),
+) -> (std::process::Child, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_layertap"));
+    cmd.args(["serve", "--model", &model.to_string_lossy(), "--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    configure(&mut cmd);
+    let child = cmd.spawn().unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    wait_ready(&base).await;
+    (child, base)
 }
 
 pub async fn wait_ready(base: &str) {

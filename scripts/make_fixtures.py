@@ -9,10 +9,18 @@ Output layout (default: tests/fixtures/tiny relative to the repository root):
     <out>/<variant>/tokenizer.json, tokenizer_config.json[, chat_template.jinja, ...]
     <out>/<variant>/reference.safetensors   seq{i}.input_ids      int64   [T_i]
                                             seq{i}.hidden_states  float32 [L+1, T_i, H]
+                                            seq{i}.final_prenorm  float32 [T_i, H]
+                                                the last decoder layer's output BEFORE the
+                                                final norm (forward hook on model.model.layers[-1],
+                                                same forward pass; hidden_states[L] is after it)
     <out>/<variant>/reference.json
 
 Pinned package versions: scripts/requirements-fixtures.txt.
 Usage: python scripts/make_fixtures.py [--out tests/fixtures/tiny]
+
+The committed files were generated with torch's AVX2 CPU kernels: on a machine with AVX-512,
+run with ATEN_CPU_CAPABILITY=avx2 to reproduce them bit for bit (the default AVX-512 kernels
+differ in the last bits, ~1e-6 relative, from position 16 on).
 """
 
 import argparse
@@ -322,7 +330,8 @@ def run_reference(model, ids):
     def hook(_mod, _inp, out):
         captured["last"] = (out[0] if isinstance(out, (tuple, list)) else out).detach().clone()
 
-    h = base.layers[L - 1].register_forward_hook(hook)
+    assert len(base.layers) == L
+    h = base.layers[-1].register_forward_hook(hook)
     try:
         out = base(input_ids=ids[None], output_hidden_states=True)
     finally:
@@ -335,7 +344,13 @@ def run_reference(model, ids):
     is_raw = torch.equal(hs[L], raw)
     is_post_norm = torch.allclose(hs[L], normed, atol=1e-6, rtol=0)
     assert is_raw != is_post_norm, "hidden_states[L] is neither raw nor normed output"
-    return hs, is_post_norm
+    # the pre-norm state of the last decoder layer (what hidden_states never returns when the
+    # last index is post-norm): the model's final norm applied to it gives hidden_states[L]
+    prenorm = raw.contiguous().float()
+    assert prenorm.shape == hs[L].shape, (prenorm.shape, hs[L].shape)
+    assert torch.allclose(base.norm(prenorm[None])[0], hs[L], rtol=1e-5, atol=1e-6), \
+        "final_prenorm: final norm of the hooked tensor != hidden_states[L]"
+    return hs, prenorm, is_post_norm
 
 
 def check_sliding_window_matters(model, ids):
@@ -379,10 +394,11 @@ def make_variant(name, spec, out_dir, tok_dir):
     tensors = {}
     post_norm_flags = set()
     for i, ids in enumerate(make_sequences(cfg.vocab_size)):
-        hs, post = run_reference(model, ids)
+        hs, prenorm, post = run_reference(model, ids)
         post_norm_flags.add(post)
         tensors[f"seq{i}.input_ids"] = ids.contiguous()
         tensors[f"seq{i}.hidden_states"] = hs
+        tensors[f"seq{i}.final_prenorm"] = prenorm
     assert len(post_norm_flags) == 1
     post_norm = post_norm_flags.pop()
     save_file(tensors, os.path.join(vdir, "reference.safetensors"))
@@ -393,6 +409,9 @@ def make_variant(name, spec, out_dir, tok_dir):
         "of decoder layer l.",
         f"hidden_states[L] {'IS' if post_norm else 'is NOT'} the final-norm output "
         "(checked against a forward hook on the last decoder layer).",
+        "final_prenorm = output of the last decoder layer before the final norm [T, H], captured "
+        "with a forward hook on model.model.layers[-1] in the same forward pass; checked that "
+        "model.model.norm(final_prenorm) equals hidden_states[L] to float32 tolerance.",
         f"float32, eager attention, torch.manual_seed({WEIGHT_SEED}); RMSNorm weights multiplied "
         "by (1 + 0.1*randn) and every Linear bias set to 0.1*randn after init.",
         f"input ids: torch.randint(0, vocab_size) with torch.Generator().manual_seed({SEQ_SEED}), "

@@ -11,6 +11,10 @@ Output layout (default: tests/fixtures/tiny relative to the repository root):
                                              copied from <out>/qwen3_qknorm (vocab <= 512)
     <out>/<variant>/reference.safetensors    seq{i}.input_ids      int64   [T_i]
                                              seq{i}.hidden_states  float32 [L+1, T_i, H]
+                                             seq{i}.final_prenorm  float32 [T_i, H]
+                                                 the last decoder layer's output BEFORE the final
+                                                 norm (forward hook on the last decoder layer, same
+                                                 forward pass; hidden_states[L] is after the norm)
                                              seq2.hidden_states_bf16 float32 [L+1, T_2, H]
                                                  (transformers run in bfloat16, for comparison)
     <out>/<variant>/reference.json
@@ -36,6 +40,9 @@ when `fla` or `causal_conv1d` is importable, because transformers would silently
 
 Pinned package versions: scripts/requirements-fixtures.txt.
 Usage: python scripts/make_hybrid_fixtures.py [--out tests/fixtures/tiny] [--only VARIANT ...]
+
+The committed files were generated with torch's default CPU kernels on an AVX-512 machine
+(ATEN_CPU_CAPABILITY unset); AVX2 kernels give other last bits and another router seed.
 """
 
 import importlib.util
@@ -539,7 +546,8 @@ def check_expert_split(model):
 
 @torch.no_grad()
 def run_reference(model, ids, top_k, check_positions=True):
-    """hidden_states of one sequence, checked against forward hooks; also the router gaps."""
+    """hidden_states of one sequence, checked against forward hooks; also the router gaps and the
+    pre-norm output of the last decoder layer (final_prenorm, from the same forward pass)."""
     base = text_model(model)
     n_layers = text_config(model).num_hidden_layers
     cap = {"router": []}
@@ -569,6 +577,13 @@ def run_reference(model, ids, top_k, check_positions=True):
         assert torch.equal(hs[i], cap[f"layer{i - 1}"][0]), f"index {i} is not decoder layer {i - 1}'s output"
     assert torch.equal(hs[n_layers], cap["norm"][0]), "index L is not the final-norm output"
     assert not torch.allclose(hs[n_layers], cap[f"layer{n_layers - 1}"][0]), "index L equals the raw last layer"
+    # final_prenorm: the hook on the last decoder layer (base.layers[-1]); the model's final norm
+    # applied to it must give index L
+    assert len(base.layers) == n_layers
+    prenorm = cap[f"layer{n_layers - 1}"][0].contiguous()
+    assert prenorm.dtype == torch.float32 and prenorm.shape == (T, H), (prenorm.dtype, prenorm.shape)
+    assert torch.allclose(base.norm(prenorm[None])[0], hs[n_layers], rtol=1e-5, atol=1e-6), \
+        "final_prenorm: final norm of the hooked tensor != hidden_states[L]"
 
     gaps = []
     for logits, idx in cap["router"]:
@@ -578,20 +593,23 @@ def run_reference(model, ids, top_k, check_positions=True):
         gaps.append((top.values[:, top_k - 1] - top.values[:, top_k]).min().item())
 
     if not check_positions:
-        return hs, gaps
+        return hs, gaps, prenorm
     # text-only positions: explicit 1-D arange positions give the identical result
     out2 = model(input_ids=ids[None], position_ids=torch.arange(T)[None], output_hidden_states=True, use_cache=False)
     assert torch.equal(torch.stack(out2.hidden_states)[:, 0], hs), "default positions != arange"
-    return hs, gaps
+    return hs, gaps, prenorm
 
 
-def compute_references(model, seqs, top_k, check_positions=True):
+def compute_references(model, seqs, top_k, check_positions=True, prenorms=None):
     """References of all sequences and the smallest router gap; stops early (refs=None) as soon as
-    a gap <= MIN_ROUTER_GAP is seen when check_positions is False (router seed search)."""
+    a gap <= MIN_ROUTER_GAP is seen when check_positions is False (router seed search). The
+    final_prenorm tensors are appended to `prenorms` when a list is given."""
     refs, min_gap = [], math.inf
     for ids in seqs:
-        hs, gaps = run_reference(model, ids, top_k, check_positions)
+        hs, gaps, prenorm = run_reference(model, ids, top_k, check_positions)
         refs.append(hs)
+        if prenorms is not None:
+            prenorms.append(prenorm)
         if gaps:
             min_gap = min(min_gap, min(gaps))
         if not check_positions and min_gap <= MIN_ROUTER_GAP:
@@ -681,7 +699,9 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
                                  f"<= {MAX_F32_DRIFT}")
         print(f"  {name}: router seed {router_seed} ({len(rejected)} seeds rejected for a gap <= {MIN_ROUTER_GAP} "
               f"or an f32 drift > {MAX_F32_DRIFT})")
-    refs, min_gap = compute_references(model, seqs, top_k)
+    prenorms = []
+    refs, min_gap = compute_references(model, seqs, top_k, prenorms=prenorms)
+    assert len(prenorms) == len(refs) == len(seqs)
     if moe_layers:
         assert min_gap > MIN_ROUTER_GAP, min_gap
     drift = f32_drift(model, seqs, refs)
@@ -779,9 +799,10 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
     del half
 
     ref_tensors = {}
-    for i, (ids, hs) in enumerate(zip(seqs, refs)):
+    for i, (ids, hs, prenorm) in enumerate(zip(seqs, refs, prenorms)):
         ref_tensors[f"seq{i}.input_ids"] = ids.contiguous()
         ref_tensors[f"seq{i}.hidden_states"] = hs
+        ref_tensors[f"seq{i}.final_prenorm"] = prenorm
     ref_tensors["seq2.hidden_states_bf16"] = half_hs.contiguous()
     save_file(ref_tensors, os.path.join(vdir, "reference.safetensors"))
     os.chmod(os.path.join(vdir, "reference.safetensors"), 0o644)
@@ -825,6 +846,10 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
         ".hidden_states)[:, 0], each sequence run alone (batch 1, no padding, no attention_mask).",
         "index 0 is the embedding output, index l (1..L-1) the output of decoder layer l-1, index L the "
         "final-norm output (all checked with torch.equal against forward hooks).",
+        "seq{i}.final_prenorm [T, H] = output of the last decoder layer before the final norm, captured with "
+        "a forward hook on the last decoder layer (model.model.layers[-1], model.model.language_model.layers[-1] "
+        "for the ConditionalGeneration classes) in the same forward pass; checked that the model's final norm "
+        "applied to it equals index L to float32 tolerance.",
         f"float32 compute, attn_implementation=eager, experts_implementation=eager, pure-torch Gated DeltaNet "
         f"(chunked, chunk 64; fla/causal_conv1d absent); torch.set_num_threads({torch.get_num_threads()}).",
         "positions: none passed, transformers uses arange(T) (for Qwen3.5 text-only inputs the same arange for "

@@ -17,10 +17,17 @@ Writes (defaults relative to the repository root):
         chat{i}.input_ids  int64 [T]       tok.apply_chat_template(msgs, tokenize=True)
         hs{k}.input_ids    int64 [T]       (T <= 40)
         hs{k}.hidden_states float32 [len(hs_layers), T, 576]
+        hs{k}.final_prenorm float32 [T, 576]   output of the last decoder layer BEFORE the final
+                                               norm (forward hook on model.model.layers[-1], same
+                                               forward pass; hidden_states index 30 is after it)
     tests/fixtures/smollm2/reference.json  texts, rendered chats, tokenizer facts, GGUF metadata
     .cache/smollm2_hf_tokenizer.json       HF's backend tokenizer JSON built from the GGUF
 
 Pinned package versions: scripts/requirements-fixtures.txt.
+
+The committed files were generated with torch's AVX2 CPU kernels: on a machine with AVX-512,
+run with ATEN_CPU_CAPABILITY=avx2 to reproduce them bit for bit (the default AVX-512 kernels
+differ in the last bits, ~1e-6 relative, from position 16 on).
 """
 
 import argparse
@@ -186,10 +193,28 @@ def gguf_metadata(path):
 
 @torch.no_grad()
 def hidden_states(model, ids):
-    out = model.model(input_ids=ids[None], output_hidden_states=True)
+    """hidden_states[HS_LAYERS] and the last decoder layer's pre-norm output, one forward pass."""
+    base = model.model
+    L = model.config.num_hidden_layers
+    assert len(base.layers) == L
+    captured = {}
+
+    def hook(_mod, _inp, out):
+        captured["last"] = (out[0] if isinstance(out, (tuple, list)) else out).detach().clone()
+
+    h = base.layers[-1].register_forward_hook(hook)
+    try:
+        out = base(input_ids=ids[None], output_hidden_states=True)
+    finally:
+        h.remove()
     hs = torch.stack(out.hidden_states)[:, 0]
-    assert hs.shape[0] == model.config.num_hidden_layers + 1, hs.shape
-    return hs[HS_LAYERS].contiguous().float()
+    assert hs.shape[0] == L + 1, hs.shape
+    prenorm = captured["last"][0].contiguous().float()
+    assert prenorm.shape == hs[L].shape, (prenorm.shape, hs[L].shape)
+    assert not torch.allclose(prenorm, hs[L]), "hidden_states[L] equals the raw last layer"
+    assert torch.allclose(base.norm(prenorm[None])[0], hs[L].float(), rtol=1e-5, atol=1e-5), \
+        "final_prenorm: final norm of the hooked tensor != hidden_states[L]"
+    return hs[HS_LAYERS].contiguous().float(), prenorm
 
 
 def main():
@@ -255,7 +280,7 @@ def main():
     for k, name in enumerate(HS_SEQUENCES):
         ids = torch.tensor(seqs[name][:HS_MAX_TOKENS], dtype=torch.int64)
         tensors[f"hs{k}.input_ids"] = ids
-        tensors[f"hs{k}.hidden_states"] = hidden_states(model, ids)
+        tensors[f"hs{k}.hidden_states"], tensors[f"hs{k}.final_prenorm"] = hidden_states(model, ids)
         hs_ref.append({"source": name, "num_tokens": int(ids.shape[0])})
         print(f"hs{k}: {name} T={ids.shape[0]}")
 
@@ -322,7 +347,10 @@ def main():
             "Reference from Hugging Face transformers loading the Q4_1 GGUF (dequantized to "
             "float32, eager attention). hs{k}.hidden_states[j] = torch.stack(model.model(ids[None], "
             "output_hidden_states=True).hidden_states)[hs_layers[j], 0]; index 0 = embeddings, "
-            "index 30 = final-norm output. Token ids: tok(text)['input_ids'] and "
+            "index 30 = final-norm output. hs{k}.final_prenorm [T, 576] = output of the last decoder "
+            "layer (layers[29]) before the final norm, captured with a forward hook on model.model.layers[-1] "
+            "in the same forward pass; checked that model.model.norm(final_prenorm) equals index 30 to "
+            "float32 tolerance. Token ids: tok(text)['input_ids'] and "
             "tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=False)."
         ),
         "pretokenizer_note": (

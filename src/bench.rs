@@ -57,9 +57,11 @@ fn compression(
             dtype,
             shape: vec![s.len(), layers.len(), hidden],
             chunks: vec![chunk],
+            scale: None,
             input_ids: s.iter().map(|&i| i64::from(i)).collect(),
             cu_seqlens: vec![0, s.len() as i64],
             loss_mask: vec![1; s.len()],
+            positions: None,
             metadata: Default::default(),
         };
         raw += chunk.len();
@@ -101,7 +103,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         cu
     };
     let launch = |engine: &mut dyn Engine, b: &[Vec<u32>]| -> anyhow::Result<Pending> {
-        Ok(engine.launch(&Batch { input_ids: b.concat(), cu_seqlens: cu_of(b), layers: layers.clone() })?)
+        Ok(engine.launch(&Batch::new(b.concat(), cu_of(b), layers.clone()))?)
     };
     // Waits for a batch and gathers every sequence's answer, as the server does per request.
     let finish = |pending: Pending, b: &[Vec<u32>]| -> anyhow::Result<(usize, crate::engine::Taps)> {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::OutDType;
+use crate::engine::{LayerRef, OutDType};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -43,10 +43,12 @@ pub struct BulkArgs {
     /// Output folder (manifest.jsonl, failures.jsonl, shard-NNNNN/ID.safetensors).
     #[arg(long)]
     pub out: PathBuf,
-    /// Hugging Face hidden_states indices, comma-separated (negative from the end).
+    /// Hugging Face hidden_states indices, comma-separated (negative from the end); the name
+    /// final_prenorm asks for the last decoder layer's output before the final norm.
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
-    pub layers: Vec<i64>,
-    /// Output dtype: float32, bfloat16 or float16 (default: the server's).
+    pub layers: Vec<LayerRef>,
+    /// Output dtype: float32, bfloat16, float16 or fp8 (float8_e4m3fn, with per-token scales;
+    /// default: the server's).
     #[arg(long)]
     pub dtype: Option<String>,
     /// Requests kept in flight.
@@ -75,7 +77,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Compute and output dtype.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, value_parser = compute_dtype, default_value = "f32")]
     pub dtype: OutDType,
     /// Most tokens per forward pass.
     #[arg(long, default_value_t = 4096)]
@@ -103,7 +105,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "cpu", env = "LAYERTAP_DEVICE")]
     pub device: String,
     /// Compute dtype (also the default output dtype): f32, bf16 or f16.
-    #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
+    #[arg(long, value_parser = compute_dtype, default_value = "f32", env = "LAYERTAP_DTYPE")]
     pub dtype: OutDType,
     /// Most tokens in one forward pass (a longer input runs alone). Default: 1024 on CPU; on CUDA sized from free memory after loading.
     #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]
@@ -270,9 +272,10 @@ pub struct ExtractArgs {
     #[arg(long, env = "LAYERTAP_MODEL")]
     pub model: String,
     /// Hugging Face hidden_states indices, comma-separated: 0 = embeddings, i = output of decoder
-    /// layer i, L (or -1) = final normed output.
+    /// layer i, L (or -1) = final normed output; final_prenorm = the last layer's output before
+    /// the final norm.
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
-    pub layers: Vec<i64>,
+    pub layers: Vec<LayerRef>,
     /// Token ids of one sequence, comma-separated; repeat the flag for several sequences.
     #[arg(long = "input-ids", value_delimiter = ';')]
     pub input_ids: Vec<String>,
@@ -280,9 +283,10 @@ pub struct ExtractArgs {
     #[arg(long)]
     pub text: Vec<String>,
     /// Compute and output dtype: f32, bf16, f16 (or float32, bfloat16, float16).
-    #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
+    #[arg(long, value_parser = compute_dtype, default_value = "f32", env = "LAYERTAP_DTYPE")]
     pub dtype: OutDType,
-    /// Output dtype if different from the compute dtype.
+    /// Output dtype if different from the compute dtype (also fp8: float8_e4m3fn with one scale
+    /// per token and layer, quantised on the device).
     #[arg(long = "out-dtype")]
     pub out_dtype: Option<OutDType>,
     /// Device: cpu or cuda:N.
@@ -291,4 +295,14 @@ pub struct ExtractArgs {
     /// Where to write the safetensors file.
     #[arg(long)]
     pub out: PathBuf,
+}
+
+/// A dtype the model can compute in: float32, bfloat16 or float16 (fp8 is an output dtype only).
+fn compute_dtype(s: &str) -> Result<OutDType, String> {
+    match s.parse::<OutDType>()? {
+        OutDType::Float8E4M3 => Err("fp8 is an output dtype only (answers quantised after the taps are taken); \
+             compute in f32, bf16 or f16"
+            .into()),
+        d => Ok(d),
+    }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 use crate::engine::{HostTensor, OutDType};
 
@@ -11,16 +11,24 @@ use crate::engine::{HostTensor, OutDType};
 pub const CONVENTION: &str = "hf_hidden_states: index 0 = embedding output, index i = output of decoder layer i \
      (1-based), index L = final output after the last norm; negative indices count from L";
 
+/// The checksum every answer carries for each of its tensors (metadata `checksum_algorithm`).
+pub const CHECKSUM_ALGORITHM: &str = "xxh64";
+
 /// Everything returned for a set of sequences.
 #[derive(Clone, Debug)]
 pub struct Extraction {
-    /// `[total_tokens, n_layers, hidden]`.
+    /// `[rows, n_layers, hidden]`.
     pub hidden_states: HostTensor,
+    /// `[rows, n_layers]` scales of fp8 hidden states.
+    pub hidden_states_scale: Option<Vec<f32>>,
+    /// One per row.
     pub input_ids: Vec<i64>,
-    /// `n + 1` offsets into the token dimension.
+    /// `n + 1` offsets into the row dimension.
     pub cu_seqlens: Vec<i64>,
-    /// 1 on tokens that count for the loss (assistant turns; every token of non-chat inputs).
+    /// 1 on rows that count for the loss (assistant turns; every token of non-chat inputs).
     pub loss_mask: Vec<u8>,
+    /// Each row's position in its input, when a selection left rows out.
+    pub positions: Option<Vec<i64>>,
     pub metadata: HashMap<String, String>,
 }
 
@@ -29,6 +37,7 @@ fn st_dtype(d: OutDType) -> Dtype {
         OutDType::Float32 => Dtype::F32,
         OutDType::Bfloat16 => Dtype::BF16,
         OutDType::Float16 => Dtype::F16,
+        OutDType::Float8E4M3 => Dtype::F8_E4M3,
     }
 }
 
@@ -36,18 +45,26 @@ fn le_i64(v: &[i64]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Serialises an extraction to safetensors bytes.
-pub fn to_safetensors(x: &Extraction) -> Result<Vec<u8>, safetensors::SafeTensorError> {
-    let ids = le_i64(&x.input_ids);
-    let cu = le_i64(&x.cu_seqlens);
-    let hs = &x.hidden_states;
-    let views = vec![
-        ("hidden_states", TensorView::new(st_dtype(hs.dtype), hs.shape.clone(), &hs.data)?),
-        ("input_ids", TensorView::new(Dtype::I64, vec![x.input_ids.len()], &ids)?),
-        ("cu_seqlens", TensorView::new(Dtype::I64, vec![x.cu_seqlens.len()], &cu)?),
-        ("loss_mask", TensorView::new(Dtype::U8, vec![x.loss_mask.len()], &x.loss_mask)?),
-    ];
-    safetensors::tensor::serialize(views, Some(x.metadata.clone()))
+fn le_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Serialises an extraction to safetensors bytes (as [`write_safetensors`] does).
+pub fn to_safetensors(x: &Extraction) -> std::io::Result<Vec<u8>> {
+    let parts = AnswerParts {
+        dtype: x.hidden_states.dtype,
+        shape: x.hidden_states.shape.clone(),
+        chunks: vec![&x.hidden_states.data[..]],
+        scale: x.hidden_states_scale.clone(),
+        input_ids: x.input_ids.clone(),
+        cu_seqlens: x.cu_seqlens.clone(),
+        loss_mask: x.loss_mask.clone(),
+        positions: x.positions.clone(),
+        metadata: x.metadata.clone(),
+    };
+    let mut out = Vec::new();
+    write_safetensors(&mut out, &parts)?;
+    Ok(out)
 }
 
 fn st_name(d: Dtype) -> &'static str {
@@ -55,6 +72,7 @@ fn st_name(d: Dtype) -> &'static str {
         Dtype::F32 => "F32",
         Dtype::BF16 => "BF16",
         Dtype::F16 => "F16",
+        Dtype::F8_E4M3 => "F8_E4M3",
         Dtype::I64 => "I64",
         _ => "U8",
     }
@@ -64,18 +82,56 @@ fn st_name(d: Dtype) -> &'static str {
 /// its batch's host buffer): [`encode_answer`] writes it without first joining the pieces.
 pub struct AnswerParts<'a> {
     pub dtype: OutDType,
-    /// `[total_tokens, n_layers, hidden]`.
+    /// `[rows, n_layers, hidden]`.
     pub shape: Vec<usize>,
-    /// The hidden states' bytes in token order.
+    /// The hidden states' bytes in row order.
     pub chunks: Vec<&'a [u8]>,
+    /// `[rows, n_layers]` scales of fp8 hidden states.
+    pub scale: Option<Vec<f32>>,
     pub input_ids: Vec<i64>,
     pub cu_seqlens: Vec<i64>,
     pub loss_mask: Vec<u8>,
+    pub positions: Option<Vec<i64>>,
     pub metadata: HashMap<String, String>,
 }
 
-/// Writes `a` as a safetensors file (header, then hidden_states, input_ids, cu_seqlens,
-/// loss_mask), streaming the hidden-state pieces.
+/// The xxh64 (seed 0) of bytes given in pieces, as 16 lowercase hex digits.
+pub fn xxh64_hex<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> String {
+    let mut h = xxhash_rust::xxh64::Xxh64::new(0);
+    for p in pieces {
+        h.update(p);
+    }
+    format!("{:016x}", h.digest())
+}
+
+/// Checks every tensor of a safetensors file against the checksums in its metadata; the error
+/// names the first tensor that does not match (or why the file cannot be checked).
+pub fn verify_checksums(file: &[u8]) -> Result<(), String> {
+    let st = safetensors::SafeTensors::deserialize(file).map_err(|e| format!("not a safetensors file: {e}"))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(file).map_err(|e| format!("unreadable header: {e}"))?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    match meta.get("checksum_algorithm").map(String::as_str) {
+        Some(CHECKSUM_ALGORITHM) => {}
+        Some(other) => return Err(format!("unknown checksum algorithm {other:?}")),
+        None => return Err("the file carries no checksums".into()),
+    }
+    let sums: HashMap<String, String> = meta
+        .get("checksums")
+        .and_then(|c| serde_json::from_str(c).ok())
+        .ok_or_else(|| "the file's \"checksums\" metadata is missing or not a JSON object".to_string())?;
+    for (name, t) in st.tensors() {
+        let want = sums.get(&name).ok_or_else(|| format!("tensor {name:?} has no checksum"))?;
+        let got = xxh64_hex([t.data()]);
+        if &got != want {
+            return Err(format!("tensor {name:?} is corrupt: its xxh64 is {got}, the file says {want}"));
+        }
+    }
+    Ok(())
+}
+
+/// Writes `a` as a safetensors file (header, then hidden_states, hidden_states_scale, input_ids,
+/// cu_seqlens, loss_mask, positions), streaming the hidden-state pieces. The metadata gains the
+/// xxh64 of every tensor's bytes (`checksums`), computed in a first pass over them.
 pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
     let hs_len: usize = a.chunks.iter().map(|c| c.len()).sum();
     let expect = a.shape.iter().product::<usize>() * a.dtype.size_in_bytes();
@@ -85,21 +141,43 @@ pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::i
             a.shape
         )));
     }
+    let rows = a.shape.first().copied().unwrap_or(0);
+    let width = a.shape.get(1).copied().unwrap_or(0);
     let ids = le_i64(&a.input_ids);
     let cu = le_i64(&a.cu_seqlens);
-    let tensors: [(&str, Dtype, Vec<usize>, usize); 4] = [
-        ("hidden_states", st_dtype(a.dtype), a.shape.clone(), hs_len),
-        ("input_ids", Dtype::I64, vec![a.input_ids.len()], ids.len()),
-        ("cu_seqlens", Dtype::I64, vec![a.cu_seqlens.len()], cu.len()),
-        ("loss_mask", Dtype::U8, vec![a.loss_mask.len()], a.loss_mask.len()),
-    ];
+    let scale = a.scale.as_deref().map(le_f32);
+    let positions = a.positions.as_deref().map(le_i64);
+    if scale.as_ref().is_some_and(|s| s.len() != rows * width * 4) {
+        return Err(std::io::Error::other("hidden_states_scale must hold one value per row and layer"));
+    }
+    // Name, dtype, shape, and the bytes (the hidden states apart: they stay in pieces).
+    let mut tensors: Vec<(&str, Dtype, Vec<usize>, &[u8])> = Vec::with_capacity(6);
+    tensors.push(("hidden_states", st_dtype(a.dtype), a.shape.clone(), &[]));
+    if let Some(s) = &scale {
+        tensors.push(("hidden_states_scale", Dtype::F32, vec![rows, width], s));
+    }
+    tensors.push(("input_ids", Dtype::I64, vec![a.input_ids.len()], &ids));
+    tensors.push(("cu_seqlens", Dtype::I64, vec![a.cu_seqlens.len()], &cu));
+    tensors.push(("loss_mask", Dtype::U8, vec![a.loss_mask.len()], &a.loss_mask));
+    if let Some(p) = &positions {
+        tensors.push(("positions", Dtype::I64, vec![p.len() / 8], p));
+    }
+    let mut sums = serde_json::Map::new();
+    for (name, _, _, bytes) in &tensors {
+        let hex = if *name == "hidden_states" { xxh64_hex(a.chunks.iter().copied()) } else { xxh64_hex([*bytes]) };
+        sums.insert((*name).into(), hex.into());
+    }
+    let mut metadata = a.metadata.clone();
+    metadata.insert("checksum_algorithm".into(), CHECKSUM_ALGORITHM.into());
+    metadata.insert("checksums".into(), serde_json::Value::Object(sums).to_string());
     let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::to_value(&a.metadata)?);
+    header.insert("__metadata__".into(), serde_json::to_value(&metadata)?);
     let mut at = 0;
-    for (name, dtype, shape, len) in tensors {
+    for (name, dtype, shape, bytes) in &tensors {
+        let len = if *name == "hidden_states" { hs_len } else { bytes.len() };
         header.insert(
-            name.into(),
-            serde_json::json!({"dtype": st_name(dtype), "shape": shape, "data_offsets": [at, at + len]}),
+            (*name).into(),
+            serde_json::json!({"dtype": st_name(*dtype), "shape": shape, "data_offsets": [at, at + len]}),
         );
         at += len;
     }
@@ -111,9 +189,11 @@ pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::i
     for c in &a.chunks {
         w.write_all(c)?;
     }
-    w.write_all(&ids)?;
-    w.write_all(&cu)?;
-    w.write_all(&a.loss_mask)
+    for (name, _, _, bytes) in &tensors[1..] {
+        debug_assert_ne!(*name, "hidden_states");
+        w.write_all(bytes)?;
+    }
+    Ok(())
 }
 
 /// The answer's bytes: safetensors, zstd-compressed at `zstd_level` when given (several threads
@@ -152,32 +232,35 @@ pub fn compress(bytes: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::tensor::TensorView;
 
     fn parts(chunks: Vec<&[u8]>) -> AnswerParts<'_> {
         AnswerParts {
             dtype: OutDType::Bfloat16,
             shape: vec![3, 2, 4],
             chunks,
+            scale: None,
             input_ids: vec![5, 6, 7],
             cu_seqlens: vec![0, 1, 3],
             loss_mask: vec![1, 0, 1],
+            positions: None,
             metadata: HashMap::from([("model".to_string(), "m".to_string())]),
         }
     }
 
     /// The streamed writer produces a file the safetensors library reads back to the same
-    /// tensors and metadata as the library's own serialiser, however the rows are split.
+    /// tensors as the library's own serialiser, however the rows are split.
     #[test]
     fn streamed_answer_reads_back_like_the_library_serialiser() {
         let hs: Vec<u8> = (0..48u8).collect();
-        let x = Extraction {
-            hidden_states: HostTensor { dtype: OutDType::Bfloat16, shape: vec![3, 2, 4], data: hs.clone().into() },
-            input_ids: vec![5, 6, 7],
-            cu_seqlens: vec![0, 1, 3],
-            loss_mask: vec![1, 0, 1],
-            metadata: HashMap::from([("model".to_string(), "m".to_string())]),
-        };
-        let reference = to_safetensors(&x).unwrap();
+        let (ids, cu) = (le_i64(&[5, 6, 7]), le_i64(&[0, 1, 3]));
+        let views = vec![
+            ("hidden_states", TensorView::new(Dtype::BF16, vec![3, 2, 4], &hs).unwrap()),
+            ("input_ids", TensorView::new(Dtype::I64, vec![3], &ids).unwrap()),
+            ("cu_seqlens", TensorView::new(Dtype::I64, vec![3], &cu).unwrap()),
+            ("loss_mask", TensorView::new(Dtype::U8, vec![3], &[1u8, 0, 1]).unwrap()),
+        ];
+        let reference = safetensors::tensor::serialize(views, None).unwrap();
         let (a, b) = hs.split_at(16);
         for zstd in [None, Some(3)] {
             let bytes = encode_answer(&parts(vec![a, b]), zstd).unwrap();
@@ -193,6 +276,53 @@ mod tests {
             }
             let (_, meta) = safetensors::SafeTensors::read_metadata(&raw).unwrap();
             assert_eq!(meta.metadata().as_ref().and_then(|m| m.get("model")).map(String::as_str), Some("m"));
+            verify_checksums(&raw).unwrap();
+        }
+    }
+
+    /// fp8 answers carry their scales and a selection its positions, each a tensor the
+    /// library reads with the right dtype and shape.
+    #[test]
+    fn fp8_scales_and_positions_are_tensors_of_their_own() {
+        let hs: Vec<u8> = (0..24u8).collect();
+        let mut p = parts(vec![&hs]);
+        p.dtype = OutDType::Float8E4M3;
+        p.scale = Some(vec![0.5, 1.0, 1.5, 2.0, 2.5, 3.0]);
+        p.positions = Some(vec![4, 0, 1]);
+        let raw = encode_answer(&p, None).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
+        let h = st.tensor("hidden_states").unwrap();
+        assert_eq!((h.dtype(), h.shape(), h.data()), (Dtype::F8_E4M3, &[3usize, 2, 4][..], &hs[..]));
+        let s = st.tensor("hidden_states_scale").unwrap();
+        assert_eq!((s.dtype(), s.shape()), (Dtype::F32, &[3usize, 2][..]));
+        assert_eq!(s.data(), &le_f32(&[0.5, 1.0, 1.5, 2.0, 2.5, 3.0])[..]);
+        let pos = st.tensor("positions").unwrap();
+        assert_eq!((pos.dtype(), pos.shape(), pos.data()), (Dtype::I64, &[3usize][..], &le_i64(&[4, 0, 1])[..]));
+        verify_checksums(&raw).unwrap();
+        p.scale = Some(vec![1.0; 5]);
+        assert!(encode_answer(&p, None).is_err(), "one scale per row and layer");
+    }
+
+    /// The checksums are xxh64 as other implementations compute it, and a changed byte in
+    /// any tensor is caught and named.
+    #[test]
+    fn checksums_catch_a_changed_byte_in_any_tensor() {
+        // Reference values of xxh64 with seed 0 (the algorithm's published test vectors).
+        assert_eq!(xxh64_hex([&b""[..]]), "ef46db3751d8e999");
+        assert_eq!(xxh64_hex([&b"a"[..], &b"bc"[..]]), "44bc2cf5ad770999");
+        let hs: Vec<u8> = (0..48u8).collect();
+        let raw = encode_answer(&parts(vec![&hs]), None).unwrap();
+        verify_checksums(&raw).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
+        let header = 8 + u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&raw).unwrap();
+        for name in ["hidden_states", "input_ids", "cu_seqlens", "loss_mask"] {
+            let (start, _) = meta.info(name).unwrap().data_offsets;
+            assert!(!st.tensor(name).unwrap().data().is_empty());
+            let mut bad = raw.clone();
+            bad[header + start] ^= 0x01;
+            let e = verify_checksums(&bad).unwrap_err();
+            assert!(e.contains(name) && e.contains("corrupt"), "{e}");
         }
     }
 

@@ -3,8 +3,10 @@
 
 use std::collections::HashMap;
 
+use crate::batching::Part;
 use crate::codec::{Extraction, CONVENTION};
-use crate::engine::{Batch, Engine, EngineError, HostTensor, ModelInfo, OutDType};
+use crate::engine::{layer_label, Batch, Engine, EngineError, HostTensor, ModelInfo, OutDType, Output};
+use crate::select::Selection;
 use crate::tokenizer::{Budget, ChatMessage, TextTokenizer, TokenizeError, Tokenized};
 
 /// One input sequence, as the caller gave it.
@@ -77,36 +79,74 @@ pub fn distinct(layers: &[usize]) -> Vec<usize> {
     out
 }
 
-/// Metadata stored in every answer.
-pub fn metadata(info: &ModelInfo, layers: &[usize], dtype: OutDType) -> HashMap<String, String> {
+/// Metadata stored in every answer (the handler adds `nonfinite`; the codec the checksums).
+pub fn metadata(info: &ModelInfo, layers: &[usize], dtype: OutDType, tokens: &Selection) -> HashMap<String, String> {
+    let labels: Vec<serde_json::Value> = layers.iter().map(|&l| layer_label(l, info.num_layers)).collect();
     HashMap::from([
         ("model".to_string(), info.model_id.clone()),
         ("architecture".to_string(), info.architecture.clone()),
         ("num_layers".to_string(), info.num_layers.to_string()),
-        ("layers".to_string(), serde_json::to_string(layers).unwrap_or_default()),
+        ("layers".to_string(), serde_json::Value::from(labels).to_string()),
         ("dtype".to_string(), dtype.name().to_string()),
+        ("tokens".to_string(), tokens.label()),
         ("convention".to_string(), CONVENTION.to_string()),
         ("format".to_string(), "layertap/1".to_string()),
     ])
 }
 
-/// The token columns of an answer for `seqs`: input ids, offsets, loss mask.
-pub fn token_columns(seqs: &[Tokenized]) -> (Vec<i64>, Vec<i64>, Vec<u8>) {
-    let lens: Vec<usize> = seqs.iter().map(|s| s.ids.len()).collect();
-    (
-        seqs.iter().flat_map(|s| s.ids.iter().map(|&i| i64::from(i))).collect(),
-        cu_seqlens(lens.iter()).into_iter().map(|x| x as i64).collect(),
-        seqs.iter().flat_map(|s| s.loss_mask.iter().copied()).collect(),
-    )
+/// The token columns of an answer for `seqs`, one entry per returned row: input ids, offsets
+/// over the rows, loss mask, and (with a selection) each row's position in its input.
+pub struct TokenColumns {
+    pub input_ids: Vec<i64>,
+    pub cu_seqlens: Vec<i64>,
+    pub loss_mask: Vec<u8>,
+    pub positions: Option<Vec<i64>>,
 }
 
-/// The answer for `seqs` given their hidden states `[total_tokens, layers, hidden]`.
-pub fn extraction(seqs: &[Tokenized], hidden_states: HostTensor, metadata: HashMap<String, String>) -> Extraction {
-    let (input_ids, cu_seqlens, loss_mask) = token_columns(seqs);
-    Extraction { hidden_states, input_ids, cu_seqlens, loss_mask, metadata }
+/// [`TokenColumns`] for `seqs`, every row or the `positions` of each.
+pub fn token_columns(seqs: &[Tokenized], positions: Option<&[Vec<u32>]>) -> TokenColumns {
+    let Some(pos) = positions else {
+        let lens: Vec<usize> = seqs.iter().map(|s| s.ids.len()).collect();
+        return TokenColumns {
+            input_ids: seqs.iter().flat_map(|s| s.ids.iter().map(|&i| i64::from(i))).collect(),
+            cu_seqlens: cu_seqlens(lens.iter()).into_iter().map(|x| x as i64).collect(),
+            loss_mask: seqs.iter().flat_map(|s| s.loss_mask.iter().copied()).collect(),
+            positions: None,
+        };
+    };
+    let lens: Vec<usize> = pos.iter().map(Vec::len).collect();
+    let rows = || seqs.iter().zip(pos).flat_map(|(s, p)| p.iter().map(move |&x| (s, x as usize)));
+    TokenColumns {
+        input_ids: rows().map(|(s, x)| i64::from(s.ids[x])).collect(),
+        cu_seqlens: cu_seqlens(lens.iter()).into_iter().map(|x| x as i64).collect(),
+        loss_mask: rows().map(|(s, x)| s.loss_mask[x]).collect(),
+        positions: Some(rows().map(|(_, x)| x as i64).collect()),
+    }
 }
 
-/// Runs all `seqs` as one batch and returns their extraction (the one-shot path).
+/// The answer for `seqs` given their hidden states `[rows, layers, hidden]` (and their fp8
+/// scales), every row or the `positions` of each input.
+pub fn extraction(
+    seqs: &[Tokenized],
+    positions: Option<&[Vec<u32>]>,
+    hidden_states: HostTensor,
+    hidden_states_scale: Option<Vec<f32>>,
+    metadata: HashMap<String, String>,
+) -> Extraction {
+    let c = token_columns(seqs, positions);
+    Extraction {
+        hidden_states,
+        hidden_states_scale,
+        input_ids: c.input_ids,
+        cu_seqlens: c.cu_seqlens,
+        loss_mask: c.loss_mask,
+        positions: c.positions,
+        metadata,
+    }
+}
+
+/// Runs all `seqs` as one batch and returns their extraction (the one-shot path). fp8 is
+/// quantised on the device, as the service does.
 pub fn run_once(
     engine: &mut dyn Engine,
     info: &ModelInfo,
@@ -115,12 +155,14 @@ pub fn run_once(
     dtype: OutDType,
 ) -> Result<Extraction, EngineError> {
     let cu = cu_seqlens(seqs.iter().map(|s| s.ids.len()).collect::<Vec<_>>().iter());
-    let batch = Batch {
-        input_ids: seqs.iter().flat_map(|s| s.ids.iter().copied()).collect(),
-        cu_seqlens: cu.clone(),
-        layers: distinct(layers),
-    };
-    let taps = engine.forward(&batch)?;
-    let hidden = taps.gather(0, batch.input_ids.len(), layers, dtype)?;
-    Ok(extraction(seqs, hidden, metadata(info, layers, dtype)))
+    let fp8 = dtype == OutDType::Float8E4M3;
+    let mut batch = Batch::new(seqs.iter().flat_map(|s| s.ids.iter().copied()).collect(), cu, distinct(layers));
+    if fp8 {
+        batch.output = Output::all_fp8();
+    }
+    let taps = std::sync::Arc::new(engine.forward(&batch)?);
+    let part = Part { taps, fp8, start: 0, rows: batch.input_ids.len() };
+    let hidden = part.gather(layers, dtype)?;
+    let scale = if fp8 { Some(part.scale(layers)?) } else { None };
+    Ok(extraction(seqs, None, hidden, scale, metadata(info, layers, dtype, &Selection::All)))
 }

@@ -15,6 +15,7 @@ pub mod extract;
 pub mod gguf_tokenizer;
 pub mod http;
 pub mod metrics;
+pub mod select;
 pub mod server;
 pub mod tokenizer;
 

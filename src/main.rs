@@ -25,7 +25,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     let device = engine::parse_device(&a.device)?;
     let (mut model, tok_src) = engine::load(&a.model, &device, a.dtype.candle())?;
     let tok = TextTokenizer::from_source(&tok_src)?;
-    let layers = model.engine.decoder.cfg.resolve_layers(&a.layers)?;
+    let layers = engine::resolve_layer_refs(&a.layers, model.info.num_layers)?;
     let seqs = inputs.iter().map(|i| tokenize(tok.as_ref(), i)).collect::<Result<Vec<_>, _>>()?;
     let out_dtype = a.out_dtype.unwrap_or(a.dtype);
     let engine: &mut ModelEngine = &mut model.engine;

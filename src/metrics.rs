@@ -25,6 +25,7 @@ pub struct Metrics {
     pub batches_cancelled: IntCounter,
     pub oom_retries: IntCounter,
     pub batch_token_budget: IntGauge,
+    pub nonfinite: IntCounterVec,
 }
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: T) -> T {
@@ -174,6 +175,17 @@ impl Metrics {
                 IntGauge::new(
                     "layertap_batch_token_budget",
                     "Most tokens per batch now (lowered when a batch runs out of device memory)",
+                )
+                .unwrap(),
+            ),
+            nonfinite: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "layertap_nonfinite_total",
+                        "Returned token states holding a NaN or an infinity, per layer (index, or final_prenorm)",
+                    ),
+                    &["layer"],
                 )
                 .unwrap(),
             ),

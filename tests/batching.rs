@@ -307,7 +307,7 @@ fn the_decoder_stops_between_layers_when_its_batch_is_cancelled() {
     let (mut m, _) = layertap::engine::load(&dir.to_string_lossy(), &Device::Cpu, DType::F32).unwrap();
     let n = m.info.num_layers;
     assert!(n >= 2, "the fixture has {n} layers");
-    let batch = Batch { input_ids: vec![1, 2, 3, 4, 5], cu_seqlens: vec![0, 2, 5], layers: vec![n] };
+    let batch = Batch::new(vec![1, 2, 3, 4, 5], vec![0, 2, 5], vec![n]);
     for stop_after in 0..n {
         let asked = Arc::new(AtomicUsize::new(0));
         let cancel = Cancel::new({

@@ -33,7 +33,7 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
             let n = m.info.num_layers;
             let all: Vec<usize> = (0..=n).collect();
             // Every sequence packed in one batch.
-            let batch = Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: all.clone() };
+            let batch = Batch::new(seqs.concat(), cu.clone(), all.clone());
             let taps = m.engine.forward(&batch).unwrap();
             let mut worst = 0f64;
             for (i, s) in seqs.iter().enumerate() {
@@ -84,7 +84,7 @@ fn a_subset_of_layers_is_copied_only_once_computed() {
         let cu: Vec<usize> = (0..=seqs).map(|i| i * len).collect();
         let total = ids.len();
         let run = |m: &mut layertap::engine::LoadedModel, layers: Vec<usize>, pick: &[usize]| {
-            let batch = Batch { input_ids: ids.clone(), cu_seqlens: cu.clone(), layers };
+            let batch = Batch::new(ids.clone(), cu.clone(), layers);
             let taps = m.engine.forward(&batch).unwrap();
             let v = taps.gather(0, total, pick, OutDType::Float32).unwrap().to_f32();
             v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()

@@ -31,7 +31,7 @@ fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec
     for s in seqs {
         cu.push(cu.last().unwrap() + s.len());
     }
-    let batch = Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: layers.to_vec() };
+    let batch = Batch::new(seqs.concat(), cu.clone(), layers.to_vec());
     let taps = engine.forward(&batch).expect("forward");
     (0..seqs.len())
         .map(|i| taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).expect("gather").to_f32())
@@ -107,7 +107,7 @@ fn token_ids_past_the_vocabulary_are_an_input_error() {
     let dir = variants().remove(0);
     let (mut engine, n) = load(&dir);
     let vocab = engine.decoder.cfg.vocab_size as u32;
-    let batch = Batch { input_ids: vec![1, vocab], cu_seqlens: vec![0, 2], layers: vec![n] };
+    let batch = Batch::new(vec![1, vocab], vec![0, 2], vec![n]);
     match engine.forward(&batch) {
         Err(layertap::engine::EngineError::InvalidInput(m)) => assert!(m.contains(&vocab.to_string()), "{m}"),
         other => panic!("expected an input error, got {:?}", other.map(|t| t.layers)),
@@ -138,13 +138,13 @@ fn layers_past_the_deepest_requested_index_are_not_run() {
     // Decoder layer index 1 (hidden_states[2]) onwards is NaN: asking for index <= 1 must not touch it.
     let dir = poisoned_copy(&src, 1);
     let (mut engine, n) = load(dir.path());
-    let batch = Batch { input_ids: seq.clone(), cu_seqlens: vec![0, seq.len()], layers: vec![1, 0] };
+    let batch = Batch::new(seq.clone(), vec![0, seq.len()], vec![1, 0]);
     let taps = engine.forward(&batch).unwrap();
     assert_eq!(taps.layers_run, 1, "only decoder layer 1 should run");
     let got = taps.gather(0, seq.len(), &[1], OutDType::Float32).unwrap().to_f32();
     assert!(got.iter().all(|x| x.is_finite()), "a poisoned layer leaked into an earlier index");
     // The control: asking for a deeper index does run the poisoned layer.
-    let batch = Batch { input_ids: seq.clone(), cu_seqlens: vec![0, seq.len()], layers: vec![n] };
+    let batch = Batch::new(seq.clone(), vec![0, seq.len()], vec![n]);
     let taps = engine.forward(&batch).unwrap();
     assert_eq!(taps.layers_run, n);
     assert!(taps.gather(0, seq.len(), &[n], OutDType::Float32).unwrap().to_f32().iter().any(|x| x.is_nan()));
@@ -166,7 +166,7 @@ fn half_precision_compute_stays_close_to_the_f32_reference() {
         for (dtype, out) in [(DType::BF16, OutDType::Bfloat16), (DType::F16, OutDType::Float32)] {
             let mut m = files.load(&Device::Cpu, dtype).unwrap();
             let layers: Vec<usize> = (0..l1).collect();
-            let batch = Batch { input_ids: seq.clone(), cu_seqlens: vec![0, t], layers: layers.clone() };
+            let batch = Batch::new(seq.clone(), vec![0, t], layers.clone());
             let x = m.engine.forward(&batch).unwrap().gather(0, t, &layers, out).unwrap();
             assert_eq!(x.dtype, out, "the output dtype is the one asked for");
             let got = x.to_f32();

@@ -255,6 +255,8 @@ fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) ->
             OutDType::Float32 => v,
             OutDType::Bfloat16 => half::bf16::from_f32(v).to_f32(),
             OutDType::Float16 => half::f16::from_f32(v).to_f32(),
+            // Not generated here: fp8 answers are checked in tests/answers.rs.
+            OutDType::Float8E4M3 => f32::NAN,
         }
     };
     let json_asked =
@@ -307,6 +309,7 @@ fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) ->
         OutDType::Float32 => safetensors::Dtype::F32,
         OutDType::Bfloat16 => safetensors::Dtype::BF16,
         OutDType::Float16 => safetensors::Dtype::F16,
+        OutDType::Float8E4M3 => safetensors::Dtype::F8_E4M3,
     };
     check!(st_dtype == want_dtype, "hidden_states dtype {st_dtype:?}, asked {dtype:?}");
     check!(map["input_ids"].shape == [total] && map["input_ids"].i64 == ids, "input_ids");
@@ -724,9 +727,11 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
         dtype: c.dtype,
         shape: c.shape.clone(),
         chunks,
+        scale: None,
         input_ids: c.input_ids.clone(),
         cu_seqlens: c.cu_seqlens.clone(),
         loss_mask: c.loss_mask.clone(),
+        positions: None,
         metadata: c.metadata.clone(),
     };
     let plain = codec::encode_answer(&parts, None).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -739,9 +744,11 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
     }
     let x = Extraction {
         hidden_states: HostTensor { dtype: c.dtype, shape: c.shape.clone(), data: c.hs.clone().into() },
+        hidden_states_scale: None,
         input_ids: c.input_ids.clone(),
         cu_seqlens: c.cu_seqlens.clone(),
         loss_mask: c.loss_mask.clone(),
+        positions: None,
         metadata: c.metadata.clone(),
     };
     let library = codec::to_safetensors(&x).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -753,6 +760,7 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
             OutDType::Float32 => safetensors::Dtype::F32,
             OutDType::Bfloat16 => safetensors::Dtype::BF16,
             OutDType::Float16 => safetensors::Dtype::F16,
+            OutDType::Float8E4M3 => safetensors::Dtype::F8_E4M3,
         };
         let expect: [(&str, safetensors::Dtype, Vec<usize>, Vec<u8>); 4] = [
             ("hidden_states", want_dtype, c.shape.clone(), c.hs.clone()),
@@ -766,7 +774,10 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
             check!(t.dtype() == dtype && t.shape() == shape && t.data() == &data[..], "{name} differs");
         }
         let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).unwrap();
-        let meta = meta.metadata().clone().unwrap_or_default();
+        let mut meta = meta.metadata().clone().unwrap_or_default();
+        check!(codec::verify_checksums(bytes).is_ok(), "checksums do not verify");
+        check!(meta.remove("checksum_algorithm").as_deref() == Some("xxh64"), "checksum algorithm");
+        check!(meta.remove("checksums").is_some(), "no checksums");
         check!(meta == c.metadata, "metadata {meta:?} != {:?}", c.metadata);
     }
     Ok(())
@@ -790,8 +801,9 @@ proptest! {
         prop_assume!(n > 0);
         let short = &c.hs[..n.saturating_sub(cut)];
         let parts = AnswerParts {
-            dtype: c.dtype, shape: c.shape.clone(), chunks: vec![short], input_ids: c.input_ids.clone(),
-            cu_seqlens: c.cu_seqlens.clone(), loss_mask: c.loss_mask.clone(), metadata: c.metadata.clone(),
+            dtype: c.dtype, shape: c.shape.clone(), chunks: vec![short], scale: None, input_ids: c.input_ids.clone(),
+            cu_seqlens: c.cu_seqlens.clone(), loss_mask: c.loss_mask.clone(), positions: None,
+            metadata: c.metadata.clone(),
         };
         prop_assert!(codec::encode_answer(&parts, None).is_err());
         prop_assert!(codec::encode_answer(&parts, Some(3)).is_err());
@@ -866,7 +878,7 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
         server: h.server.base.clone(),
         input,
         out: out.clone(),
-        layers: vec![1],
+        layers: vec![layertap::engine::LayerRef::Index(1)],
         dtype: Some("float32".into()),
         concurrency: 2,
         api_key: None,

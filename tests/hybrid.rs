@@ -35,8 +35,7 @@ fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec
     for s in seqs {
         cu.push(cu.last().unwrap() + s.len());
     }
-    let taps =
-        engine.forward(&Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: layers.to_vec() }).unwrap();
+    let taps = engine.forward(&Batch::new(seqs.concat(), cu.clone(), layers.to_vec())).unwrap();
     (0..seqs.len())
         .map(|i| {
             let v = taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).unwrap().to_f32();

@@ -92,8 +92,7 @@ fn hidden_states_equal_transformers_in_f32() {
     for s in &seqs {
         cu.push(cu.last().unwrap() + s.len());
     }
-    let taps =
-        m.engine.forward(&Batch { input_ids: seqs.concat(), cu_seqlens: cu.clone(), layers: layers.clone() }).unwrap();
+    let taps = m.engine.forward(&Batch::new(seqs.concat(), cu.clone(), layers.clone())).unwrap();
     let h = m.info.hidden_size;
     for (k, s) in seqs.iter().enumerate() {
         let hs = &reference[&format!("hs{k}.hidden_states")];
@@ -121,7 +120,7 @@ fn a_one_token_batch_has_the_bits_of_the_same_token_batched() {
         for s in seqs {
             cu.push(cu.last().unwrap() + s.len());
         }
-        let batch = Batch { input_ids: seqs.concat(), cu_seqlens: cu, layers: layers.clone() };
+        let batch = Batch::new(seqs.concat(), cu, layers.clone());
         let taps = engine.forward(&batch).unwrap();
         taps.gather(0, 1, &layers, OutDType::Float32).unwrap().to_f32().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
     };

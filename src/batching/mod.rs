@@ -21,6 +21,17 @@ pub struct Submission {
     pub seqs: Arc<Vec<Tokenized>>,
     /// Resolved hidden-state indices, in the order the caller asked.
     pub layers: Vec<usize>,
+    /// Per sequence, the positions to return (ascending); `None`: every position.
+    pub positions: Option<Arc<Vec<Vec<u32>>>>,
+    /// Quantise the returned rows to fp8 on the device.
+    pub fp8: bool,
+}
+
+impl Submission {
+    /// Every row of every sequence, in the compute dtype.
+    pub fn new(seqs: Arc<Vec<Tokenized>>, layers: Vec<usize>) -> Self {
+        Submission { seqs, layers, positions: None, fp8: false }
+    }
 }
 
 impl Submission {
@@ -29,23 +40,50 @@ impl Submission {
     }
 }
 
-/// Where one sequence's states sit in its batch's taps.
+/// Where one sequence's returned rows sit in its batch's taps: among the plain rows, or among
+/// the fp8 rows.
 #[derive(Clone)]
 pub struct Part {
     pub taps: Arc<Taps>,
+    pub fp8: bool,
     pub start: usize,
     pub rows: usize,
 }
 
 impl Part {
-    /// The rows' bytes as asked, borrowed from the batch where its layout already matches.
+    /// The rows' bytes as asked, borrowed from the batch where its layout already matches (fp8
+    /// rows stay fp8: `dtype` applies to plain rows).
     pub fn bytes(&self, layers: &[usize], dtype: OutDType) -> Result<std::borrow::Cow<'_, [u8]>, EngineError> {
-        self.taps.bytes(self.start, self.rows, layers, dtype)
+        if self.fp8 {
+            self.taps.fp8_bytes(self.start, self.rows, layers)
+        } else {
+            self.taps.bytes(self.start, self.rows, layers, dtype)
+        }
     }
 
-    /// `[rows, layers, hidden]` in `dtype` (a host copy; run it off the async runtime).
+    /// `[rows, layers, hidden]` in `dtype` (a host copy; run it off the async runtime); fp8 rows
+    /// as fp8.
     pub fn gather(&self, layers: &[usize], dtype: OutDType) -> Result<HostTensor, EngineError> {
+        if self.fp8 {
+            let data = self.taps.fp8_bytes(self.start, self.rows, layers)?.into_owned();
+            let hidden = self.taps.host.shape.get(2).copied().unwrap_or(0);
+            return Ok(HostTensor {
+                dtype: OutDType::Float8E4M3,
+                shape: vec![self.rows, layers.len(), hidden],
+                data: data.into(),
+            });
+        }
         self.taps.gather(self.start, self.rows, layers, dtype)
+    }
+
+    /// `[rows, layers]` scales of fp8 rows.
+    pub fn scale(&self, layers: &[usize]) -> Result<Vec<f32>, EngineError> {
+        self.taps.fp8_scale(self.start, self.rows, layers)
+    }
+
+    /// `[rows, layers]`: 1 where a row holds a NaN or an infinity at that layer.
+    pub fn nonfinite(&self, layers: &[usize]) -> Result<Vec<u8>, EngineError> {
+        self.taps.nonfinite(self.fp8, self.start, self.rows, layers)
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::queue::{Item, Queue, Request};
 use super::{BatchError, Part};
-use crate::engine::{Batch, Cancel, Engine, EngineError, LoadedEngine, MemoryProbe, Pending};
+use crate::engine::{Batch, Cancel, Engine, EngineError, LoadedEngine, MemoryProbe, Output, Pending, Rows};
 use crate::extract::{cu_seqlens, distinct};
 
 /// What a worker reports once its model is resident.
@@ -126,8 +126,36 @@ struct Launched {
     pending: Pending,
     start: Instant,
     tokens: usize,
-    cu: Vec<usize>,
-    lens: Vec<usize>,
+    /// Per item: among the fp8 rows or not, first row, rows.
+    places: Vec<(bool, usize, usize)>,
+}
+
+/// The rows a batch returns for its items (each item's request says which of its positions, and
+/// whether as fp8), and where each item's rows land among the plain or the fp8 rows. Every row
+/// in the compute dtype when no item selects or quantises (the usual case, with no copy).
+fn output_of(items: &[Item], cu: &[usize]) -> (Output, Vec<(bool, usize, usize)>) {
+    let plain_all = items.iter().all(|i| !i.req.sub.fp8 && i.req.sub.positions.is_none());
+    let fp8_all = items.iter().all(|i| i.req.sub.fp8 && i.req.sub.positions.is_none());
+    let (mut plain, mut fp8) = (Vec::new(), Vec::new());
+    let mut places = Vec::with_capacity(items.len());
+    for (k, it) in items.iter().enumerate() {
+        let sub = &it.req.sub;
+        let rows = if sub.fp8 { &mut fp8 } else { &mut plain };
+        let first = rows.len();
+        match &sub.positions {
+            Some(p) => rows.extend(p[it.idx].iter().map(|&x| cu[k] as u32 + x)),
+            None => rows.extend(cu[k] as u32..cu[k + 1] as u32),
+        }
+        places.push((sub.fp8, first, rows.len() - first));
+    }
+    let output = if plain_all {
+        Output::default()
+    } else if fp8_all {
+        Output::all_fp8()
+    } else {
+        Output { plain: Rows::Only(plain), fp8: Rows::Only(fp8) }
+    };
+    (output, places)
 }
 
 fn fail_all(items: &[Item], e: EngineError, tokens: usize) {
@@ -199,10 +227,12 @@ fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>, flush:
     let lens: Vec<usize> = items.iter().map(|i| i.ids().len()).collect();
     let cu = cu_seqlens(lens.iter());
     let all_layers: Vec<usize> = items.iter().flat_map(|i| i.req.sub.layers.iter().copied()).collect();
+    let (output, places) = output_of(&items, &cu);
     let batch = Batch {
         input_ids: items.iter().flat_map(|i| i.ids().iter().copied()).collect(),
         cu_seqlens: cu.clone(),
         layers: distinct(&all_layers),
+        output,
     };
     let tokens = batch.input_ids.len();
     let start = Instant::now();
@@ -218,7 +248,7 @@ fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>, flush:
     }
     let cancel = Cancel::new(move || reqs.iter().all(|r| r.is_cancelled()));
     match std::panic::catch_unwind(AssertUnwindSafe(|| engine.launch_cancellable(&batch, &cancel))) {
-        Ok(Ok(pending)) => Some(Launched { items, pending, start, tokens, cu, lens }),
+        Ok(Ok(pending)) => Some(Launched { items, pending, start, tokens, places }),
         Ok(Err(EngineError::Cancelled { layers_run })) => {
             cancelled(queue, &items, tokens, layers_run);
             None
@@ -242,7 +272,7 @@ fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>, flush:
 /// Waits for a launched batch's results and hands each request its part.
 fn finish_batch(queue: &Queue, l: Launched) {
     let m = &queue.metrics;
-    let Launched { items, pending, start, tokens, cu, lens } = l;
+    let Launched { items, pending, start, tokens, places } = l;
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| pending.wait()));
     if !matches!(result, Ok(Err(EngineError::Cancelled { .. } | EngineError::OutOfMemory(_)))) {
         m.inference_duration.observe(start.elapsed().as_secs_f64());
@@ -259,6 +289,7 @@ fn finish_batch(queue: &Queue, l: Launched) {
     m.tokens.inc_by(tokens as u64);
     let taps = Arc::new(taps);
     for (k, it) in items.iter().enumerate() {
-        it.req.complete(it.idx, Part { taps: taps.clone(), start: cu[k], rows: lens[k] });
+        let (fp8, start, rows) = places[k];
+        it.req.complete(it.idx, Part { taps: taps.clone(), fp8, start, rows });
     }
 }

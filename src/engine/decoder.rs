@@ -117,8 +117,9 @@ impl Decoder {
     }
 
     /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in
-    /// `0..=L`, any order, repeats allowed), the `[T, hidden]` state Hugging Face reports as
-    /// `hidden_states[i]`. Layers past the deepest tap are not run. `layers_run` counts the
+    /// `0..=L + 1`, any order, repeats allowed), the `[T, hidden]` state Hugging Face reports as
+    /// `hidden_states[i]` (and for `L + 1` the last layer's output before the final norm, which
+    /// it does not report). Layers past the deepest tap are not run. `layers_run` counts the
     /// decoder layers executed. Before each layer `cancel` is asked whether the batch is still
     /// wanted; once it is not, the loop stops with [`EngineError::Cancelled`] (on a GPU the
     /// kernels already queued finish on their own and their results are dropped).
@@ -131,8 +132,9 @@ impl Decoder {
         cancel: &Cancel,
     ) -> Result<Vec<Tensor>, EngineError> {
         let n = self.layers.len();
-        let deepest = taps.iter().copied().max().unwrap_or(0);
-        let mut kept: Vec<Option<Tensor>> = vec![None; n + 1];
+        // Index n + 1 is the last layer's output before the final norm: every layer runs.
+        let deepest = taps.iter().copied().max().unwrap_or(0).min(n);
+        let mut kept: Vec<Option<Tensor>> = vec![None; n + 2];
         let mut x = self.embed.index_select(ids, 0)?;
         if self.f32_residual {
             x = x.to_dtype(DType::F32)?;
@@ -146,6 +148,9 @@ impl Decoder {
             *layers_run += 1;
             let idx = i + 1;
             if idx == n {
+                if taps.contains(&(n + 1)) {
+                    kept[n + 1] = Some(x.clone());
+                }
                 x = self.norm.forward(&x)?;
             }
             if taps.contains(&idx) {
@@ -155,8 +160,10 @@ impl Decoder {
         // States are returned in the compute dtype (the f32 stream rounded once).
         taps.iter()
             .map(|&i| {
-                let t =
-                    kept[i].as_ref().ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
+                let t = kept
+                    .get(i)
+                    .and_then(|k| k.as_ref())
+                    .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
                 Ok(t.to_dtype(self.dtype())?)
             })
             .collect()

@@ -6,21 +6,117 @@ use candle_core::Tensor;
 
 use super::{EngineError, OutDType};
 
-/// Hidden states of a batch in host memory: `[total_tokens, layers.len(), hidden]` in the
-/// compute dtype, copied from the device in one transfer. [`Taps::gather`] cuts out one
-/// sequence's rows and layers; it runs wherever the answer is encoded, off the device's thread.
+/// Hidden states of a batch in host memory, copied from the device once prepared there (rows
+/// selected, screened, quantised: see [`super::output`]). `host` holds the rows returned in the
+/// compute dtype, `[rows, layers.len(), hidden]` (every token of the batch unless a selection
+/// left some out); `fp8` the rows quantised to fp8. [`Taps::gather`] cuts out one sequence's rows
+/// and layers; it runs wherever the answer is encoded, off the device's thread.
 pub struct Taps {
-    /// The indices in `host`'s second dimension.
+    /// The indices in the second dimension of `host` and `fp8`.
     pub layers: Vec<usize>,
     pub host: HostTensor,
+    /// `[rows, layers]` for `host`: 1 where the row holds a NaN or an infinity at that layer.
+    pub nonfinite: Vec<u8>,
+    pub fp8: Option<Fp8Taps>,
     /// Decoder layers actually run (early exit stops after the deepest requested index).
     pub layers_run: usize,
 }
 
+/// Rows quantised to fp8 (E4M3): values, one f32 scale per row and layer, and the non-finite
+/// screen of the values before quantisation.
+pub struct Fp8Taps {
+    /// `[rows, layers, hidden]`, dtype [`OutDType::Float8E4M3`].
+    pub host: HostTensor,
+    /// `[rows, layers]`.
+    pub scale: Vec<f32>,
+    /// `[rows, layers]`.
+    pub nonfinite: Vec<u8>,
+}
+
+/// Where the given layers sit among `have` (each must be there).
+fn columns(have: &[usize], layers: &[usize]) -> Result<Vec<usize>, EngineError> {
+    layers
+        .iter()
+        .map(|l| {
+            have.iter()
+                .position(|x| x == l)
+                .ok_or_else(|| EngineError::InvalidInput(format!("layer {l} was not part of this batch")))
+        })
+        .collect()
+}
+
+/// `[rows, cols]` values of a per-row, per-layer table `[total, width]`, columns picked.
+fn pick<T: Copy>(table: &[T], width: usize, start: usize, rows: usize, cols: &[usize]) -> Vec<T> {
+    (start..start + rows).flat_map(|r| cols.iter().map(move |&c| table[r * width + c])).collect()
+}
+
+/// The rows `start..start + rows` of a `[total, width, hidden]` tensor, columns picked.
+fn gather_rows(t: &HostTensor, start: usize, rows: usize, cols: &[usize]) -> Result<HostTensor, EngineError> {
+    let [total, width, hidden] = t.shape[..] else {
+        return Err(EngineError::InvalidInput("taps must be [tokens, layers, hidden]".into()));
+    };
+    if start + rows > total {
+        return Err(EngineError::InvalidInput(format!("rows {start}..{} past {total} tokens", start + rows)));
+    }
+    let row_bytes = hidden * t.dtype.size_in_bytes();
+    let mut data = Vec::with_capacity(rows * cols.len() * row_bytes);
+    for r in start..start + rows {
+        for &c in cols {
+            let at = (r * width + c) * row_bytes;
+            data.extend_from_slice(&t.data[at..at + row_bytes]);
+        }
+    }
+    Ok(HostTensor { dtype: t.dtype, shape: vec![rows, cols.len(), hidden], data: data.into() })
+}
+
 impl Taps {
-    /// The bytes of tokens `start..start + rows` without copying, when they are already laid out
-    /// as asked: the same layers in the same order and the same dtype. Otherwise `None` (use
-    /// [`Taps::gather`]).
+    /// Taps made on the host from the states of every row of a batch, `[tokens, layers, hidden]`,
+    /// prepared as `output` asks on the CPU (what engines other than the model use, e.g. test fakes).
+    pub fn from_host(
+        layers: Vec<usize>,
+        host: HostTensor,
+        output: &super::output::Output,
+        layers_run: usize,
+    ) -> Result<Self, EngineError> {
+        let t = Tensor::from_vec(host.to_f32(), host.shape.clone(), &candle_core::Device::Cpu)?
+            .to_dtype(host.dtype.candle())?;
+        let prepared = super::output::prepare(&t, output)?;
+        Taps::from_prepared(layers, prepared, host.dtype, host.shape.get(2).copied().unwrap_or(0), layers_run)
+    }
+
+    /// Copies prepared blocks (on the CPU, or any device by way of candle's own copy).
+    pub(crate) fn from_prepared(
+        layers: Vec<usize>,
+        p: super::output::Prepared,
+        dtype: OutDType,
+        hidden: usize,
+        layers_run: usize,
+    ) -> Result<Self, EngineError> {
+        let width = layers.len();
+        let (host, nonfinite) = match p.plain {
+            Some(b) => (HostTensor::from_tensor(&b.states, dtype)?, b.nonfinite.flatten_all()?.to_vec1::<u8>()?),
+            None => (HostTensor::empty(dtype, width, hidden), Vec::new()),
+        };
+        let fp8 = match p.fp8 {
+            Some(b) => {
+                let scale = match &b.scale {
+                    Some(s) => s.flatten_all()?.to_vec1::<f32>()?,
+                    None => return Err(EngineError::InvalidInput("an fp8 block without scales".into())),
+                };
+                Some(Fp8Taps {
+                    host: HostTensor::from_tensor(&b.states, OutDType::Float8E4M3)?,
+                    scale,
+                    nonfinite: b.nonfinite.flatten_all()?.to_vec1::<u8>()?,
+                })
+            }
+            None => None,
+        };
+        Ok(Taps { layers, host, nonfinite, fp8, layers_run })
+    }
+
+    /// The bytes of plain rows `start..start + rows` without copying, when they are already laid
+    /// out as asked: the same layers in the same order and the same dtype. Otherwise `None`
+    /// (use [`Taps::gather`]).
     pub fn view(&self, start: usize, rows: usize, layers: &[usize], dtype: OutDType) -> Option<&[u8]> {
         let [total, width, hidden] = self.host.shape[..] else { return None };
         if layers != self.layers.as_slice() || dtype != self.host.dtype || start + rows > total {
@@ -30,8 +126,8 @@ impl Taps {
         self.host.data.get(start * row..(start + rows) * row)
     }
 
-    /// The bytes of tokens `start..start + rows` as asked: borrowed from the batch's buffer when
-    /// [`Taps::view`] can, a gathered copy otherwise. What every answer is written from.
+    /// The bytes of plain rows `start..start + rows` as asked: borrowed from the batch's buffer
+    /// when [`Taps::view`] can, a gathered copy otherwise. What every answer is written from.
     pub fn bytes(
         &self,
         start: usize,
@@ -45,8 +141,8 @@ impl Taps {
         }
     }
 
-    /// `[rows, layers.len(), hidden]` for tokens `start..start + rows`, layers in the given order
-    /// (each must be one of `self.layers`), in `dtype`.
+    /// `[rows, layers.len(), hidden]` for plain rows `start..start + rows`, layers in the given
+    /// order (each must be one of `self.layers`), in `dtype`.
     pub fn gather(
         &self,
         start: usize,
@@ -54,32 +150,55 @@ impl Taps {
         layers: &[usize],
         dtype: OutDType,
     ) -> Result<HostTensor, EngineError> {
-        let [total, width, hidden] = self.host.shape[..] else {
-            return Err(EngineError::InvalidInput("taps must be [tokens, layers, hidden]".into()));
+        let cols = columns(&self.layers, layers)?;
+        Ok(gather_rows(&self.host, start, rows, &cols)?.to_dtype(dtype))
+    }
+
+    fn fp8_block(&self) -> Result<&Fp8Taps, EngineError> {
+        self.fp8.as_ref().ok_or_else(|| EngineError::InvalidInput("this batch has no fp8 rows".into()))
+    }
+
+    /// The fp8 bytes of quantised rows `start..start + rows`, layers in the given order: borrowed
+    /// when the layout already matches.
+    pub fn fp8_bytes(
+        &self,
+        start: usize,
+        rows: usize,
+        layers: &[usize],
+    ) -> Result<std::borrow::Cow<'_, [u8]>, EngineError> {
+        let b = self.fp8_block()?;
+        let [total, width, hidden] = b.host.shape[..] else {
+            return Err(EngineError::InvalidInput("fp8 taps must be [tokens, layers, hidden]".into()));
         };
-        if start + rows > total {
-            return Err(EngineError::InvalidInput(format!("rows {start}..{} past {total} tokens", start + rows)));
-        }
-        let cols = layers
-            .iter()
-            .map(|l| {
-                self.layers
-                    .iter()
-                    .position(|x| x == l)
-                    .ok_or_else(|| EngineError::InvalidInput(format!("layer {l} was not part of this batch")))
-            })
-            .collect::<Result<Vec<_>, EngineError>>()?;
-        let es = self.host.dtype.candle().size_in_bytes();
-        let row_bytes = hidden * es;
-        let mut data = Vec::with_capacity(rows * cols.len() * row_bytes);
-        for r in start..start + rows {
-            for &c in &cols {
-                let at = (r * width + c) * row_bytes;
-                data.extend_from_slice(&self.host.data[at..at + row_bytes]);
+        if layers == self.layers.as_slice() && start + rows <= total {
+            let row = width * hidden;
+            if let Some(v) = b.host.data.get(start * row..(start + rows) * row) {
+                return Ok(std::borrow::Cow::Borrowed(v));
             }
         }
-        let out = HostTensor { dtype: self.host.dtype, shape: vec![rows, cols.len(), hidden], data: data.into() };
-        Ok(out.to_dtype(dtype))
+        let cols = columns(&self.layers, layers)?;
+        Ok(std::borrow::Cow::Owned(gather_rows(&b.host, start, rows, &cols)?.data.into_vec()))
+    }
+
+    /// `[rows, layers.len()]` scales of quantised rows `start..start + rows`.
+    pub fn fp8_scale(&self, start: usize, rows: usize, layers: &[usize]) -> Result<Vec<f32>, EngineError> {
+        let b = self.fp8_block()?;
+        let cols = columns(&self.layers, layers)?;
+        if (start + rows) * self.layers.len() > b.scale.len() {
+            return Err(EngineError::InvalidInput("fp8 rows past the end of the batch".into()));
+        }
+        Ok(pick(&b.scale, self.layers.len(), start, rows, &cols))
+    }
+
+    /// `[rows, layers.len()]`: 1 where the row (plain, or quantised when `fp8`) holds a NaN or an
+    /// infinity at that layer.
+    pub fn nonfinite(&self, fp8: bool, start: usize, rows: usize, layers: &[usize]) -> Result<Vec<u8>, EngineError> {
+        let flags = if fp8 { &self.fp8_block()?.nonfinite } else { &self.nonfinite };
+        let cols = columns(&self.layers, layers)?;
+        if (start + rows) * self.layers.len() > flags.len() {
+            return Err(EngineError::InvalidInput("rows past the end of the batch's screen".into()));
+        }
+        Ok(pick(flags, self.layers.len(), start, rows, &cols))
     }
 }
 
@@ -167,8 +286,14 @@ impl HostTensor {
             OutDType::Float32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
             OutDType::Bfloat16 => half_bytes(&flat.to_vec1::<half::bf16>()?),
             OutDType::Float16 => half_bytes(&flat.to_vec1::<half::f16>()?),
+            OutDType::Float8E4M3 => flat.to_vec1::<float8::F8E4M3>()?.iter().map(|x| x.to_bits()).collect(),
         };
         Ok(HostTensor { dtype, shape: t.dims().to_vec(), data: data.into() })
+    }
+
+    /// `[0, layers, hidden]`: no rows.
+    pub fn empty(dtype: OutDType, layers: usize, hidden: usize) -> Self {
+        HostTensor { dtype, shape: vec![0, layers, hidden], data: Vec::new().into() }
     }
 
     /// `[..]` f32 values as a host tensor (for engines other than the model, e.g. test fakes).
@@ -186,6 +311,8 @@ impl HostTensor {
             OutDType::Float32 => bytemuck::cast_slice(&v).to_vec(),
             OutDType::Bfloat16 => half_bytes(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>()),
             OutDType::Float16 => half_bytes(&v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>()),
+            // The values as they are, not scaled: only meaningful for values already in range.
+            OutDType::Float8E4M3 => v.iter().map(|&x| float8::F8E4M3::from_f32(x).to_bits()).collect(),
         };
         HostTensor { dtype, shape: self.shape, data: data.into() }
     }
@@ -202,6 +329,7 @@ impl HostTensor {
             OutDType::Float16 => {
                 self.data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
             }
+            OutDType::Float8E4M3 => self.data.iter().map(|&b| float8::F8E4M3::from_bits(b).to_f32()).collect(),
         }
     }
 }
@@ -230,6 +358,8 @@ pub(crate) mod cuda_copy {
     const STEP: usize = 64 << 20;
     /// Idle buffers kept for reuse; more are freed.
     const KEEP: usize = 4;
+    /// Copies smaller than this go to ordinary memory.
+    const SMALL: usize = 1 << 20;
 
     impl PinnedPool {
         pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
@@ -300,6 +430,15 @@ pub(crate) mod cuda_copy {
     ) -> Result<HostBytes, EngineError> {
         let view = s.slice(range.0..range.1);
         let bytes = (range.1 - range.0) * std::mem::size_of::<T>();
+        if bytes < SMALL {
+            // Screens and scales: too small for a page-locked buffer of their own.
+            let v: Vec<T> = stream.memcpy_dtov(&view).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+            stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+            // SAFETY: `T` is a plain number type (every byte initialised); the vector is read as
+            // its bytes, in memory order, and not used as `T` again.
+            let b = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), bytes) }.to_vec();
+            return Ok(HostBytes::Vec(b));
+        }
         let mut dst = pool.take(bytes)?;
         let buf = dst.buf.as_mut().ok_or_else(|| fail("pinned buffer missing".into()))?;
         // SAFETY: a view of the same bytes as `T` (16- or 32-bit floats, for which every bit
@@ -313,34 +452,73 @@ pub(crate) mod cuda_copy {
         Ok(HostBytes::Lent(Box::new(dst)))
     }
 
-    /// Copies a contiguous tensor into host memory on `stream`. The caller orders `stream` after
-    /// the work that wrote the tensor (an event recorded on the compute stream).
+    /// Copies a contiguous tensor's bytes into host memory on `stream`. The caller orders
+    /// `stream` after the work that wrote the tensor (an event recorded on the compute stream).
+    pub fn bytes_to_host(
+        t: &Tensor,
+        stream: &Arc<CudaStream>,
+        pool: &Arc<PinnedPool>,
+    ) -> Result<HostBytes, EngineError> {
+        let (storage, layout) = t.storage_and_layout();
+        let range =
+            layout.contiguous_offsets().ok_or_else(|| fail("hidden states must be contiguous to copy".into()))?;
+        let Storage::Cuda(c) = &*storage else {
+            return Err(fail("the device-to-host copy expects a CUDA tensor".into()));
+        };
+        match &c.slice {
+            CudaStorageSlice::BF16(s) => copy(s, range, stream, pool),
+            CudaStorageSlice::F16(s) => copy(s, range, stream, pool),
+            CudaStorageSlice::F32(s) => copy(s, range, stream, pool),
+            CudaStorageSlice::F8E4M3(s) => copy(s, range, stream, pool),
+            CudaStorageSlice::U8(s) => copy(s, range, stream, pool),
+            _ => Err(fail(format!("no device-to-host copy for {:?}", t.dtype()))),
+        }
+    }
+
+    /// [`bytes_to_host`] for a tensor of `dtype`.
     pub fn to_host(
         t: &Tensor,
         dtype: OutDType,
         stream: &Arc<CudaStream>,
         pool: &Arc<PinnedPool>,
     ) -> Result<HostTensor, EngineError> {
-        let (storage, layout) = t.storage_and_layout();
-        let range =
-            layout.contiguous_offsets().ok_or_else(|| fail("hidden states must be contiguous to copy".into()))?;
-        let mismatch = || fail("dtype mismatch in the device-to-host copy".into());
-        let data = match (&*storage, dtype) {
-            (Storage::Cuda(c), OutDType::Bfloat16) => match &c.slice {
-                CudaStorageSlice::BF16(s) => copy(s, range, stream, pool)?,
-                _ => return Err(mismatch()),
-            },
-            (Storage::Cuda(c), OutDType::Float16) => match &c.slice {
-                CudaStorageSlice::F16(s) => copy(s, range, stream, pool)?,
-                _ => return Err(mismatch()),
-            },
-            (Storage::Cuda(c), OutDType::Float32) => match &c.slice {
-                CudaStorageSlice::F32(s) => copy(s, range, stream, pool)?,
-                _ => return Err(mismatch()),
-            },
-            _ => return Err(fail("the device-to-host copy expects a CUDA tensor".into())),
+        if t.dtype() != dtype.candle() {
+            return Err(fail("dtype mismatch in the device-to-host copy".into()));
+        }
+        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data: bytes_to_host(t, stream, pool)? })
+    }
+
+    /// Copies a prepared batch's blocks to the host on `stream` (ordered after the work that
+    /// wrote them by the caller).
+    pub fn prepared_to_host(
+        layers: Vec<usize>,
+        p: crate::engine::output::Prepared,
+        dtype: OutDType,
+        hidden: usize,
+        layers_run: usize,
+        stream: &Arc<CudaStream>,
+        pool: &Arc<PinnedPool>,
+    ) -> Result<super::Taps, EngineError> {
+        let width = layers.len();
+        let small = |t: &Tensor| -> Result<Vec<u8>, EngineError> { Ok(bytes_to_host(t, stream, pool)?.into_vec()) };
+        let (host, nonfinite) = match p.plain {
+            Some(b) => (to_host(&b.states, dtype, stream, pool)?, small(&b.nonfinite)?),
+            None => (HostTensor::empty(dtype, width, hidden), Vec::new()),
         };
-        Ok(HostTensor { dtype, shape: t.dims().to_vec(), data })
+        let fp8 = match p.fp8 {
+            Some(b) => {
+                let scale = b.scale.as_ref().ok_or_else(|| fail("an fp8 block without scales".into()))?;
+                let scale =
+                    small(scale)?.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                Some(super::Fp8Taps {
+                    host: to_host(&b.states, OutDType::Float8E4M3, stream, pool)?,
+                    scale,
+                    nonfinite: small(&b.nonfinite)?,
+                })
+            }
+            None => None,
+        };
+        Ok(super::Taps { layers, host, nonfinite, fp8, layers_run })
     }
 }
 
@@ -353,7 +531,7 @@ mod tests {
         let v: Vec<f32> = (0..3)
             .flat_map(|t| [3usize, 1].into_iter().flat_map(move |l| (0..2).map(move |h| (t * 100 + l * 10 + h) as f32)))
             .collect();
-        Taps { layers: vec![3, 1], host: HostTensor::from_f32(&v, vec![3, 2, 2]), layers_run: 3 }
+        Taps::from_host(vec![3, 1], HostTensor::from_f32(&v, vec![3, 2, 2]), &Default::default(), 3).unwrap()
     }
 
     /// A view is offered exactly when the batch already holds the rows as asked, and then it

@@ -12,15 +12,20 @@ pub mod gguf;
 pub mod host;
 pub mod layers;
 pub mod loader;
+pub mod output;
 pub mod profile;
 pub mod weights;
 
 use candle_core::Tensor;
 pub use candle_core::{DType, Device};
 
-pub use config::{resolve_layers, Family, LayerKinds, ModelConfig, SUPPORTED_ARCHITECTURES};
-pub use host::{HostBytes, HostTensor, LentBuffer, Taps};
+pub use config::{
+    layer_label, resolve_layer_refs, resolve_layers, Family, LayerKinds, LayerRef, ModelConfig, FINAL_PRENORM,
+    SUPPORTED_ARCHITECTURES,
+};
+pub use host::{Fp8Taps, HostBytes, HostTensor, LentBuffer, Taps};
 pub use loader::{load, LoadedModel, TokenizerSource};
+pub use output::{Output, Rows};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -111,6 +116,10 @@ pub enum OutDType {
     Bfloat16,
     #[serde(alias = "f16")]
     Float16,
+    /// 8-bit floats (E4M3, finite only, max 448) with one f32 scale per token per layer; only
+    /// ever produced by the engine (quantised on the device after the taps are taken).
+    #[serde(rename = "float8_e4m3fn", alias = "fp8", alias = "f8_e4m3")]
+    Float8E4M3,
 }
 
 impl OutDType {
@@ -119,6 +128,7 @@ impl OutDType {
             "f32" | "float32" => Some(OutDType::Float32),
             "bf16" | "bfloat16" => Some(OutDType::Bfloat16),
             "f16" | "float16" => Some(OutDType::Float16),
+            "fp8" | "f8_e4m3" | "float8_e4m3fn" => Some(OutDType::Float8E4M3),
             _ => None,
         }
     }
@@ -128,6 +138,7 @@ impl OutDType {
             OutDType::Float32 => DType::F32,
             OutDType::Bfloat16 => DType::BF16,
             OutDType::Float16 => DType::F16,
+            OutDType::Float8E4M3 => DType::F8E4M3,
         }
     }
 
@@ -135,6 +146,7 @@ impl OutDType {
         match d {
             DType::BF16 => OutDType::Bfloat16,
             DType::F16 => OutDType::Float16,
+            DType::F8E4M3 => OutDType::Float8E4M3,
             _ => OutDType::Float32,
         }
     }
@@ -149,6 +161,7 @@ impl OutDType {
             OutDType::Float32 => "float32",
             OutDType::Bfloat16 => "bfloat16",
             OutDType::Float16 => "float16",
+            OutDType::Float8E4M3 => "float8_e4m3fn",
         }
     }
 }
@@ -156,8 +169,9 @@ impl OutDType {
 impl std::str::FromStr for OutDType {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        OutDType::parse(s)
-            .ok_or_else(|| format!("unknown dtype {s:?}; use f32, bf16 or f16 (or float32, bfloat16, float16)"))
+        OutDType::parse(s).ok_or_else(|| {
+            format!("unknown dtype {s:?}; use f32, bf16, f16 or fp8 (or float32, bfloat16, float16, float8_e4m3fn)")
+        })
     }
 }
 
@@ -263,8 +277,18 @@ pub struct Batch {
     pub input_ids: Vec<u32>,
     /// `n + 1` offsets: sequence `i` is `input_ids[cu_seqlens[i]..cu_seqlens[i + 1]]`.
     pub cu_seqlens: Vec<usize>,
-    /// Resolved hidden-state indices in `0..=num_layers`, each at most once.
+    /// Resolved hidden-state indices in `0..=num_layers + 1` (`num_layers + 1` is the last
+    /// decoder layer's output before the final norm, [`FINAL_PRENORM`]), each at most once.
     pub layers: Vec<usize>,
+    /// Which rows come back, and which of them as fp8.
+    pub output: Output,
+}
+
+impl Batch {
+    /// Every row of the packed sequences, in the compute dtype.
+    pub fn new(input_ids: Vec<u32>, cu_seqlens: Vec<usize>, layers: Vec<usize>) -> Self {
+        Batch { input_ids, cu_seqlens, layers, output: Output::default() }
+    }
 }
 
 /// Static description of the loaded model.
@@ -389,9 +413,14 @@ impl Engine for ModelEngine {
             ));
         }
         let n = self.decoder.cfg.num_hidden_layers;
-        if let Some(l) = batch.layers.iter().find(|&&l| l > n) {
-            return Err(EngineError::InvalidInput(format!("layer index {l} is out of range 0..={n}")));
+        if let Some(l) = batch.layers.iter().find(|&&l| l > n + 1) {
+            return Err(EngineError::InvalidInput(format!(
+                "layer index {l} is out of range 0..={} ({} is the pre-norm final state)",
+                n + 1,
+                n + 1
+            )));
         }
+        batch.output.check(batch.input_ids.len())?;
         let device = self.decoder.device().clone();
         let ids = Tensor::new(batch.input_ids.as_slice(), &device)?;
         let packing = self.decoder.packing(cu)?;
@@ -401,10 +430,14 @@ impl Engine for ModelEngine {
         drop(states);
         let layers = batch.layers.clone();
         let dtype = OutDType::from_candle(stacked.dtype());
+        let hidden = self.decoder.cfg.hidden_size;
+        // Selection, screen and quantisation run here, on the device, before any copy.
+        let prepared = output::prepare(&stacked, &batch.output)?;
+        drop(stacked);
         #[cfg(feature = "cuda")]
         if let (Some(stream), Some(pool), Device::Cuda(d)) = (&self.copy_stream, &self.pinned, &device) {
             // The copy runs on its own stream, so it must be ordered after the work that wrote
-            // `stacked`: an event recorded now, behind that work on the compute stream. (Kernels
+            // the prepared blocks: an event recorded now, behind that work on the compute stream. (Kernels
             // that take their output as a shared reference record no write for the copy to wait
             // on, and a copy that starts early reads rows not yet written.)
             let written = d
@@ -416,11 +449,9 @@ impl Engine for ModelEngine {
                 stream
                     .wait(&written)
                     .map_err(|e| EngineError::from(candle_core::Error::Msg(format!("waiting on a CUDA event: {e}"))))?;
-                let host = host::cuda_copy::to_host(&stacked, dtype, &stream, &pool)?;
-                Ok(Taps { layers, host, layers_run })
+                host::cuda_copy::prepared_to_host(layers, prepared, dtype, hidden, layers_run, &stream, &pool)
             }));
         }
-        let host = HostTensor::from_tensor(&stacked, dtype)?;
-        Ok(Pending::ready(Ok(Taps { layers, host, layers_run })))
+        Ok(Pending::ready(Taps::from_prepared(layers, prepared, dtype, hidden, layers_run)))
     }
 }

@@ -14,9 +14,10 @@ use std::sync::Arc;
 use super::{require_ready, ApiJson, AppState};
 use crate::batching::{Part, Submission};
 use crate::codec;
-use crate::engine::{HostTensor, OutDType};
+use crate::engine::{layer_label, HostTensor, LayerRef, OutDType, FINAL_PRENORM};
 use crate::error::{ApiError, ErrorKind};
 use crate::extract::{extraction, metadata, token_columns, tokenize_within, Input};
+use crate::select::Selection;
 use crate::tokenizer::{Budget, TokenizeError, Tokenized};
 
 /// Checks one input's shape (exactly one kind, ids in range) and turns it into an [`Input`].
@@ -237,27 +238,61 @@ fn wants_json(headers: &HeaderMap) -> Result<bool, ApiError> {
     Ok(json.0 > 0.0 && (json.0, json.1) > (octets.0, octets.1))
 }
 
-/// The caller's layer indices resolved, refusing lists longer than the model has indices and
-/// indices named twice (the answer holds each asked index once, in the order asked).
-fn checked_layers(layers: &[i64], num_layers: usize) -> Result<Vec<usize>, ApiError> {
-    if layers.len() > num_layers + 1 {
+/// The caller's layers resolved (indices, and `"final_prenorm"` as `num_layers + 1`), refusing
+/// lists longer than the model has layers to offer and layers named twice (the answer holds each
+/// asked layer once, in the order asked).
+fn checked_layers(layers: &[LayerRef], num_layers: usize) -> Result<Vec<usize>, ApiError> {
+    if layers.len() > num_layers + 2 {
         return Err(ApiError::invalid(format!(
-            "\"layers\" names {} indices; this model has {} (0..={num_layers}), and each may be asked once",
+            "\"layers\" names {} layers; this model has {} (indices 0..={num_layers} and \"{FINAL_PRENORM}\"), \
+             and each may be asked once",
             layers.len(),
-            num_layers + 1
+            num_layers + 2
         )));
     }
-    let resolved = crate::engine::resolve_layers(layers, num_layers)?;
-    let mut seen = vec![None; num_layers + 1];
+    let resolved = crate::engine::resolve_layer_refs(layers, num_layers)?;
+    let mut seen = vec![None; num_layers + 2];
     for (k, &r) in resolved.iter().enumerate() {
         if let Some(first) = seen[r].replace(k) {
+            let name = |l: &LayerRef| match l {
+                LayerRef::Index(i) => i.to_string(),
+                LayerRef::Name(n) => format!("{n:?}"),
+            };
             return Err(ApiError::invalid(format!(
-                "\"layers\" names index {r} twice ({} and {}); ask for each index once",
-                layers[first], layers[k]
+                "\"layers\" names {} twice ({} and {}); ask for each layer once",
+                layer_label(r, num_layers),
+                name(&layers[first]),
+                name(&layers[k])
             )));
         }
     }
     Ok(resolved)
+}
+
+/// What the screen found in the rows a request gets: per asked layer, the rows holding a NaN or
+/// an infinity, and the first such row (input, position, layer column).
+struct Screen {
+    per_layer: Vec<u64>,
+    first: Option<(usize, usize, usize)>,
+}
+
+fn screen(parts: &[Part], layers: &[usize], positions: Option<&[Vec<u32>]>) -> Result<Screen, ApiError> {
+    let mut per_layer = vec![0u64; layers.len()];
+    let mut first = None;
+    for (i, p) in parts.iter().enumerate() {
+        let flags = p.nonfinite(layers)?;
+        for (k, &f) in flags.iter().enumerate() {
+            if f != 0 {
+                let (row, col) = (k / layers.len(), k % layers.len());
+                per_layer[col] += 1;
+                if first.is_none() {
+                    let pos = positions.map_or(row, |ps| ps[i][row] as usize);
+                    first = Some((i, pos, col));
+                }
+            }
+        }
+    }
+    Ok(Screen { per_layer, first })
 }
 
 fn ms(d: std::time::Duration) -> HeaderValue {
@@ -297,15 +332,24 @@ pub async fn hidden_states(
     require_ready(&s)?;
     let dtype = match req.dtype.as_deref() {
         None => s.info.dtype,
-        Some(d) => OutDType::parse(d)
-            .ok_or_else(|| ApiError::invalid(format!("unknown dtype {d:?}; use float32, bfloat16 or float16")))?,
+        Some(d) => OutDType::parse(d).ok_or_else(|| {
+            ApiError::invalid(format!("unknown dtype {d:?}; use float32, bfloat16, float16 or float8_e4m3fn"))
+        })?,
     };
-    let layers = checked_layers(&req.layers, s.info.num_layers)?;
+    let fp8 = dtype == OutDType::Float8E4M3;
+    let n_layers = s.info.num_layers;
+    let layers = checked_layers(&req.layers, n_layers)?;
+    let selection = Selection::parse(req.tokens.as_ref(), req.inputs.len()).map_err(ApiError::invalid)?;
     let json = wants_json(&headers)?;
     let seqs = tokenize_all(&s, req.inputs, req.split_special_tokens).await?;
+    let positions = selection.positions(&seqs).map_err(ApiError::invalid)?.map(Arc::new);
     let hidden = s.info.hidden_size;
-    let total: usize = seqs.iter().map(|t| t.ids.len()).sum();
-    let answer_bytes = total * layers.len() * hidden * dtype.size_in_bytes();
+    let total: usize = match &positions {
+        Some(p) => p.iter().map(Vec::len).sum(),
+        None => seqs.iter().map(|t| t.ids.len()).sum(),
+    };
+    let answer_bytes =
+        total * layers.len() * (hidden * dtype.size_in_bytes() + if fp8 { std::mem::size_of::<f32>() } else { 0 });
     if answer_bytes > s.limits.max_answer_bytes {
         return Err(too_large(format!(
             "the answer would hold {answer_bytes} bytes of hidden states ({total} tokens x {} layers x {hidden} x {}), \
@@ -326,8 +370,8 @@ pub async fn hidden_states(
         ));
     }
     let seqs = std::sync::Arc::new(seqs);
-    let sub = Submission { seqs: seqs.clone(), layers: layers.clone() };
-    let meta = metadata(&s.info, &layers, dtype);
+    let sub = Submission { seqs: seqs.clone(), layers: layers.clone(), positions: positions.clone(), fp8 };
+    let mut meta = metadata(&s.info, &layers, dtype, &selection);
     let rx = s.scheduler.submit(sub)?;
     s.metrics.queue_requests.inc();
     // Stop waiting when the drain deadline passes: dropping `rx` makes the queue skip the rest.
@@ -356,21 +400,58 @@ pub async fn hidden_states(
         Ok(Err(_)) => return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down")),
         Ok(Ok(r)) => r?,
     };
+    // Non-finite values never pass silently: counted, then refused unless the caller allows them.
+    let found = screen(&answer.parts, &layers, positions.as_deref().map(|p| &p[..]))?;
+    let mut nonfinite = serde_json::Map::new();
+    for (col, &count) in found.per_layer.iter().enumerate() {
+        if count > 0 {
+            let label = match layer_label(layers[col], n_layers) {
+                serde_json::Value::String(name) => name,
+                other => other.to_string(),
+            };
+            s.metrics.nonfinite.with_label_values(&[label.as_str()]).inc_by(count);
+            nonfinite.insert(label, count.into());
+        }
+    }
+    if let (Some((input, pos, col)), false) = (found.first, req.allow_nonfinite) {
+        let label = layer_label(layers[col], n_layers);
+        tracing::warn!(layer = %label, input, position = pos, "non-finite hidden states: request refused");
+        return Err(ApiError::invalid(format!(
+            "the model produced a non-finite value (NaN or infinity) at layer {label} for inputs[{input}], \
+             position {pos} ({} states in all: {}); nothing is returned. Send allow_nonfinite: true to \
+             receive such states anyway",
+            found.per_layer.iter().sum::<u64>(),
+            serde_json::Value::Object(nonfinite)
+        )));
+    }
+    meta.insert("nonfinite".into(), serde_json::Value::Object(nonfinite).to_string());
     let (queue_time, inference_time) = (answer.queue_time, answer.inference_time);
     let zstd = wants_zstd(&headers) && !json;
     let level = s.limits.zstd_level;
     let metrics = s.metrics.clone();
     let body = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, bool), ApiError> {
+        let pos = positions.as_deref().map(|p| &p[..]);
+        let scale = if fp8 {
+            let mut all = Vec::with_capacity(total * layers.len());
+            for p in &answer.parts {
+                all.extend(p.scale(&layers)?);
+            }
+            Some(all)
+        } else {
+            None
+        };
         if json {
-            let x = extraction(&seqs, concat(&answer.parts, &layers, hidden, dtype)?, meta);
+            let x = extraction(&seqs, pos, concat(&answer.parts, &layers, hidden, dtype)?, scale, meta);
             metrics.hidden_state_bytes.with_label_values(&["raw"]).inc_by(x.hidden_states.data.len() as u64);
             let j = HiddenStatesJson {
                 shape: x.hidden_states.shape.clone(),
                 dtype: dtype.name().into(),
                 hidden_states: x.hidden_states.to_f32(),
+                hidden_states_scale: x.hidden_states_scale,
                 input_ids: x.input_ids,
                 cu_seqlens: x.cu_seqlens,
                 loss_mask: x.loss_mask,
+                positions: x.positions,
                 metadata: x.metadata,
             };
             return serde_json::to_vec(&j).map(|b| (b, false)).map_err(|e| ApiError::internal(e.to_string()));
@@ -379,14 +460,16 @@ pub async fn hidden_states(
         // (the usual case); a copy only where layers or dtype must be rearranged.
         let pieces = answer.parts.iter().map(|p| p.bytes(&layers, dtype)).collect::<Result<Vec<_>, _>>()?;
         let chunks: Vec<&[u8]> = pieces.iter().map(|c| &c[..]).collect();
-        let (input_ids, cu_seqlens, loss_mask) = token_columns(&seqs);
+        let cols = token_columns(&seqs, pos);
         let parts = codec::AnswerParts {
             dtype,
             shape: vec![total, layers.len(), hidden],
             chunks,
-            input_ids,
-            cu_seqlens,
-            loss_mask,
+            scale,
+            input_ids: cols.input_ids,
+            cu_seqlens: cols.cu_seqlens,
+            loss_mask: cols.loss_mask,
+            positions: cols.positions,
             metadata: meta,
         };
         metrics

@@ -28,18 +28,51 @@ pub struct HiddenStatesRequest {
     pub inputs: Vec<InputItem>,
     /// Hugging Face `hidden_states` indices: 0 = embedding output, i = output of decoder layer i
     /// (1-based), L = final output after the last norm; negative indices count from the end (-1 = L).
-    /// The answer keeps this order.
-    #[schema(example = json!([2, 17, -1]))]
-    pub layers: Vec<i64>,
-    /// Output dtype: float32, bfloat16 or float16 (also f32, bf16, f16). Default: the compute dtype.
+    /// The name "final_prenorm" asks for the last decoder layer's output before the final norm
+    /// (which Hugging Face does not return), and mixes with indices. The answer keeps this order.
+    #[schema(example = json!([2, 17, -1, "final_prenorm"]))]
+    pub layers: Vec<crate::engine::LayerRef>,
+    /// Output dtype: float32, bfloat16, float16 or float8_e4m3fn (also f32, bf16, f16, fp8).
+    /// Default: the compute dtype. fp8 answers add `hidden_states_scale` [rows, n_layers] f32, one
+    /// scale per token and layer (amax / 448), quantised on the device:
+    /// `hidden_states.float() * hidden_states_scale[..., None]` restores the states.
     #[schema(example = "bfloat16")]
     pub dtype: Option<String>,
+    /// Which tokens' rows to return: "all" (default), "assistant" (rows whose loss_mask is 1),
+    /// {"last": k} (the last k tokens of each input), or one list of [start, end) pairs per input.
+    /// With a selection the answer adds `positions` [rows] int64, each row's position in its
+    /// input; `input_ids`, `loss_mask` and `cu_seqlens` then describe the returned rows.
+    #[schema(schema_with = tokens_schema)]
+    pub tokens: Option<serde_json::Value>,
+    /// Return states holding NaN or infinity instead of refusing the request (422); the answer's
+    /// `nonfinite` metadata then counts them per layer.
+    #[serde(default)]
+    pub allow_nonfinite: bool,
     /// Tokenize special-token text (such as `<|im_start|>`) inside `text` and message content as
     /// plain text, as transformers' `split_special_tokens=True`, so content cannot forge control
     /// tokens; the chat template's own control tokens stay special. Default false (transformers'
     /// default: such text becomes the control token).
     #[serde(default)]
     pub split_special_tokens: bool,
+}
+
+fn tokens_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>> {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Type};
+    let int = || ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(0));
+    let pair = ArrayBuilder::new().items(int()).min_items(Some(2)).max_items(Some(2));
+    OneOfBuilder::new()
+        .item(ObjectBuilder::new().schema_type(Type::String).enum_values(Some(["all", "assistant"])))
+        .item(
+            ObjectBuilder::new()
+                .property("last", ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(1)))
+                .required("last"),
+        )
+        .item(
+            ArrayBuilder::new()
+                .items(ArrayBuilder::new().items(pair))
+                .description(Some("one list of [start, end) pairs per input, ascending and not overlapping")),
+        )
+        .description(Some("Which tokens' rows to return; default \"all\"."))
 }
 
 /// `POST /v1/tokenize`.
@@ -70,11 +103,18 @@ pub struct HiddenStatesJson {
     /// `[total_tokens, n_layers, hidden]`.
     pub shape: Vec<usize>,
     pub dtype: String,
-    /// Row-major values of `hidden_states`.
+    /// Row-major values of `hidden_states` (for fp8, the fp8 values themselves: multiply by
+    /// `hidden_states_scale`).
     pub hidden_states: Vec<f32>,
+    /// `[rows, n_layers]`, fp8 answers only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_states_scale: Option<Vec<f32>>,
     pub input_ids: Vec<i64>,
     pub cu_seqlens: Vec<i64>,
     pub loss_mask: Vec<u8>,
+    /// Each row's position in its input, with a token selection only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub positions: Option<Vec<i64>>,
     pub metadata: HashMap<String, String>,
 }
 

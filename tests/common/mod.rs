@@ -43,6 +43,7 @@ pub fn read_safetensors_bytes(bytes: &[u8]) -> (HashMap<String, Read>, HashMap<S
             Dtype::F16 => {
                 (d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![])
             }
+            Dtype::F8_E4M3 => (d.iter().map(|&b| float8::F8E4M3::from_bits(b).to_f32()).collect(), vec![]),
             Dtype::I64 => (vec![], d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
             Dtype::U8 => (vec![], d.iter().map(|&b| i64::from(b)).collect()),
             other => panic!("unexpected dtype {other:?} for {name}"),
@@ -115,6 +116,9 @@ pub struct FakeControl {
     pub oom_above: AtomicUsize,
     /// The out-of-memory error surfaces when the launched batch is waited on, not at launch.
     pub oom_at_wait: std::sync::atomic::AtomicBool,
+    /// A token whose states come out as NaN at every index from 2 on, and +inf in component 0
+    /// of index 1 (as a model whose activations overflow would give).
+    pub nonfinite_token: Mutex<Option<u32>>,
 }
 
 /// The error candle reports when a CUDA allocation fails.
@@ -128,16 +132,21 @@ pub struct FakeEngine(pub Arc<FakeControl>);
 impl FakeEngine {
     /// The states of `batch` at its layers, `[tokens, layers, hidden]` as the real engine lays
     /// them out.
-    fn taps(batch: &Batch, layers_run: usize) -> Taps {
+    fn taps(batch: &Batch, layers_run: usize, bad: Option<u32>) -> Result<Taps, EngineError> {
         let u = batch.layers.len();
         let mut v = Vec::with_capacity(batch.input_ids.len() * u * FAKE_HIDDEN);
         for &id in &batch.input_ids {
             for &l in &batch.layers {
-                v.extend((0..FAKE_HIDDEN).map(|h| fake_value(id, l, h)));
+                v.extend((0..FAKE_HIDDEN).map(|h| match (Some(id) == bad, l, h) {
+                    (true, 1, 0) => f32::INFINITY,
+                    (true, l, _) if l >= 2 => f32::NAN,
+                    _ => fake_value(id, l, h),
+                }));
             }
         }
         let host = HostTensor::from_f32(&v, vec![batch.input_ids.len(), u, FAKE_HIDDEN]);
-        Taps { layers: batch.layers.clone(), host, layers_run }
+        // Rows selected, screened and quantised as the batch asks, as the real engine does.
+        Taps::from_host(batch.layers.clone(), host, &batch.output, layers_run)
     }
 }
 
@@ -182,7 +191,8 @@ impl Engine for FakeEngine {
             run += 1;
         }
         c.layers_run.lock().unwrap().push(run);
-        let taps = Self::taps(batch, run);
+        let bad = *c.nonfinite_token.lock().unwrap();
+        let taps = Self::taps(batch, run, bad)?;
         c.events.lock().unwrap().push(("launch", n));
         Ok(Pending::new(move || {
             let ms = c.collect_ms.load(Ordering::SeqCst);

@@ -324,6 +324,58 @@ impl ModelConfig {
     }
 }
 
+/// The name of the last decoder layer's output before the final norm (Hugging Face's last
+/// index is after the norm and it never returns this state); resolved to `num_layers + 1`.
+pub const FINAL_PRENORM: &str = "final_prenorm";
+
+/// A layer as a caller names it: a Hugging Face `hidden_states` index (negative from the end),
+/// or `"final_prenorm"`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(untagged)]
+pub enum LayerRef {
+    Index(i64),
+    Name(String),
+}
+
+impl std::str::FromStr for LayerRef {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().parse::<i64>() {
+            Ok(i) => Ok(LayerRef::Index(i)),
+            Err(_) if s.trim() == FINAL_PRENORM => Ok(LayerRef::Name(FINAL_PRENORM.into())),
+            Err(_) => Err(format!("{s:?} is neither a layer index nor {FINAL_PRENORM:?}")),
+        }
+    }
+}
+
+/// How a resolved index is written in answers' metadata: the index, or `"final_prenorm"`.
+pub fn layer_label(index: usize, num_layers: usize) -> serde_json::Value {
+    if index == num_layers + 1 {
+        serde_json::Value::from(FINAL_PRENORM)
+    } else {
+        serde_json::Value::from(index)
+    }
+}
+
+/// [`resolve_layers`] for layers named by index or by name: `"final_prenorm"` resolves to
+/// `num_layers + 1`.
+pub fn resolve_layer_refs(layers: &[LayerRef], num_layers: usize) -> Result<Vec<usize>, EngineError> {
+    if layers.is_empty() {
+        return Err(EngineError::InvalidInput("\"layers\" must name at least one index".into()));
+    }
+    layers
+        .iter()
+        .map(|l| match l {
+            LayerRef::Index(i) => resolve_layers(&[*i], num_layers).map(|r| r[0]),
+            LayerRef::Name(n) if n == FINAL_PRENORM => Ok(num_layers + 1),
+            LayerRef::Name(n) => Err(EngineError::InvalidInput(format!(
+                "unknown layer name {n:?}: name layers by index, or \"{FINAL_PRENORM}\" for the last decoder \
+                 layer's output before the final norm"
+            ))),
+        })
+        .collect()
+}
+
 /// Turns caller layer indices (Hugging Face `hidden_states` indices, negative from the end)
 /// into indices in `0..=num_hidden_layers`, keeping the caller's order.
 pub fn resolve_layers(layers: &[i64], num_layers: usize) -> Result<Vec<usize>, EngineError> {

@@ -1,0 +1,141 @@
+//! What a batch returns, prepared on its device before anything is copied to the host: the rows
+//! callers asked for (a selection of tokens), the rows to quantise to fp8 with one scale per
+//! token per layer, and a screen for non-finite values in every returned row and layer.
+
+use candle_core::{DType, Tensor, D};
+
+use super::EngineError;
+
+/// The largest finite E4M3 value: a row scaled so its largest magnitude is this uses the whole
+/// range of the format.
+pub const FP8_MAX: f32 = 448.0;
+
+/// Rows of a packed batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// Every row, in order.
+    All,
+    /// These rows (indices into the batch's tokens), ascending; may be empty.
+    Only(Vec<u32>),
+}
+
+impl Rows {
+    pub fn none() -> Self {
+        Rows::Only(Vec::new())
+    }
+
+    /// How many rows of a batch of `total` tokens this selects.
+    pub fn count(&self, total: usize) -> usize {
+        match self {
+            Rows::All => total,
+            Rows::Only(r) => r.len(),
+        }
+    }
+}
+
+/// Which rows of a batch come back, and in which form. The default: every row as computed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Output {
+    /// Rows returned in the compute dtype.
+    pub plain: Rows,
+    /// Rows quantised to fp8 (E4M3) with a per-row, per-layer scale.
+    pub fp8: Rows,
+}
+
+impl Default for Output {
+    fn default() -> Self {
+        Output { plain: Rows::All, fp8: Rows::none() }
+    }
+}
+
+impl Output {
+    /// Every row quantised to fp8 (nothing in the compute dtype).
+    pub fn all_fp8() -> Self {
+        Output { plain: Rows::none(), fp8: Rows::All }
+    }
+
+    /// Checks the rows against a batch of `total` tokens: ascending, in range.
+    pub fn check(&self, total: usize) -> Result<(), EngineError> {
+        for rows in [&self.plain, &self.fp8] {
+            if let Rows::Only(r) = rows {
+                if r.windows(2).any(|w| w[1] <= w[0]) || r.last().is_some_and(|&x| x as usize >= total) {
+                    return Err(EngineError::InvalidInput(format!(
+                        "selected rows must be ascending and below the batch's {total} tokens"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One group of returned rows on the device.
+pub struct Block {
+    /// `[rows, layers, hidden]`: the compute dtype, or F8E4M3 for a quantised block.
+    pub states: Tensor,
+    /// `[rows, layers]` f32 scales of a quantised block (`states * scale` restores the values).
+    pub scale: Option<Tensor>,
+    /// `[rows, layers]` u8: 1 where the row holds a NaN or an infinity at that layer.
+    pub nonfinite: Tensor,
+}
+
+/// The blocks of a batch: `None` where no row was selected.
+pub struct Prepared {
+    pub plain: Option<Block>,
+    pub fp8: Option<Block>,
+}
+
+fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> {
+    match rows {
+        Rows::All if stacked.dim(0)? == 0 => Ok(None),
+        Rows::All => Ok(Some(stacked.clone())),
+        Rows::Only(r) if r.is_empty() => Ok(None),
+        Rows::Only(r) => {
+            let idx = Tensor::new(r.as_slice(), stacked.device())?;
+            Ok(Some(stacked.index_select(&idx, 0)?))
+        }
+    }
+}
+
+/// `[rows, layers]` u8, 1 where a row's values at a layer are not all finite. Multiplying by
+/// zero keeps finite values at exactly 0 and turns an infinity or a NaN into NaN, which the sum
+/// keeps; NaN is the only value not equal to itself.
+pub fn nonfinite(states: &Tensor) -> candle_core::Result<Tensor> {
+    let s = states.affine(0.0, 0.0)?.to_dtype(DType::F32)?.sum(D::Minus1)?;
+    s.ne(&s)
+}
+
+/// Quantises `[rows, layers, hidden]` to E4M3 with one scale per row and layer: the largest
+/// magnitude maps to 448. Returns the fp8 values and the f32 scales (0 for an all-zero row).
+pub fn quantize_fp8(states: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let x = states.to_dtype(DType::F32)?;
+    let amax = x.abs()?.max_keepdim(D::Minus1)?;
+    // Rows whose largest magnitude is below 1e-30 (zero, in practice) are scaled as if it were
+    // 1e-30; the scale stored is then 0 for an all-zero row, and consistent otherwise.
+    let floor = amax.maximum(1e-30)?;
+    let inv = floor.recip()?.affine(f64::from(FP8_MAX), 0.0)?;
+    let q = x.broadcast_mul(&inv)?.to_dtype(DType::F8E4M3)?;
+    let nonzero = amax.gt(0.0)?.to_dtype(DType::F32)?;
+    let scale = (floor.affine(1.0 / f64::from(FP8_MAX), 0.0)? * nonzero)?.squeeze(D::Minus1)?;
+    Ok((q, scale))
+}
+
+/// Selects, screens and quantises the stacked taps `[tokens, layers, hidden]` on their device.
+pub fn prepare(stacked: &Tensor, out: &Output) -> candle_core::Result<Prepared> {
+    let plain = match select(stacked, &out.plain)? {
+        Some(states) => {
+            let nonfinite = nonfinite(&states)?;
+            Some(Block { states, scale: None, nonfinite })
+        }
+        None => None,
+    };
+    let fp8 = match select(stacked, &out.fp8)? {
+        Some(states) => {
+            let nonfinite = nonfinite(&states)?;
+            let (q, scale) = quantize_fp8(&states)?;
+            Some(Block { states: q, scale: Some(scale), nonfinite })
+        }
+        None => None,
+    };
+    Ok(Prepared { plain, fp8 })
+}

@@ -92,11 +92,19 @@ fn hidden_states_equal_transformers_in_f32() {
     for s in &seqs {
         cu.push(cu.last().unwrap() + s.len());
     }
-    let taps = m.engine.forward(&Batch::new(seqs.concat(), cu.clone(), layers.clone())).unwrap();
+    // The pre-norm final state (index L + 1) rides along with the indices.
+    let n = m.info.num_layers;
+    let mut asked = layers.clone();
+    asked.push(n + 1);
+    let taps = m.engine.forward(&Batch::new(seqs.concat(), cu.clone(), asked)).unwrap();
     let h = m.info.hidden_size;
     for (k, s) in seqs.iter().enumerate() {
         let hs = &reference[&format!("hs{k}.hidden_states")];
         let t = s.len();
+        let prenorm = taps.gather(cu[k], t, &[n + 1], OutDType::Float32).unwrap().to_f32();
+        let e = rel_err(&prenorm, &reference[&format!("hs{k}.final_prenorm")].f32);
+        println!("hs{k} final_prenorm: relative error {e:.3e}");
+        assert!(e <= F32_TOLERANCE, "hs{k} final_prenorm: relative error {e:.3e}");
         let got = taps.gather(cu[k], t, &layers, OutDType::Float32).unwrap().to_f32();
         for (j, layer) in layers.iter().enumerate() {
             let want = &hs.f32[j * t * h..(j + 1) * t * h];

@@ -20,8 +20,8 @@ use candle_core::Tensor;
 pub use candle_core::{DType, Device};
 
 pub use config::{
-    layer_label, resolve_layer_refs, resolve_layers, Family, LayerKinds, LayerRef, ModelConfig, FINAL_PRENORM,
-    SUPPORTED_ARCHITECTURES,
+    layer_label, layer_name, resolve_layer_refs, resolve_layers, Family, LayerKinds, LayerRef, ModelConfig,
+    FINAL_PRENORM, SUPPORTED_ARCHITECTURES,
 };
 pub use host::{Fp8Taps, HostBytes, HostTensor, LentBuffer, Taps};
 pub use loader::{load, LoadedModel, TokenizerSource};

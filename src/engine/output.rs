@@ -113,10 +113,12 @@ pub fn quantize_fp8(states: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     // Rows whose largest magnitude is below 1e-30 (zero, in practice) are scaled as if it were
     // 1e-30; the scale stored is then 0 for an all-zero row, and consistent otherwise.
     let floor = amax.maximum(1e-30)?;
-    let inv = floor.recip()?.affine(f64::from(FP8_MAX), 0.0)?;
+    // True divisions (not products with reciprocals), so that the scale is exactly amax / 448.
+    let max = Tensor::new(FP8_MAX, states.device())?;
+    let inv = max.broadcast_div(&floor)?;
     let q = x.broadcast_mul(&inv)?.to_dtype(DType::F8E4M3)?;
     let nonzero = amax.gt(0.0)?.to_dtype(DType::F32)?;
-    let scale = (floor.affine(1.0 / f64::from(FP8_MAX), 0.0)? * nonzero)?.squeeze(D::Minus1)?;
+    let scale = (floor.broadcast_div(&max)? * nonzero)?.squeeze(D::Minus1)?;
     Ok((q, scale))
 }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use super::{require_ready, ApiJson, AppState};
 use crate::batching::{Part, Submission};
 use crate::codec;
-use crate::engine::{layer_label, HostTensor, LayerRef, OutDType, FINAL_PRENORM};
+use crate::engine::{layer_label, layer_name, HostTensor, LayerRef, OutDType, FINAL_PRENORM};
 use crate::error::{ApiError, ErrorKind};
 use crate::extract::{extraction, metadata, token_columns, tokenize_within, Input};
 use crate::select::Selection;
@@ -405,16 +405,13 @@ pub async fn hidden_states(
     let mut nonfinite = serde_json::Map::new();
     for (col, &count) in found.per_layer.iter().enumerate() {
         if count > 0 {
-            let label = match layer_label(layers[col], n_layers) {
-                serde_json::Value::String(name) => name,
-                other => other.to_string(),
-            };
+            let label = layer_name(layers[col], n_layers);
             s.metrics.nonfinite.with_label_values(&[label.as_str()]).inc_by(count);
             nonfinite.insert(label, count.into());
         }
     }
     if let (Some((input, pos, col)), false) = (found.first, req.allow_nonfinite) {
-        let label = layer_label(layers[col], n_layers);
+        let label = layer_name(layers[col], n_layers);
         tracing::warn!(layer = %label, input, position = pos, "non-finite hidden states: request refused");
         return Err(ApiError::invalid(format!(
             "the model produced a non-finite value (NaN or infinity) at layer {label} for inputs[{input}], \

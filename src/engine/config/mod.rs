@@ -357,6 +357,15 @@ pub fn layer_label(index: usize, num_layers: usize) -> serde_json::Value {
     }
 }
 
+/// [`layer_label`] as text: `"17"` or `"final_prenorm"` (metric labels, messages).
+pub fn layer_name(index: usize, num_layers: usize) -> String {
+    if index == num_layers + 1 {
+        FINAL_PRENORM.into()
+    } else {
+        index.to_string()
+    }
+}
+
 /// [`resolve_layers`] for layers named by index or by name: `"final_prenorm"` resolves to
 /// `num_layers + 1`.
 pub fn resolve_layer_refs(layers: &[LayerRef], num_layers: usize) -> Result<Vec<usize>, EngineError> {

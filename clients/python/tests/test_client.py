@@ -847,7 +847,8 @@ def test_new_request_arguments_are_normalised():
     assert body(allow_nonfinite=True)["allow_nonfinite"] is True
     assert body(layers=[2, np.int64(3), -1, "final_prenorm"])["layers"] == [2, 3, -1, "final_prenorm"]
     assert body(layers="final_prenorm")["layers"] == ["final_prenorm"]
-    for bad in (["final"], [1.0], [True], "last"):
+    assert body(layers=[1, "other_label"])["layers"] == [1, "other_label"]  # the server judges labels
+    for bad in ([1.0], [True], [None], {"final_prenorm": 1}):
         with pytest.raises(TypeError):
             body(layers=bad)
     assert body(tokens="all")["tokens"] == "all"
@@ -991,8 +992,9 @@ def test_final_prenorm(client):
         np.testing.assert_allclose(_rms_norm(pre, norm, config["rms_norm_eps"]), final, rtol=1e-4, atol=1e-5)
     [only] = client.hidden_states([INPUTS[0]], layers="final_prenorm", dtype="float32")
     np.testing.assert_allclose(only.hidden_states[:, 0], results[0].hidden_states[:, 1], rtol=1e-5, atol=1e-6)
-    e = _raised(client.hidden_states, [[1, 2]], layers=["final_prenorm", 1, "final_prenorm"])
-    assert (e.status, e.type) == (422, "invalid_request")
+    for layers in (["final_prenorm", 1, "final_prenorm"], [1, "final_postnorm"]):  # twice; unknown label
+        e = _raised(client.hidden_states, [[1, 2]], layers=layers)
+        assert (e.status, e.type) == (422, "invalid_request"), layers
 
 
 def _post_raw(server, body) -> bytes:

@@ -176,7 +176,9 @@ def normalize_inputs(inputs: Any) -> List[Dict[str, Any]]:
 
 
 def normalize_layers(layers: Any) -> List[Union[int, str]]:
-    """The ``layers`` list of the API: ints (``hidden_states`` indices) and ``"final_prenorm"``."""
+    """The ``layers`` list of the API: ints (``hidden_states`` indices) and
+    layer labels such as ``"final_prenorm"`` (strings are sent as they are:
+    the server knows which labels exist)."""
     if _is_int(layers) or isinstance(layers, str):
         layers = [layers]
     layers = _to_list(layers)
@@ -186,10 +188,10 @@ def normalize_layers(layers: Any) -> List[Union[int, str]]:
     for t in layers:
         if _is_int(t):
             out.append(int(t))
-        elif t == FINAL_PRENORM:
-            out.append(FINAL_PRENORM)
+        elif isinstance(t, str):
+            out.append(t)
         else:
-            raise TypeError(f'layers: {t!r} is neither an int (hidden_states index) nor "final_prenorm"')
+            raise TypeError(f'layers: {t!r} is neither an int (hidden_states index) nor a label like "final_prenorm"')
     return out
 
 

@@ -10,6 +10,7 @@ import asyncio
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -22,11 +23,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+import xxhash
 import zstandard
 
 import layertap_client
 from layertap_client import Client, LayertapError, _safetensors
-from layertap_client._common import decompress, normalize_inputs
+from layertap_client._common import (
+    decompress,
+    hidden_states_body,
+    normalize_dtype,
+    normalize_inputs,
+    parse_hidden_states,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = REPO / "tests" / "fixtures" / "tiny" / "qwen3_qknorm"
@@ -544,3 +552,524 @@ def test_async_retries(stub):
     _check_answer(asyncio.run(run()), expect)
     assert len(s.requests) == 3
     assert s.requests[-1][2].get("accept-encoding") == "zstd"
+
+
+# == issue 13: fp8, token selection, final_prenorm, checksums ===============================
+
+def _ml_dtypes():
+    return pytest.importorskip("ml_dtypes")
+
+
+# -- fp8 decoding without a server ---------------------------------------------------------
+
+
+def test_fp8_table_matches_ml_dtypes_for_all_256_patterns(monkeypatch):
+    mld = _ml_dtypes()
+    bits = np.arange(256, dtype=np.uint8)
+    ours = _safetensors.f8_e4m3_bits_to_float32(bits)
+    theirs = bits.view(mld.float8_e4m3fn).astype(np.float32)
+    assert ours.dtype == np.float32 and ours.shape == (256,)
+    nan = np.isnan(theirs)
+    assert nan.sum() == 2 and np.array_equal(np.isnan(ours), nan)  # 0x7F and 0xFF
+    assert np.array_equal(ours[~nan], theirs[~nan])
+    assert np.array_equal(np.signbit(ours[~nan]), np.signbit(theirs[~nan]))  # -0.0 included
+    # A few patterns straight from the definition, independent of ml_dtypes.
+    assert ours[0x38] == 1.0 and ours[0x7E] == 448.0 and ours[0xFE] == -448.0
+    assert ours[0x01] == 2.0**-9 and ours[0x08] == 2.0**-6 and ours[0x07] == 7 * 2.0**-9
+    assert np.isinf(ours).sum() == 0
+    # load() widens F8_E4M3 through the table when ml_dtypes is missing, keeps it fp8 otherwise.
+    raw = _write_safetensors({"q": ("F8_E4M3", [16, 16], bits.tobytes())})
+    assert _safetensors.load(raw)[0]["q"].dtype == mld.float8_e4m3fn
+    monkeypatch.setattr(_safetensors, "_ml_dtypes", None)
+    widened = _safetensors.load(raw)[0]["q"]
+    assert widened.dtype == np.float32 and widened.shape == (16, 16)
+    assert np.array_equal(widened.reshape(-1), ours, equal_nan=True)
+
+
+def _st_bytes(arrays, metadata) -> bytes:
+    """safetensors bytes written by the reference implementation (the safetensors package)."""
+    st = pytest.importorskip("safetensors")
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    specs = {
+        k: st.TensorSpec(dtype=a.dtype.name, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
+        for k, a in arrays.items()
+    }
+    return bytes(st.serialize(specs, metadata=metadata))
+
+
+def _checksums(arrays) -> str:
+    return json.dumps({k: xxhash.xxh64(np.ascontiguousarray(a).tobytes()).hexdigest() for k, a in arrays.items()})
+
+
+def _fp8_arrays(lengths=(2, 0, 3), n_layers=2, hidden=8, seed=0):
+    """An fp8 answer as the server would quantise it: (arrays, float32 originals)."""
+    mld = _ml_dtypes()
+    rng = np.random.default_rng(seed)
+    rows = sum(lengths)
+    x = rng.standard_normal((rows, n_layers, hidden)).astype(np.float32)
+    x *= np.float32(10.0) ** rng.integers(-3, 4, size=(rows, n_layers, 1)).astype(np.float32)
+    x[0, 1] = 0.0  # an all-zero row: scale 0
+    amax = np.abs(x).max(axis=-1)
+    scale = (amax / np.float32(448)).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1).astype(np.float32)
+    q = (x / safe[..., None]).astype(mld.float8_e4m3fn)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    positions = np.concatenate([np.arange(n) + 3 for n in lengths]).astype(np.int64)
+    arrays = {
+        "hidden_states": q,
+        "hidden_states_scale": scale,
+        "input_ids": np.arange(100, 100 + rows, dtype=np.int64),
+        "loss_mask": (np.arange(rows) % 2).astype(np.uint8),
+        "cu_seqlens": cu,
+        "positions": positions,
+    }
+    return arrays, x
+
+
+def _fp8_metadata(arrays, **extra):
+    md = {
+        "model": "stub",
+        "dtype": "float8_e4m3fn",
+        "layers": '[1,"final_prenorm"]',
+        "tokens": "ranges",
+        "format": "layertap/1",
+        "nonfinite": '{"final_prenorm":2}',
+        "checksum_algorithm": "xxh64",
+        "checksums": _checksums(arrays),
+    }
+    md.update(extra)
+    return {k: v for k, v in md.items() if v is not None}
+
+
+def _tensor_span(raw: bytes, name: str):
+    """(begin, end) of a tensor's bytes within a safetensors file."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def _flip(raw: bytes, name: str, k: int = 0) -> bytes:
+    begin, end = _tensor_span(raw, name)
+    assert end - begin > k
+    out = bytearray(raw)
+    out[begin + k] ^= 0x01
+    return bytes(out)
+
+
+def _rel_err_per_row(got, want):
+    """max over rows and layers of ||got - want|| / ||want|| (rows of zeros must stay zero)."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    num = np.linalg.norm(got - want, axis=-1)
+    den = np.linalg.norm(want, axis=-1)
+    assert np.all(num[den == 0] == 0)
+    return float((num[den > 0] / den[den > 0]).max()) if (den > 0).any() else 0.0
+
+
+def test_synthetic_fp8_answer_dequantises_and_splits(stub, monkeypatch):
+    mld = _ml_dtypes()
+    arrays, x = _fp8_arrays()
+    raw = _st_bytes(arrays, _fp8_metadata(arrays))
+    body = zstandard.ZstdCompressor().compress(raw)
+    s = stub([(200, {"Content-Encoding": "zstd"}, body)])
+    c = Client(s.url)
+    ranges = [[[3, 5]], [], [[3, 6]]]
+    results = c.hidden_states(
+        [[1] * 5, [2] * 4, [3] * 6], layers=[1, "final_prenorm"], dtype="fp8", tokens=ranges, allow_nonfinite=True
+    )
+    assert json.loads(s.requests[-1][3]) == {
+        "inputs": [{"input_ids": [1] * 5}, {"input_ids": [2] * 4}, {"input_ids": [3] * 6}],
+        "layers": [1, "final_prenorm"],
+        "dtype": "float8_e4m3fn",
+        "tokens": [[[3, 5]], [], [[3, 6]]],
+        "allow_nonfinite": True,
+    }
+    assert [len(r) for r in results] == [2, 0, 3]
+    assert [r.positions.tolist() for r in results] == [[3, 4], [], [3, 4, 5]]
+    assert [r.input_ids.tolist() for r in results] == [[100, 101], [], [102, 103, 104]]
+    assert [r.loss_mask.tolist() for r in results] == [[0, 1], [], [0, 1, 0]]
+    want = arrays["hidden_states"].astype(np.float32) * arrays["hidden_states_scale"][..., None]
+    got = np.concatenate([r.hidden_states for r in results])
+    assert got.dtype == np.float32 and got.shape == (5, 2, 8)
+    assert np.array_equal(got, want)
+    assert _rel_err_per_row(got, x) < 1 / 16
+    assert not got[0, 1].any()  # the all-zero row
+    for r in results:
+        assert r.layers == [1, "final_prenorm"]
+        assert r.hidden_states_scale is None
+        assert r.nonfinite == {"final_prenorm": 2}
+        assert r.hidden_states.shape[1:] == (2, 8)
+    assert results[1].hidden_states.shape == (0, 2, 8)
+
+    # dequantize=False: the fp8 values and their scales, split the same way.
+    s = stub([(200, {}, raw)])
+    results = Client(s.url).hidden_states([[1]] * 3, layers=[1, "final_prenorm"], dtype="fp8", dequantize=False)
+    assert [len(r) for r in results] == [2, 0, 3]
+    assert all(r.hidden_states.dtype == mld.float8_e4m3fn for r in results)
+    q = np.concatenate([r.hidden_states for r in results])
+    assert np.array_equal(q.view(np.uint8), arrays["hidden_states"].view(np.uint8))
+    sc = np.concatenate([r.hidden_states_scale for r in results])
+    assert sc.dtype == np.float32 and np.array_equal(sc, arrays["hidden_states_scale"])
+    assert results[1].hidden_states_scale.shape == (0, 2)
+    # Without ml_dtypes the raw fp8 values come as their uint8 bits.
+    monkeypatch.setattr(_safetensors, "_ml_dtypes", None)
+    bits = parse_hidden_states(raw, dequantize=False)
+    assert all(r.hidden_states.dtype == np.uint8 for r in bits)
+    assert np.array_equal(np.concatenate([r.hidden_states for r in bits]), arrays["hidden_states"].view(np.uint8))
+    # ... and dequantising does not need ml_dtypes at all.
+    assert np.array_equal(np.concatenate([r.hidden_states for r in parse_hidden_states(raw)]), want)
+
+
+def test_answer_without_selection_has_no_positions():
+    arrays, _ = _fp8_arrays(lengths=(3, 1))
+    del arrays["positions"]
+    raw = _st_bytes(arrays, _fp8_metadata(arrays, tokens="all", nonfinite=None))
+    results = parse_hidden_states(raw)
+    assert [len(r) for r in results] == [3, 1]
+    assert all(r.positions is None and r.nonfinite == {} for r in results)
+
+
+def test_fp8_answer_without_scale_is_refused():
+    arrays, _ = _fp8_arrays()
+    del arrays["hidden_states_scale"]
+    with pytest.raises(LayertapError) as e:
+        parse_hidden_states(_st_bytes(arrays, _fp8_metadata(arrays)))
+    assert e.value.type == "bad_answer" and "hidden_states_scale" in e.value.message
+
+
+# -- checksums without a server ------------------------------------------------------------
+
+
+def test_flipped_byte_is_a_checksum_mismatch(stub):
+    arrays, _ = _fp8_arrays()
+    md = _fp8_metadata(arrays)
+    raw = _st_bytes(arrays, md)
+    assert len(parse_hidden_states(raw)) == 3
+    bad = _flip(raw, "hidden_states", 5)
+    begin, end = _tensor_span(bad, "hidden_states")
+    got = xxhash.xxh64(bad[begin:end]).hexdigest()
+    want = json.loads(md["checksums"])["hidden_states"]
+    assert got != want
+    s = stub([(200, {"Content-Encoding": "zstd"}, zstandard.ZstdCompressor().compress(bad))])
+    with pytest.raises(LayertapError) as e:
+        Client(s.url).hidden_states([[1]], layers=[1])
+    assert (e.value.status, e.value.type) == (200, "checksum_mismatch")
+    assert "hidden_states" in e.value.message and got in e.value.message and want in e.value.message
+    assert len(s.requests) == 1  # not retried
+    # Every tensor is covered, not only hidden_states.
+    for name in arrays:
+        with pytest.raises(LayertapError) as e:
+            parse_hidden_states(_flip(raw, name), status=None)
+        assert e.value.type == "checksum_mismatch" and repr(name) in e.value.message and e.value.status is None
+
+
+def test_missing_extra_or_unknown_checksums_are_errors():
+    arrays, _ = _fp8_arrays()
+    sums = json.loads(_checksums(arrays))
+    missing = dict(sums)
+    del missing["positions"]
+    cases = {
+        "no entry": _fp8_metadata(arrays, checksums=json.dumps(missing)),
+        "not in it": _fp8_metadata(arrays, checksums=json.dumps(dict(sums, extra="0" * 16))),
+        "unknown": _fp8_metadata(arrays, checksum_algorithm="sha256"),
+        "no checksums": _fp8_metadata(arrays, checksums=None),
+        "unknown checksum_algorithm None": _fp8_metadata(arrays, checksum_algorithm=None),
+        "not JSON": _fp8_metadata(arrays, checksums="{"),
+    }
+    for why, md in cases.items():
+        with pytest.raises(LayertapError) as e:
+            parse_hidden_states(_st_bytes(arrays, md))
+        assert e.value.type == "checksum_mismatch", why
+        assert why in e.value.message, (why, e.value.message)
+    assert "'positions'" in _raised(parse_hidden_states, _st_bytes(arrays, cases["no entry"])).message
+    # An answer without any checksum metadata (an older server) is accepted unverified.
+    plain = _fp8_metadata(arrays, checksum_algorithm=None, checksums=None)
+    assert len(parse_hidden_states(_st_bytes(arrays, plain))) == 3
+
+
+def _raised(f, *a, **k) -> LayertapError:
+    with pytest.raises(LayertapError) as e:
+        f(*a, **k)
+    return e.value
+
+
+def test_verify_file(tmp_path):
+    arrays, _ = _fp8_arrays()
+    md = _fp8_metadata(arrays)
+    raw = _st_bytes(arrays, md)
+    good = tmp_path / "good.safetensors"
+    good.write_bytes(raw)
+    assert layertap_client.verify_file(good) == md
+    assert layertap_client.verify_file(str(good)) == md
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(_flip(raw, "loss_mask"))
+    e = _raised(layertap_client.verify_file, bad)
+    assert (e.status, e.type) == (None, "checksum_mismatch") and "'loss_mask'" in e.message and str(bad) in e.message
+    bare = tmp_path / "bare.safetensors"
+    bare.write_bytes(_st_bytes(arrays, {"model": "stub"}))
+    assert _raised(layertap_client.verify_file, bare).type == "checksum_mismatch"
+    assert layertap_client.verify_file(bare, require=False) == {"model": "stub"}
+    with pytest.raises(_safetensors.SafetensorsError):
+        truncated = tmp_path / "truncated.safetensors"
+        truncated.write_bytes(raw[:-1])
+        layertap_client.verify_file(truncated)
+
+
+# -- request arguments without a server ----------------------------------------------------
+
+
+def test_new_request_arguments_are_normalised():
+    class FakeTorchDtype:  # what str(torch.float8_e4m3fn) looks like, without torch
+        def __str__(self):
+            return "torch.float8_e4m3fn"
+
+    for d in ("float8_e4m3fn", "fp8", "f8_e4m3", "FP8", FakeTorchDtype()):
+        assert normalize_dtype(d) == "float8_e4m3fn"
+    assert normalize_dtype(np.float32) == "float32"
+    mld = pytest.importorskip("ml_dtypes")
+    assert normalize_dtype(mld.float8_e4m3fn) == "float8_e4m3fn"
+    assert normalize_dtype(np.dtype(mld.float8_e4m3fn)) == "float8_e4m3fn"
+    assert normalize_dtype(mld.bfloat16) == "bfloat16"
+    with pytest.raises(ValueError):
+        normalize_dtype("float8_e5m2")
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        assert normalize_dtype(torch.float8_e4m3fn) == "float8_e4m3fn"
+
+    def body(**k):
+        return hidden_states_body([[1, 2]], k.pop("layers", [-1]), None, **k)
+
+    assert body() == {"inputs": [{"input_ids": [1, 2]}], "layers": [-1]}  # nothing new unless asked
+    assert body(allow_nonfinite=False) == body()
+    assert body(allow_nonfinite=True)["allow_nonfinite"] is True
+    assert body(layers=[2, np.int64(3), -1, "final_prenorm"])["layers"] == [2, 3, -1, "final_prenorm"]
+    assert body(layers="final_prenorm")["layers"] == ["final_prenorm"]
+    assert body(layers=[1, "other_label"])["layers"] == [1, "other_label"]  # the server judges labels
+    for bad in ([1.0], [True], [None], {"final_prenorm": 1}):
+        with pytest.raises(TypeError):
+            body(layers=bad)
+    assert body(tokens="all")["tokens"] == "all"
+    assert body(tokens="assistant")["tokens"] == "assistant"
+    assert body(tokens={"last": np.int64(2)})["tokens"] == {"last": 2}
+    assert body(tokens=[[(0, 4)], np.array([[2, 5], [7, 9]])])["tokens"] == [[[0, 4]], [[2, 5], [7, 9]]]
+    # Only the shape is checked here; the values (k >= 1, bounds, order, count) are the server's to judge.
+    assert body(tokens={"last": 0})["tokens"] == {"last": 0}
+    assert body(tokens=[[[5, 2]]])["tokens"] == [[[5, 2]]]
+    for bad in ("none", {"first": 2}, {"last": "2"}, {"last": 2, "x": 1}, 3, [[1, 2]], [[[1, 2, 3]]], [[[0.5, 2]]]):
+        with pytest.raises((TypeError, ValueError)):
+            body(tokens=bad)
+
+
+# -- against the real server ---------------------------------------------------------------
+
+INPUTS = [list(range(1, 11)), "Hello, world! again", CHAT, [{"role": "user", "content": "no answer here"}]]
+
+
+def test_fp8_round_trip_is_close_to_float32(client):
+    mld = _ml_dtypes()
+    layers = [0, 2, -1, "final_prenorm"]
+    f32 = client.hidden_states(INPUTS, layers=layers, dtype="float32")
+    fp8 = client.hidden_states(INPUTS, layers=layers, dtype="fp8")
+    raw = client.hidden_states(INPUTS, layers=layers, dtype="float8_e4m3fn", dequantize=False)
+    assert len(f32) == len(fp8) == len(raw) == len(INPUTS)
+    for a, b, q in zip(f32, fp8, raw):
+        assert b.metadata["dtype"] == q.metadata["dtype"] == "float8_e4m3fn"
+        assert a.layers == b.layers == q.layers == [0, 2, NUM_LAYERS, "final_prenorm"]
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+        assert b.hidden_states.dtype == np.float32 and b.hidden_states.shape == a.hidden_states.shape
+        assert b.hidden_states_scale is None
+        err = _rel_err_per_row(b.hidden_states, a.hidden_states)
+        assert err < 1 / 16, err
+        assert not np.array_equal(b.hidden_states, a.hidden_states)  # it really went through fp8
+        # The raw answer: fp8 values and one scale per row and layer, amax / 448.
+        assert q.hidden_states.dtype == mld.float8_e4m3fn and q.hidden_states.shape == a.hidden_states.shape
+        assert q.hidden_states_scale.dtype == np.float32
+        assert q.hidden_states_scale.shape == a.hidden_states.shape[:2]
+        amax = np.abs(a.hidden_states).max(axis=-1)
+        np.testing.assert_allclose(q.hidden_states_scale, amax / 448, rtol=1e-5, atol=0)
+        values = q.hidden_states.astype(np.float32)
+        assert np.isfinite(values).all()
+        live = q.hidden_states_scale > 0
+        assert np.array_equal(np.abs(values).max(axis=-1)[live], np.full(live.sum(), 448, np.float32))
+        assert np.array_equal(values * q.hidden_states_scale[..., None], b.hidden_states)
+
+
+def test_fp8_as_torch(client):
+    torch = pytest.importorskip("torch")
+    [deq] = client.hidden_states([CHAT], layers=[1, -1], dtype=torch.float8_e4m3fn, as_torch=True)
+    [raw] = client.hidden_states([CHAT], layers=[1, -1], dtype="fp8", as_torch=True, dequantize=False)
+    [ref] = client.hidden_states([CHAT], layers=[1, -1], dtype="fp8")
+    assert deq.hidden_states.dtype == torch.float32
+    assert torch.equal(deq.hidden_states, torch.from_numpy(ref.hidden_states))
+    assert raw.hidden_states.dtype == torch.float8_e4m3fn and raw.hidden_states_scale.dtype == torch.float32
+    assert torch.equal(raw.hidden_states.float() * raw.hidden_states_scale[..., None], deq.hidden_states)
+
+
+def _check_selection(full, sel, positions):
+    """sel holds exactly the rows of full at positions, in order."""
+    positions = np.asarray(positions, dtype=np.int64)
+    assert sel.positions is not None and sel.positions.dtype == np.int64
+    assert sel.positions.tolist() == positions.tolist()
+    assert sel.input_ids.tolist() == full.input_ids[positions].tolist()
+    assert sel.loss_mask.tolist() == full.loss_mask[positions].tolist()
+    assert sel.hidden_states.shape == (len(positions),) + full.hidden_states.shape[1:]
+    np.testing.assert_allclose(sel.hidden_states, full.hidden_states[positions], rtol=1e-5, atol=1e-6)
+    assert sel.layers == full.layers
+
+
+def test_token_selections(client):
+    inputs = INPUTS + [[7]]
+    layers = [1, -1]
+    full = client.hidden_states(inputs, layers=layers, dtype="float32")
+    lengths = [len(r) for r in full]
+    assert lengths[-1] == 1 and all(n >= 8 for n in lengths[:-1])
+    for r in full:
+        assert r.positions is None and r.metadata["tokens"] == "all"
+    for r in client.hidden_states(inputs, layers=layers, dtype="float32", tokens="all"):
+        assert r.positions is None and r.metadata["tokens"] == "all"
+
+    masks = [r.loss_mask for r in full]
+    assert masks[3].sum() == 0 and 0 < masks[2].sum() < lengths[2] and masks[0].all()
+    assistant = client.hidden_states(inputs, layers=layers, dtype="float32", tokens="assistant")
+    assert len(assistant) == len(inputs)
+    for f, r in zip(full, assistant):
+        assert r.metadata["tokens"] == "assistant"
+        _check_selection(f, r, np.nonzero(f.loss_mask)[0])
+        assert r.loss_mask.all()
+    assert len(assistant[3]) == 0 and assistant[3].hidden_states.shape == (0, 2, HIDDEN)
+
+    last = client.hidden_states(inputs, layers=layers, dtype="float32", tokens={"last": 2})
+    for f, r, n in zip(full, last, lengths):
+        assert r.metadata["tokens"] == "last:2"
+        _check_selection(f, r, range(max(0, n - 2), n))
+    assert len(last[-1]) == 1  # shorter than k: all its tokens
+
+    ranges = [[[0, 2], [5, 7]], [[1, 3]], [[0, 1], [lengths[2] - 2, lengths[2]]], [[0, lengths[3]]], [[0, 1]]]
+    picked = client.hidden_states(inputs, layers=layers, dtype="float32", tokens=ranges)
+    for f, r, rs in zip(full, picked, ranges):
+        assert r.metadata["tokens"] == "ranges"
+        _check_selection(f, r, [p for a, b in rs for p in range(a, b)])
+
+
+def test_invalid_token_selections_are_422(client):
+    inputs = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    bad = {
+        "end past the input": [[[0, 1]], [[0, 2]], [[1, 4]]],
+        "overlapping": [[[0, 1]], [[0, 1]], [[0, 2], [1, 3]]],
+        "descending": [[[0, 1]], [[0, 1]], [[2, 3], [0, 1]]],
+        "empty range": [[[0, 1]], [[0, 1]], [[1, 1]]],
+    }
+    for why, tokens in bad.items():
+        e = _raised(client.hidden_states, inputs, layers=[-1], tokens=tokens)
+        assert (e.status, e.type) == (422, "invalid_request"), why
+        assert re.search(r"\b2\b", e.message), (why, e.message)  # names the input (index 2)
+    for tokens in ([[[0, 1]], [[0, 1]]], {"last": 0}):  # one entry short; k < 1
+        e = _raised(client.hidden_states, inputs, layers=[-1], tokens=tokens)
+        assert (e.status, e.type) == (422, "invalid_request"), tokens
+
+
+def _rms_norm(x, weight, eps):
+    x = np.asarray(x, np.float64)
+    return weight * x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+
+
+def test_final_prenorm(client):
+    config = json.loads((MODEL / "config.json").read_text())
+    weights, _ = layertap_client.load_safetensors_file(str(MODEL / "model.safetensors"))
+    norm = weights["model.norm.weight"].astype(np.float64)
+    results = client.hidden_states(INPUTS, layers=[-1, "final_prenorm", NUM_LAYERS - 1], dtype="float32")
+    for r in results:
+        assert r.layers == [NUM_LAYERS, "final_prenorm", NUM_LAYERS - 1]
+        assert json.loads(r.metadata["layers"]) == [NUM_LAYERS, "final_prenorm", NUM_LAYERS - 1]
+        final, pre, before = r.hidden_states[:, 0], r.hidden_states[:, 1], r.hidden_states[:, 2]
+        assert np.isfinite(pre).all()
+        assert not np.allclose(pre, final, rtol=1e-2, atol=1e-3)
+        assert not np.allclose(pre, before, rtol=1e-2, atol=1e-3)
+        # The final state is the final norm of the pre-norm state.
+        np.testing.assert_allclose(_rms_norm(pre, norm, config["rms_norm_eps"]), final, rtol=1e-4, atol=1e-5)
+    [only] = client.hidden_states([INPUTS[0]], layers="final_prenorm", dtype="float32")
+    np.testing.assert_allclose(only.hidden_states[:, 0], results[0].hidden_states[:, 1], rtol=1e-5, atol=1e-6)
+    for layers in (["final_prenorm", 1, "final_prenorm"], [1, "final_postnorm"]):  # twice; unknown label
+        e = _raised(client.hidden_states, [[1, 2]], layers=layers)
+        assert (e.status, e.type) == (422, "invalid_request"), layers
+
+
+def _post_raw(server, body) -> bytes:
+    r = requests.post(server.url + "/v1/hidden-states", json=body, headers={"Accept-Encoding": "zstd"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return decompress(r.content)
+
+
+def test_checksums_on_real_answers(server, client, tmp_path):
+    bodies = [
+        {"inputs": normalize_inputs(INPUTS), "layers": [0, -1], "dtype": "bfloat16"},
+        {
+            "inputs": normalize_inputs(INPUTS),
+            "layers": [2, "final_prenorm"],
+            "dtype": "fp8",
+            "tokens": {"last": 3},
+        },
+    ]
+    for body in bodies:
+        raw = _post_raw(server, body)
+        tensors, md, stored = _safetensors.parse_raw(raw)
+        assert md["checksum_algorithm"] == "xxh64"
+        sums = json.loads(md["checksums"])
+        assert sorted(sums) == sorted(tensors)
+        for name, digest in sums.items():
+            assert re.fullmatch(r"[0-9a-f]{16}", digest), digest
+            assert digest == xxhash.xxh64(bytes(stored[name])).hexdigest(), name
+        assert json.loads(md["nonfinite"]) == {}
+        results = parse_hidden_states(raw)
+        assert len(results) == len(INPUTS) and all(r.nonfinite == {} for r in results)
+        for name in tensors:
+            if _tensor_span(raw, name)[1] > _tensor_span(raw, name)[0]:
+                e = _raised(parse_hidden_states, _flip(raw, name))
+                assert e.type == "checksum_mismatch" and repr(name) in e.message
+        f = tmp_path / "answer.safetensors"
+        f.write_bytes(raw)
+        assert layertap_client.verify_file(f) == md
+    assert "positions" in tensors and "hidden_states_scale" in tensors  # the fp8 selection's extras are covered
+
+
+def test_bulk_files_verify(server, tmp_path):
+    data = tmp_path / "data.jsonl"
+    lines = [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "text": "bulk text"}, {"id": "c", "messages": CHAT}]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "hs"
+    cmd = [str(_binary()), "bulk", "--server", server.url, "--input", str(data), "--out", str(out)]
+    p = subprocess.run(cmd + ["--layers", "1,-1", "--dtype", "float32"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    manifest = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(m["id"] for m in manifest) == ["a", "b", "c"]
+    for m in manifest:
+        md = layertap_client.verify_file(out / m["file"])
+        assert md["checksum_algorithm"] == "xxh64"
+        assert set(json.loads(md["checksums"])) >= {"hidden_states", "input_ids", "loss_mask"}
+    f = out / manifest[0]["file"]
+    f.write_bytes(_flip(f.read_bytes(), "hidden_states", 3))
+    assert _raised(layertap_client.verify_file, f).type == "checksum_mismatch"
+
+
+def test_async_new_arguments(client, server):
+    pytest.importorskip("httpx")
+    from layertap_client import AsyncClient
+
+    kw = dict(layers=[1, "final_prenorm"], dtype="fp8", tokens="assistant")
+
+    async def run():
+        async with AsyncClient(server.url) as ac:
+            return await asyncio.gather(
+                ac.hidden_states(INPUTS, **kw), ac.hidden_states(INPUTS, dequantize=False, **kw)
+            )
+
+    deq, raw = asyncio.run(run())
+    want = client.hidden_states(INPUTS, **kw)
+    for a, b, w in zip(deq, raw, want):
+        assert a.layers == w.layers == [1, "final_prenorm"]
+        assert np.array_equal(a.hidden_states, w.hidden_states) and np.array_equal(a.positions, w.positions)
+        assert b.hidden_states_scale is not None and b.hidden_states_scale.shape == (len(w), 2)
+        assert np.array_equal(b.hidden_states.astype(np.float32) * b.hidden_states_scale[..., None], w.hidden_states)

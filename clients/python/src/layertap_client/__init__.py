@@ -6,10 +6,11 @@
 >>> r.hidden_states.shape  # [tokens, 2, hidden]
 
 Layer indices follow Hugging Face ``output_hidden_states``: 0 is the embedding
-output, i the output of decoder layer i, L (or -1) the final normed output.
+output, i the output of decoder layer i, L (or -1) the final normed output;
+``"final_prenorm"`` is the last decoder layer's output before the final norm.
 """
 
-from ._common import LayertapError, Result
+from ._common import FINAL_PRENORM, LayertapError, Result, verify_file
 from ._safetensors import SafetensorsError, has_numpy_bfloat16
 from ._safetensors import load as load_safetensors
 from ._safetensors import load_file as load_safetensors_file
@@ -29,10 +30,12 @@ def __getattr__(name):  # AsyncClient imports httpx lazily
 __all__ = [
     "AsyncClient",
     "Client",
+    "FINAL_PRENORM",
     "LayertapError",
     "Result",
     "SafetensorsError",
     "has_numpy_bfloat16",
     "load_safetensors",
     "load_safetensors_file",
+    "verify_file",
 ]

@@ -87,26 +87,32 @@ class AsyncClient:
                 continue
             if not 200 <= r.status_code < 300:
                 raise error_from_response(r.status_code, decompress(body))
-            return r.headers, body
+            return r.status_code, r.headers, body
 
     async def _json(self, method: str, path: str, json_body: Any = None) -> Any:
-        _, body = await self._request(method, path, json_body)
+        _, _, body = await self._request(method, path, json_body)
         return json.loads(decompress(body).decode("utf-8"))
 
     async def hidden_states(
         self,
         inputs: Any,
         layers: Any,
-        dtype: Optional[str] = "bfloat16",
+        dtype: Any = "bfloat16",
         as_torch: bool = False,
         split_special_tokens: bool = False,
+        tokens: Any = None,
+        allow_nonfinite: bool = False,
+        dequantize: bool = True,
     ) -> List[Result]:
         """See :meth:`layertap_client.Client.hidden_states`."""
-        body = hidden_states_body(inputs, layers, dtype, split_special_tokens)
-        headers, data = await self._request("POST", "/v1/hidden-states", body, binary=True)
+        body = hidden_states_body(inputs, layers, dtype, split_special_tokens, tokens, allow_nonfinite)
+        status, headers, data = await self._request("POST", "/v1/hidden-states", body, binary=True)
         rid = headers.get("x-request-id")
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: parse_hidden_states(data, as_torch=as_torch, request_id=rid)
+            None,
+            lambda: parse_hidden_states(
+                data, as_torch=as_torch, request_id=rid, dequantize=dequantize, status=status
+            ),
         )
 
     async def tokenize(self, inputs: Any, split_special_tokens: bool = False) -> List[Dict[str, List[int]]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
+import xxhash
 import zstandard
 
 from . import _safetensors
@@ -32,7 +33,16 @@ _DTYPES = {
     "fp16": "float16",
     "f16": "float16",
     "half": "float16",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "fp8": "float8_e4m3fn",
+    "f8_e4m3": "float8_e4m3fn",
 }
+
+#: The layer label of the last decoder layer's output before the final norm.
+FINAL_PRENORM = "final_prenorm"
+
+#: Checksum algorithms the client can verify.
+CHECKSUM_ALGORITHMS = ("xxh64",)
 
 
 class LayertapError(Exception):
@@ -41,7 +51,8 @@ class LayertapError(Exception):
     ``status`` is the HTTP status (``None`` when the server could not be
     reached), ``type`` the server's error kind (``invalid_request``,
     ``unauthorized``, ``overloaded``, ...; ``connection_error`` when
-    unreachable), ``message`` its explanation.
+    unreachable; ``checksum_mismatch`` when an answer's bytes do not match
+    the checksums in its metadata), ``message`` its explanation.
     """
 
     def __init__(self, status: Optional[int], type: str, message: str):
@@ -57,30 +68,53 @@ class Result:
 
     ``hidden_states`` is ``[T, len(layers), hidden]``; ``input_ids`` ``[T]``
     int64; ``loss_mask`` ``[T]`` uint8 (1 on assistant tokens of a chat).
-    ``layers`` are the resolved ``hidden_states`` indices, in the order of the
-    second axis; ``metadata`` is the answer's safetensors metadata (model,
-    layers, dtype, convention, num_layers, architecture).
+    ``T`` is the number of rows returned: every token, or those selected with
+    ``tokens=`` (possibly 0). ``layers`` are the resolved ``hidden_states``
+    indices, in the order of the second axis (ints, and the string
+    ``"final_prenorm"``); ``metadata`` is the answer's safetensors metadata
+    (model, layers, dtype, convention, num_layers, architecture, tokens,
+    checksums, ...).
+
+    ``positions`` ``[T]`` int64 is each row's position in its input, when the
+    server sent it (a ``tokens`` selection other than ``"all"``), else
+    ``None``. ``hidden_states_scale`` ``[T, len(layers)]`` float32 is the
+    per-row, per-layer scale of an fp8 answer returned with
+    ``dequantize=False`` (``hidden_states * scale[..., None]`` restores the
+    state), else ``None``. ``nonfinite`` maps layer labels (``"17"``,
+    ``"final_prenorm"``) to the number of rows of the whole answer holding a
+    NaN or infinity in that layer (``{}`` when none).
     """
 
     hidden_states: Any
     input_ids: Any
     loss_mask: Any
-    layers: List[int]
+    layers: List[Union[int, str]]
     metadata: Dict[str, str] = field(default_factory=dict)
     request_id: Optional[str] = None
+    positions: Any = None
+    hidden_states_scale: Any = None
+    nonfinite: Dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def normalize_dtype(dtype: Optional[str]) -> Optional[str]:
+def normalize_dtype(dtype: Any) -> Optional[str]:
+    """The API name of ``dtype``: a name or alias (``"bf16"``, ``"fp8"``, ...),
+    a torch dtype (``torch.float8_e4m3fn``), or a numpy / ml_dtypes dtype."""
     if dtype is None:
         return None
-    name = str(dtype).lower()
+    if isinstance(dtype, type):  # np.float32, ml_dtypes.float8_e4m3fn, ...
+        name = dtype.__name__
+    else:
+        name = str(dtype)
+    name = name.lower()
     if name.startswith("torch."):
         name = name[len("torch.") :]
     if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use 'float32', 'bfloat16' or 'float16'")
+        raise ValueError(
+            f"unknown dtype {dtype!r}; use 'float32', 'bfloat16', 'float16' or 'float8_e4m3fn' (alias 'fp8')"
+        )
     return _DTYPES[name]
 
 
@@ -141,17 +175,63 @@ def normalize_inputs(inputs: Any) -> List[Dict[str, Any]]:
     return [normalize_input(i, x) for i, x in enumerate(inputs)]
 
 
-def normalize_layers(layers: Any) -> List[int]:
-    if _is_int(layers):
-        return [int(layers)]
+def normalize_layers(layers: Any) -> List[Union[int, str]]:
+    """The ``layers`` list of the API: ints (``hidden_states`` indices) and
+    layer labels such as ``"final_prenorm"`` (strings are sent as they are:
+    the server knows which labels exist)."""
+    if _is_int(layers) or isinstance(layers, str):
+        layers = [layers]
     layers = _to_list(layers)
-    if not isinstance(layers, (list, tuple)) or not all(_is_int(t) for t in layers):
-        raise TypeError("layers must be a list of ints (hidden_states indices)")
-    return [int(t) for t in layers]
+    if not isinstance(layers, (list, tuple)):
+        raise TypeError('layers must be a list of ints (hidden_states indices) and/or "final_prenorm"')
+    out: List[Union[int, str]] = []
+    for t in layers:
+        if _is_int(t):
+            out.append(int(t))
+        elif isinstance(t, str):
+            out.append(t)
+        else:
+            raise TypeError(f'layers: {t!r} is neither an int (hidden_states index) nor a label like "final_prenorm"')
+    return out
+
+
+def normalize_tokens(tokens: Any) -> Any:
+    """The ``tokens`` selection in API form, checked for its shape only (the
+    server checks the values): ``"all"``, ``"assistant"``, ``{"last": k}``, or
+    one list of ``[start, end)`` pairs per input."""
+    if isinstance(tokens, str):
+        if tokens not in ("all", "assistant"):
+            raise ValueError(f'tokens={tokens!r}: use "all", "assistant", {{"last": k}} or per-input ranges')
+        return tokens
+    if isinstance(tokens, Mapping):
+        if set(tokens) != {"last"} or not _is_int(tokens["last"]):
+            raise ValueError(f'tokens={tokens!r}: a dict selection is {{"last": k}} with an int k')
+        return {"last": int(tokens["last"])}
+    tokens = _to_list(tokens)
+    if not isinstance(tokens, (list, tuple)):
+        raise TypeError(f"tokens has type {type(tokens).__name__}: give a str, {{'last': k}} or per-input ranges")
+    out = []
+    for i, ranges in enumerate(tokens):
+        ranges = _to_list(ranges)
+        if not isinstance(ranges, (list, tuple)):
+            raise TypeError(f"tokens[{i}] must be a list of [start, end) pairs")
+        pairs = []
+        for pair in ranges:
+            pair = _to_list(pair)
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_is_int(x) for x in pair)):
+                raise TypeError(f"tokens[{i}]: {pair!r} is not a [start, end) pair of ints")
+            pairs.append([int(pair[0]), int(pair[1])])
+        out.append(pairs)
+    return out
 
 
 def hidden_states_body(
-    inputs: Any, layers: Any, dtype: Optional[str], split_special_tokens: bool = False
+    inputs: Any,
+    layers: Any,
+    dtype: Any,
+    split_special_tokens: bool = False,
+    tokens: Any = None,
+    allow_nonfinite: bool = False,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"inputs": normalize_inputs(inputs), "layers": normalize_layers(layers)}
     d = normalize_dtype(dtype)
@@ -159,6 +239,10 @@ def hidden_states_body(
         body["dtype"] = d
     if split_special_tokens:
         body["split_special_tokens"] = True
+    if tokens is not None:
+        body["tokens"] = normalize_tokens(tokens)
+    if allow_nonfinite:
+        body["allow_nonfinite"] = True
     return body
 
 
@@ -194,40 +278,159 @@ def error_from_response(status: int, body: bytes) -> LayertapError:
     return LayertapError(status, "http_error", text or f"HTTP {status}")
 
 
+def verify_checksums(
+    raw: Mapping[str, Any], metadata: Mapping[str, str], status: Optional[int] = None, what: str = "the answer"
+) -> bool:
+    """Checks every tensor's stored bytes against the metadata's checksums.
+
+    ``raw`` maps each tensor name to its bytes as stored (see
+    :func:`layertap_client._safetensors.parse_raw`). Without
+    ``checksum_algorithm`` and ``checksums`` in the metadata there is nothing
+    to check and the answer is ``False``; otherwise ``True`` once every tensor
+    matched. A mismatch, a tensor without a checksum, a checksum naming a
+    tensor that is not there, or an algorithm other than xxh64 raises
+    :class:`LayertapError` (``type="checksum_mismatch"``, ``status`` as given).
+    """
+    algorithm = metadata.get("checksum_algorithm")
+    listed = metadata.get("checksums")
+    if algorithm is None and listed is None:
+        return False
+
+    def fail(message: str) -> LayertapError:
+        return LayertapError(status, "checksum_mismatch", f"{what}: {message}")
+
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise fail(f"unknown checksum_algorithm {algorithm!r} (this client verifies {', '.join(CHECKSUM_ALGORITHMS)})")
+    if listed is None:
+        raise fail(f"checksum_algorithm is {algorithm!r} but the metadata has no checksums")
+    try:
+        sums = json.loads(listed)
+    except ValueError as e:
+        raise fail(f"the checksums metadata is not JSON: {e}") from None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise fail(f"the checksums metadata is not an object of strings: {listed[:200]!r}")
+    for name in sorted(raw):
+        if name not in sums:
+            raise fail(f"tensor {name!r} has no entry in checksums")
+        got = xxhash.xxh64(raw[name]).hexdigest()
+        if got != sums[name]:
+            raise fail(f"tensor {name!r}: checksums says {sums[name]}, its bytes hash to {got} ({algorithm})")
+    extra = sorted(set(sums) - set(raw))
+    if extra:
+        raise fail(f"checksums names tensors that are not in it: {extra}")
+    return True
+
+
+def verify_file(path: Any, require: bool = True) -> Dict[str, str]:
+    """Verifies a safetensors file written by ``layertap bulk`` (or a saved
+    answer) against the checksums in its metadata; returns the metadata.
+
+    Raises :class:`LayertapError` (``type="checksum_mismatch"``,
+    ``status=None``) on any mismatch, a tensor without a checksum, or an
+    unknown algorithm; with ``require=True`` (the default) also when the file
+    has no checksums at all. A malformed file raises ``SafetensorsError``.
+    """
+    with open(path, "rb") as f:
+        data = decompress(f.read())
+    _, metadata, raw = _safetensors.parse_raw(data)
+    if not verify_checksums(raw, metadata, status=None, what=str(path)) and require:
+        raise LayertapError(None, "checksum_mismatch", f"{path}: no checksum_algorithm/checksums in the metadata")
+    return metadata
+
+
+def _parse_layers(text: str) -> List[Union[int, str]]:
+    out: List[Union[int, str]] = []
+    for x in json.loads(text):
+        if isinstance(x, str):
+            out.append(x)
+        else:
+            out.append(int(x))
+    return out
+
+
 def parse_hidden_states(
-    body: bytes, as_torch: bool = False, request_id: Optional[str] = None, bf16: str = "auto"
+    body: bytes,
+    as_torch: bool = False,
+    request_id: Optional[str] = None,
+    bf16: str = "auto",
+    dequantize: bool = True,
+    status: Optional[int] = 200,
 ) -> List[Result]:
-    """Splits a /v1/hidden-states answer (possibly zstd-compressed) into one Result per input."""
+    """Splits a /v1/hidden-states answer (possibly zstd-compressed) into one Result per input.
+
+    The tensors' checksums (when the metadata has them) are verified first.
+    An fp8 answer becomes float32 times its scale with ``dequantize=True``;
+    with ``dequantize=False`` it stays fp8 (``ml_dtypes.float8_e4m3fn``, or
+    its uint8 bits without ml_dtypes; ``torch.float8_e4m3fn``) and each
+    Result carries its ``hidden_states_scale``.
+    """
     raw = decompress(body)
+
+    def bad(message: str) -> LayertapError:
+        return LayertapError(status, "bad_answer", message)
+
     # A bytearray makes the arrays writable (and torch.from_numpy warning-free).
-    tensors, metadata = _safetensors.parse(bytearray(raw))
+    tensors, metadata, raw_tensors = _safetensors.parse_raw(bytearray(raw))
+    verify_checksums(raw_tensors, metadata, status=status)
     for k in ("hidden_states", "input_ids", "cu_seqlens", "loss_mask"):
         if k not in tensors:
-            raise LayertapError(200, "bad_answer", f"the answer has no {k!r} tensor")
+            raise bad(f"the answer has no {k!r} tensor")
     hs_dtype, hs = tensors["hidden_states"]
     _, ids = tensors["input_ids"]
     _, cu = tensors["cu_seqlens"]
     _, mask = tensors["loss_mask"]
     if hs.ndim != 3 or ids.ndim != 1 or hs.shape[0] != ids.shape[0] or mask.shape != ids.shape:
-        raise LayertapError(200, "bad_answer", f"inconsistent shapes {hs.shape}, {ids.shape}, {mask.shape}")
+        raise bad(f"inconsistent shapes {hs.shape}, {ids.shape}, {mask.shape}")
     if cu.ndim != 1 or cu.shape[0] < 1 or cu[0] != 0 or cu[-1] != ids.shape[0] or np.any(np.diff(cu) < 0):
-        raise LayertapError(200, "bad_answer", f"bad cu_seqlens {cu.tolist()}")
+        raise bad(f"bad cu_seqlens {cu.tolist()}")
+    positions = None
+    if "positions" in tensors:
+        _, positions = tensors["positions"]
+        if positions.shape != ids.shape:
+            raise bad(f"positions has shape {positions.shape}, input_ids {ids.shape}")
+    scale = None
+    if hs_dtype == "F8_E4M3":
+        if "hidden_states_scale" not in tensors:
+            raise bad("an F8_E4M3 answer without a 'hidden_states_scale' tensor")
+        scale_dtype, scale = tensors["hidden_states_scale"]
+        if scale_dtype != "F32" or scale.shape != hs.shape[:2]:
+            raise bad(f"hidden_states_scale is {scale_dtype} {scale.shape}, expected F32 {hs.shape[:2]}")
     try:
-        layers = [int(x) for x in json.loads(metadata.get("layers", "[]"))]
+        layers = _parse_layers(metadata.get("layers", "[]"))
     except (ValueError, TypeError):
         layers = []
+    try:
+        nonfinite = {str(k): int(v) for k, v in json.loads(metadata.get("nonfinite", "{}")).items()}
+    except (ValueError, TypeError, AttributeError):
+        raise bad(f"the nonfinite metadata is not an object of counts: {metadata.get('nonfinite')!r}") from None
 
     if as_torch:
         try:
             import torch  # noqa: F401
         except ImportError as e:
             raise ImportError("as_torch=True needs torch installed") from e
+    to_array = (lambda d, a: _safetensors.to_torch(d, a)) if as_torch else (lambda d, a: a)
+
+    scale_t = None
+    if scale is not None and dequantize:
+        values = _safetensors.f8_e4m3_bits_to_float32(hs)
+        values *= scale[..., None]
+        hs_t = to_array("F32", values)
+    elif scale is not None:
+        if as_torch:
+            hs_t = _safetensors.to_torch(hs_dtype, hs)
+        elif _safetensors._ml_dtypes is not None:
+            hs_t = hs.view(_safetensors._ml_dtypes.float8_e4m3fn)
+        else:
+            hs_t = hs  # the raw bits, uint8
+        scale_t = to_array("F32", scale)
+    elif as_torch:
         hs_t = _safetensors.to_torch(hs_dtype, hs)
-        ids_t = _safetensors.to_torch("I64", ids)
-        mask_t = _safetensors.to_torch("U8", mask)
     else:
         hs_t = _safetensors.to_numpy(hs_dtype, hs, bf16=bf16)
-        ids_t, mask_t = ids, mask
+    ids_t = to_array("I64", ids)
+    mask_t = to_array("U8", mask)
+    pos_t = to_array("I64", positions) if positions is not None else None
 
     out = []
     bounds = [int(c) for c in cu]
@@ -240,6 +443,9 @@ def parse_hidden_states(
                 layers=list(layers),
                 metadata=dict(metadata),
                 request_id=request_id,
+                positions=pos_t[s:e] if pos_t is not None else None,
+                hidden_states_scale=scale_t[s:e] if scale_t is not None else None,
+                nonfinite=dict(nonfinite),
             )
         )
     return out

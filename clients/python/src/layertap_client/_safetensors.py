@@ -8,7 +8,8 @@ the start of the data section and the tensors must tile it exactly.
 :func:`parse` returns each tensor's safetensors dtype name and a numpy array
 that views the buffer. Types that numpy lacks are returned as their raw bits
 (``BF16`` as ``uint16``, ``F8_*`` as ``uint8``); :func:`to_numpy` and
-:func:`to_torch` turn those into usable arrays / tensors.
+:func:`to_torch` turn those into usable arrays / tensors. :func:`parse_raw`
+also returns each tensor's bytes exactly as stored (for checksums).
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ try:  # optional: a real bfloat16 dtype for numpy
 except Exception:  # pragma: no cover - depends on the environment
     _ml_dtypes = None
 
-__all__ = ["SafetensorsError", "parse", "load", "load_file", "to_numpy", "to_torch", "has_numpy_bfloat16"]
+__all__ = [
+    "SafetensorsError",
+    "parse",
+    "parse_raw",
+    "load",
+    "load_file",
+    "to_numpy",
+    "to_torch",
+    "has_numpy_bfloat16",
+    "F8_E4M3_TO_FLOAT32",
+    "f8_e4m3_bits_to_float32",
+]
 
 # safetensors dtype -> numpy dtype holding the same bytes (little-endian).
 _STORAGE = {
@@ -53,6 +65,37 @@ class SafetensorsError(ValueError):
     """The bytes are not a well-formed safetensors file."""
 
 
+def _e4m3fn_table() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn bit patterns.
+
+    e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits. Exponent 0
+    holds the subnormals ``m / 8 * 2**-6``; ``S.1111.111`` (0x7F, 0xFF) is NaN;
+    there is no infinity, so ``S.1111.110`` = 448 is the largest value.
+    """
+    table = np.empty(256, dtype=np.float32)
+    for bits in range(256):
+        sign = -1.0 if bits & 0x80 else 1.0
+        exponent = (bits >> 3) & 0xF
+        mantissa = bits & 0x7
+        if exponent == 0xF and mantissa == 0x7:
+            table[bits] = np.nan
+        elif exponent == 0:
+            table[bits] = sign * (mantissa / 8.0) * 2.0**-6
+        else:
+            table[bits] = sign * (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7)
+    table.setflags(write=False)
+    return table
+
+
+#: float32 value of every float8_e4m3fn bit pattern (index = the byte).
+F8_E4M3_TO_FLOAT32 = _e4m3fn_table()
+
+
+def f8_e4m3_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Exact widening of raw float8_e4m3fn bits (uint8) to float32."""
+    return F8_E4M3_TO_FLOAT32[np.asarray(bits, dtype=np.uint8)]
+
+
 def has_numpy_bfloat16() -> bool:
     """True when ``ml_dtypes`` is installed, so numpy output can stay bfloat16."""
     return _ml_dtypes is not None
@@ -64,6 +107,14 @@ def parse(data: Union[bytes, bytearray, memoryview]) -> Tuple[Dict[str, Tuple[st
     Returns ``({name: (dtype_name, array)}, metadata)``. The arrays view
     ``data`` (no copy); pass a ``bytearray`` to get writable arrays.
     """
+    tensors, metadata, _ = parse_raw(data)
+    return tensors, metadata
+
+
+def parse_raw(
+    data: Union[bytes, bytearray, memoryview],
+) -> Tuple[Dict[str, Tuple[str, np.ndarray]], Dict[str, str], Dict[str, memoryview]]:
+    """:func:`parse`, plus ``{name: memoryview}`` of each tensor's bytes as stored in the file."""
     buf = memoryview(data).cast("B")
     if len(buf) < 8:
         raise SafetensorsError(f"{len(buf)} bytes is too short for a safetensors file")
@@ -86,6 +137,7 @@ def parse(data: Union[bytes, bytearray, memoryview]) -> Tuple[Dict[str, Tuple[st
     body = buf[8 + n :]
     spans = []
     tensors: Dict[str, Tuple[str, np.ndarray]] = {}
+    raw: Dict[str, memoryview] = {}
     for name, info in header.items():
         if not isinstance(info, dict):
             raise SafetensorsError(f"tensor {name!r}: entry is not an object")
@@ -114,6 +166,7 @@ def parse(data: Union[bytes, bytearray, memoryview]) -> Tuple[Dict[str, Tuple[st
         if not arr.flags.aligned:
             arr = arr.copy()
         tensors[name] = (dtype_name, arr)
+        raw[name] = body[begin:end]
         spans.append((begin, end, name))
 
     # The tensors must cover the data section exactly: no holes, no overlaps.
@@ -124,7 +177,7 @@ def parse(data: Union[bytes, bytearray, memoryview]) -> Tuple[Dict[str, Tuple[st
         pos = end
     if pos != len(body):
         raise SafetensorsError(f"{len(body) - pos} trailing bytes after the last tensor")
-    return tensors, metadata
+    return tensors, metadata, raw
 
 
 def _is_uint(x: Any) -> bool:
@@ -139,18 +192,24 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 def to_numpy(dtype_name: str, arr: np.ndarray, bf16: str = "auto") -> np.ndarray:
     """Turns a parsed tensor into a numpy array with a real dtype.
 
-    ``BF16`` becomes ``ml_dtypes.bfloat16`` when that package is installed
-    (``bf16="auto"``), otherwise float32 (exact). ``bf16="float32"`` always
-    widens. FP8 types need ``ml_dtypes``.
+    ``BF16`` becomes ``ml_dtypes.bfloat16`` and ``F8_E4M3``
+    ``ml_dtypes.float8_e4m3fn`` when that package is installed
+    (``bf16="auto"``), otherwise float32 (exact: every value of either type is
+    a float32 value). ``bf16="float32"`` always widens. ``F8_E5M2`` needs
+    ``ml_dtypes``.
     """
     if dtype_name == "BF16":
         if bf16 == "auto" and _ml_dtypes is not None:
             return arr.view(_ml_dtypes.bfloat16)
         return bf16_bits_to_float32(arr)
-    if dtype_name in ("F8_E4M3", "F8_E5M2"):
+    if dtype_name == "F8_E4M3":
+        if bf16 == "auto" and _ml_dtypes is not None:
+            return arr.view(_ml_dtypes.float8_e4m3fn)
+        return f8_e4m3_bits_to_float32(arr)
+    if dtype_name == "F8_E5M2":
         if _ml_dtypes is None:
             raise SafetensorsError(f"{dtype_name} needs the ml_dtypes package")
-        return arr.view(_ml_dtypes.float8_e4m3fn if dtype_name == "F8_E4M3" else _ml_dtypes.float8_e5m2)
+        return arr.view(_ml_dtypes.float8_e5m2)
     return arr
 
 

@@ -59,7 +59,7 @@ class Client:
     # -- plumbing -----------------------------------------------------------------
 
     def _request(self, method: str, path: str, json_body: Any = None, binary: bool = False):
-        """Sends one request with retries; returns (headers, body bytes) of a 2xx answer."""
+        """Sends one request with retries; returns (status, headers, body bytes) of a 2xx answer."""
         headers = dict(self._headers)
         # Ask for zstd explicitly (requests' default Accept-Encoding would get an
         # uncompressed answer) and read the bytes as they came, undecoded: whether
@@ -93,10 +93,10 @@ class Client:
             body = decompress(body)
             if not 200 <= r.status_code < 300:
                 raise error_from_response(r.status_code, body)
-            return r.headers, body
+            return r.status_code, r.headers, body
 
     def _json(self, method: str, path: str, json_body: Any = None) -> Any:
-        _, body = self._request(method, path, json_body)
+        _, _, body = self._request(method, path, json_body)
         return json.loads(body.decode("utf-8"))
 
     # -- API ----------------------------------------------------------------------
@@ -105,9 +105,12 @@ class Client:
         self,
         inputs: Any,
         layers: Any,
-        dtype: Optional[str] = "bfloat16",
+        dtype: Any = "bfloat16",
         as_torch: bool = False,
         split_special_tokens: bool = False,
+        tokens: Any = None,
+        allow_nonfinite: bool = False,
+        dequantize: bool = True,
     ) -> List[Result]:
         """Hidden states of ``layers`` for each input; one :class:`Result` per input.
 
@@ -115,18 +118,36 @@ class Client:
         ``{"text": ...}``, ``{"messages": [...]}``), or a ``str`` (text), a
         list of ints (input_ids) or a list of ``{"role", "content"}`` dicts
         (messages). ``layers``: Hugging Face ``hidden_states`` indices (0 =
-        embeddings, i = output of decoder layer i, -1 = final normed output).
-        ``dtype``: ``"bfloat16"``, ``"float16"``, ``"float32"``, or ``None``
-        for the server's default.
+        embeddings, i = output of decoder layer i, -1 = final normed output),
+        and/or ``"final_prenorm"`` (the last decoder layer's output before
+        the final norm). ``dtype``: ``"bfloat16"``, ``"float16"``,
+        ``"float32"``, ``"float8_e4m3fn"`` (aliases ``"fp8"``, ``"f8_e4m3"``;
+        also a torch dtype such as ``torch.float8_e4m3fn``), or ``None`` for
+        the server's default.
+
+        ``tokens`` picks the rows returned: ``"all"`` (the server's default),
+        ``"assistant"`` (rows whose loss_mask is 1), ``{"last": k}``, or one
+        list of ``[start, end)`` pairs per input; each Result then has
+        ``positions``. ``allow_nonfinite=True`` accepts answers holding NaN or
+        infinity (counted in ``Result.nonfinite``) instead of a 422.
 
         Returns numpy arrays; bfloat16 becomes float32 (exactly) unless
         ``ml_dtypes`` is installed, in which case it stays
         ``ml_dtypes.bfloat16``. ``as_torch=True`` returns torch tensors
-        instead, in the dtype asked for (bfloat16 stays bfloat16).
+        instead, in the dtype asked for (bfloat16 stays bfloat16). An fp8
+        answer is returned dequantised to float32 (``dequantize=True``), or
+        with ``dequantize=False`` as fp8 values (``ml_dtypes.float8_e4m3fn``,
+        uint8 bits without ml_dtypes, ``torch.float8_e4m3fn``) with
+        ``Result.hidden_states_scale``.
+
+        The answer's checksums are verified before anything is returned; a
+        mismatch raises :class:`LayertapError` with ``type="checksum_mismatch"``.
         """
-        body = hidden_states_body(inputs, layers, dtype, split_special_tokens)
-        headers, data = self._request("POST", "/v1/hidden-states", body, binary=True)
-        return parse_hidden_states(data, as_torch=as_torch, request_id=headers.get("x-request-id"))
+        body = hidden_states_body(inputs, layers, dtype, split_special_tokens, tokens, allow_nonfinite)
+        status, headers, data = self._request("POST", "/v1/hidden-states", body, binary=True)
+        return parse_hidden_states(
+            data, as_torch=as_torch, request_id=headers.get("x-request-id"), dequantize=dequantize, status=status
+        )
 
     def tokenize(self, inputs: Any, split_special_tokens: bool = False) -> List[Dict[str, List[int]]]:
         """What the server would feed the model: ``[{"input_ids": [...], "loss_mask": [...]}]`` per input."""

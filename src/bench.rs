@@ -6,15 +6,19 @@
 //! the output dtype (addressed in place in the batch's buffer when its layout already matches, as
 //! the server's answers are, copied out otherwise), so the extraction work is really done. Batch
 //! i + 1 is launched before batch i is collected, as in the server. One untimed warm-up batch, then
-//! the whole workload is timed; afterwards the last batch's answers are zstd-encoded to report the
-//! compression ratio and speed.
+//! the whole workload is timed; afterwards the last batch's answers are encoded as the server
+//! encodes them, in the compute dtype and as fp8, to report their sizes (raw and zstd), the fp8
+//! error per index and the speed of the checksum and of zstd. `--fp8` times the workload with
+//! fp8 answers (quantised on the device), `--no-screen` without the non-finite screen, to
+//! measure what each costs.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::batching::Part;
 use crate::cli::BenchArgs;
 use crate::engine::loader::ModelFiles;
-use crate::engine::{device_memory, parse_device, Batch, Engine, Pending};
+use crate::engine::{device_memory, parse_device, Batch, Engine, OutDType, Output, Pending, Rows};
 
 /// (layers, sequences) from a workload sidecar and its JSONL file.
 pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
@@ -38,41 +42,80 @@ pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
     Ok((layers, seqs))
 }
 
-/// Encodes each sequence of a batch as an answer (safetensors, zstd at level 3, the server's
-/// default) and reports the compression ratio and zstd throughput (raw MB per second).
-fn compression(
-    taps: &crate::engine::Taps,
+/// What answers of the last batch cost and hold, untimed: the batch is run once more with every
+/// row returned both in the compute dtype and as fp8, and each sequence is encoded as the server
+/// encodes answers (safetensors with checksums, zstd at level 3, the server's default) in both
+/// forms. Reports bytes (raw and zstd) and zstd speed, the fp8 states' relative error against the
+/// compute-dtype states per index, and the speed of the checksum and of zstd on one thread.
+fn answers(
+    engine: &mut dyn Engine,
     b: &[Vec<u32>],
+    cu: &[usize],
     layers: &[usize],
-    dtype: crate::engine::OutDType,
+    dtype: OutDType,
 ) -> anyhow::Result<serde_json::Value> {
     const LEVEL: i32 = 3;
-    let (mut raw, mut enc, mut at) = (0usize, 0usize, 0usize);
-    let start = Instant::now();
-    for s in b {
-        let piece = taps.bytes(at, s.len(), layers, dtype)?;
-        let chunk = &piece[..];
-        let hidden = chunk.len() / (s.len() * layers.len() * dtype.size_in_bytes());
-        let parts = crate::codec::AnswerParts {
-            dtype,
-            shape: vec![s.len(), layers.len(), hidden],
-            chunks: vec![chunk],
-            scale: None,
-            input_ids: s.iter().map(|&i| i64::from(i)).collect(),
-            cu_seqlens: vec![0, s.len() as i64],
-            loss_mask: vec![1; s.len()],
-            positions: None,
-            metadata: Default::default(),
-        };
-        raw += chunk.len();
-        enc += crate::codec::encode_answer(&parts, Some(LEVEL))?.len();
-        at += s.len();
+    let mut batch = Batch::new(b.concat(), cu.to_vec(), layers.to_vec());
+    batch.output = Output { plain: Rows::All, fp8: Rows::All, screen: true };
+    let taps = std::sync::Arc::new(engine.launch(&batch)?.wait()?);
+    let hidden = taps.host.shape[2];
+    let width = layers.len();
+    let (mut num, mut den) = (vec![0f64; width], vec![0f64; width]);
+    let mut sizes = serde_json::Map::new();
+    for fp8 in [false, true] {
+        let (mut raw, mut enc, mut hash_s, mut zstd_s) = (0usize, 0usize, 0f64, 0f64);
+        for (i, s) in b.iter().enumerate() {
+            let part = Part { taps: taps.clone(), fp8, start: cu[i], rows: s.len() };
+            let bytes = part.bytes(layers, dtype)?;
+            if fp8 {
+                let q = part.gather(layers, dtype)?.to_f32();
+                let scale = part.scale(layers)?;
+                let x = taps.gather(cu[i], s.len(), layers, OutDType::Float32)?.to_f32();
+                for (k, (&qv, &xv)) in q.iter().zip(&x).enumerate() {
+                    let c = k / hidden % width;
+                    let back = f64::from(qv) * f64::from(scale[k / hidden]);
+                    num[c] += (back - f64::from(xv)).powi(2);
+                    den[c] += f64::from(xv).powi(2);
+                }
+            }
+            let parts = crate::codec::AnswerParts {
+                dtype: if fp8 { OutDType::Float8E4M3 } else { dtype },
+                shape: vec![s.len(), width, hidden],
+                chunks: vec![&bytes[..]],
+                scale: if fp8 { Some(part.scale(layers)?) } else { None },
+                input_ids: s.iter().map(|&i| i64::from(i)).collect(),
+                cu_seqlens: vec![0, s.len() as i64],
+                loss_mask: vec![1; s.len()],
+                positions: None,
+                metadata: Default::default(),
+            };
+            let t = Instant::now();
+            std::hint::black_box(crate::codec::xxh64_hex([&bytes[..]]));
+            hash_s += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let mut z = zstd::stream::Encoder::new(Vec::new(), LEVEL)?;
+            std::io::Write::write_all(&mut z, &bytes)?;
+            std::hint::black_box(z.finish()?);
+            zstd_s += t.elapsed().as_secs_f64();
+            raw += crate::codec::encode_answer(&parts, None)?.len();
+            enc += crate::codec::encode_answer(&parts, Some(LEVEL))?.len();
+        }
+        let name = if fp8 { "float8_e4m3fn".to_string() } else { dtype.name().to_string() };
+        sizes.insert(
+            name,
+            serde_json::json!({
+                "answers": b.len(), "raw_bytes": raw, "zstd_bytes": enc, "zstd_ratio": raw as f64 / enc.max(1) as f64,
+                "xxh64_gb_per_s_one_thread": raw as f64 / 1e9 / hash_s.max(1e-12),
+                "zstd_mb_per_s_one_thread": raw as f64 / 1e6 / zstd_s.max(1e-12),
+            }),
+        );
     }
-    let secs = start.elapsed().as_secs_f64();
-    Ok(serde_json::json!({
-        "level": LEVEL, "answers": b.len(), "raw_bytes": raw, "encoded_bytes": enc,
-        "ratio": raw as f64 / enc.max(1) as f64, "seconds": secs, "raw_mb_per_s": raw as f64 / 1e6 / secs,
-    }))
+    let err: Vec<serde_json::Value> = layers
+        .iter()
+        .enumerate()
+        .map(|(c, l)| serde_json::json!({"index": l, "fp8_rel_err": (num[c] / den[c].max(1e-30)).sqrt()}))
+        .collect();
+    Ok(serde_json::json!({"zstd_level": LEVEL, "sizes": sizes, "fp8_vs_compute_dtype": err}))
 }
 
 /// Runs the workload through the engine in process and returns the result line.
@@ -102,8 +145,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         }
         cu
     };
+    let output = Output { screen: !a.no_screen, ..if a.fp8 { Output::all_fp8() } else { Output::default() } };
     let launch = |engine: &mut dyn Engine, b: &[Vec<u32>]| -> anyhow::Result<Pending> {
-        Ok(engine.launch(&Batch::new(b.concat(), cu_of(b), layers.clone()))?)
+        let mut batch = Batch::new(b.concat(), cu_of(b), layers.clone());
+        batch.output = output.clone();
+        Ok(engine.launch(&batch)?)
     };
     // Waits for a batch and gathers every sequence's answer, as the server does per request.
     let finish = |pending: Pending, b: &[Vec<u32>]| -> anyhow::Result<(usize, crate::engine::Taps)> {
@@ -112,7 +158,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         let cu = cu_of(b);
         let mut bytes = 0;
         for (i, s) in b.iter().enumerate() {
-            bytes += taps.bytes(cu[i], s.len(), &layers, dtype)?.len();
+            bytes += if a.fp8 {
+                taps.fp8_bytes(cu[i], s.len(), &layers)?.len() + taps.fp8_scale(cu[i], s.len(), &layers)?.len() * 4
+            } else {
+                taps.bytes(cu[i], s.len(), &layers, dtype)?.len()
+            };
         }
         crate::engine::profile::mark(&device, 4, &mut since);
         Ok((bytes, taps))
@@ -151,12 +201,19 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let secs = start.elapsed().as_secs_f64();
     // Untimed above: the answers of the last batch encoded as the server does (safetensors +
     // zstd at the server's default level), for the compression ratio and zstd speed.
-    let zstd = last.map(|(taps, b)| compression(&taps, b, &layers, dtype)).transpose()?;
+    let answers = match last {
+        Some((taps, b)) => {
+            drop(taps);
+            Some(answers(&mut m.engine, b, &cu_of(b), &layers, dtype)?)
+        }
+        None => None,
+    };
     Ok(serde_json::json!({
             "contender": "layertap-engine", "tokens": tokens, "seconds": secs, "tokens_per_s": tokens as f64 / secs,
             "batches": batches.len(), "max_batch_tokens": max_tokens, "dtype": dtype.name(), "output_bytes": bytes,
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-            "device": a.device, "max_device_memory_used_after_batch_bytes": peak, "zstd": zstd,
+            "device": a.device, "max_device_memory_used_after_batch_bytes": peak, "answers": answers,
+            "output": if a.fp8 { "float8_e4m3fn" } else { dtype.name() }, "screen": !a.no_screen,
             "profile_seconds": crate::engine::profile::enabled().then(|| {
                 crate::engine::profile::totals().into_iter().collect::<std::collections::HashMap<_, _>>()
             }),

@@ -82,6 +82,12 @@ pub struct BenchArgs {
     /// Most tokens per forward pass.
     #[arg(long, default_value_t = 4096)]
     pub max_batch_tokens: usize,
+    /// Time the workload with fp8 answers (quantised on the device, one scale per token and layer).
+    #[arg(long)]
+    pub fp8: bool,
+    /// Time it without the non-finite screen (the service always screens): what the screen costs.
+    #[arg(long)]
+    pub no_screen: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

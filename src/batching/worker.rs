@@ -153,7 +153,7 @@ fn output_of(items: &[Item], cu: &[usize]) -> (Output, Vec<(bool, usize, usize)>
     } else if fp8_all {
         Output::all_fp8()
     } else {
-        Output { plain: Rows::Only(plain), fp8: Rows::Only(fp8) }
+        Output { plain: Rows::Only(plain), fp8: Rows::Only(fp8), ..Output::default() }
     };
     (output, places)
 }

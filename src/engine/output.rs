@@ -40,18 +40,21 @@ pub struct Output {
     pub plain: Rows,
     /// Rows quantised to fp8 (E4M3) with a per-row, per-layer scale.
     pub fp8: Rows,
+    /// Screen the returned rows for non-finite values (always, in the service; `layertap bench
+    /// --no-screen` turns it off to measure what it costs, and then every flag reads 0).
+    pub screen: bool,
 }
 
 impl Default for Output {
     fn default() -> Self {
-        Output { plain: Rows::All, fp8: Rows::none() }
+        Output { plain: Rows::All, fp8: Rows::none(), screen: true }
     }
 }
 
 impl Output {
     /// Every row quantised to fp8 (nothing in the compute dtype).
     pub fn all_fp8() -> Self {
-        Output { plain: Rows::none(), fp8: Rows::All }
+        Output { plain: Rows::none(), fp8: Rows::All, screen: true }
     }
 
     /// Checks the rows against a batch of `total` tokens: ascending, in range.
@@ -124,16 +127,24 @@ pub fn quantize_fp8(states: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
 
 /// Selects, screens and quantises the stacked taps `[tokens, layers, hidden]` on their device.
 pub fn prepare(stacked: &Tensor, out: &Output) -> candle_core::Result<Prepared> {
+    let screen = |states: &Tensor| -> candle_core::Result<Tensor> {
+        if out.screen {
+            nonfinite(states)
+        } else {
+            let (rows, layers, _) = states.dims3()?;
+            Tensor::zeros((rows, layers), DType::U8, states.device())
+        }
+    };
     let plain = match select(stacked, &out.plain)? {
         Some(states) => {
-            let nonfinite = nonfinite(&states)?;
+            let nonfinite = screen(&states)?;
             Some(Block { states, scale: None, nonfinite })
         }
         None => None,
     };
     let fp8 = match select(stacked, &out.fp8)? {
         Some(states) => {
-            let nonfinite = nonfinite(&states)?;
+            let nonfinite = screen(&states)?;
             let (q, scale) = quantize_fp8(&states)?;
             Some(Block { states: q, scale: Some(scale), nonfinite })
         }

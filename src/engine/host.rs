@@ -432,7 +432,7 @@ pub(crate) mod cuda_copy {
         let bytes = (range.1 - range.0) * std::mem::size_of::<T>();
         if bytes < SMALL {
             // Screens and scales: too small for a page-locked buffer of their own.
-            let v: Vec<T> = stream.memcpy_dtov(&view).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+            let v: Vec<T> = stream.clone_dtoh(&view).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
             stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))?;
             // SAFETY: `T` is a plain number type (every byte initialised); the vector is read as
             // its bytes, in memory order, and not used as `T` again.

@@ -102,27 +102,39 @@ fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> 
 
 /// `[rows, layers]` u8, 1 where a row's values at a layer are not all finite. Multiplying by
 /// zero keeps finite values at exactly 0 and turns an infinity or a NaN into NaN, which the sum
-/// keeps; NaN is the only value not equal to itself.
+/// keeps; NaN is the only value not equal to itself. One layer at a time, so the temporaries
+/// stay a fraction of the taps.
 pub fn nonfinite(states: &Tensor) -> candle_core::Result<Tensor> {
-    let s = states.affine(0.0, 0.0)?.to_dtype(DType::F32)?.sum(D::Minus1)?;
-    s.ne(&s)
+    let (_, layers, _) = states.dims3()?;
+    let cols = (0..layers)
+        .map(|c| {
+            let s = states.narrow(1, c, 1)?.affine(0.0, 0.0)?.sum(D::Minus1)?.to_dtype(DType::F32)?;
+            s.ne(&s)
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&cols, 1)
 }
 
 /// Quantises `[rows, layers, hidden]` to E4M3 with one scale per row and layer: the largest
-/// magnitude maps to 448. Returns the fp8 values and the f32 scales (0 for an all-zero row).
+/// magnitude maps to 448. Returns the fp8 values and the f32 scales `[rows, layers]` (0 for an
+/// all-zero row). One layer at a time, so the f32 temporaries stay a fraction of the taps.
 pub fn quantize_fp8(states: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-    let x = states.to_dtype(DType::F32)?;
-    let amax = x.abs()?.max_keepdim(D::Minus1)?;
-    // Rows whose largest magnitude is below 1e-30 (zero, in practice) are scaled as if it were
-    // 1e-30; the scale stored is then 0 for an all-zero row, and consistent otherwise.
-    let floor = amax.maximum(1e-30)?;
-    // True divisions (not products with reciprocals), so that the scale is exactly amax / 448.
+    let (_, layers, _) = states.dims3()?;
     let max = Tensor::new(FP8_MAX, states.device())?;
-    let inv = max.broadcast_div(&floor)?;
-    let q = x.broadcast_mul(&inv)?.to_dtype(DType::F8E4M3)?;
-    let nonzero = amax.gt(0.0)?.to_dtype(DType::F32)?;
-    let scale = (floor.broadcast_div(&max)? * nonzero)?.squeeze(D::Minus1)?;
-    Ok((q, scale))
+    let (mut qs, mut scales) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
+    for c in 0..layers {
+        let x = states.narrow(1, c, 1)?.to_dtype(DType::F32)?;
+        let amax = x.abs()?.max_keepdim(D::Minus1)?;
+        // Rows whose largest magnitude is below 1e-30 (zero, in practice) are scaled as if it
+        // were 1e-30; the scale stored is then 0 for an all-zero row, and consistent otherwise.
+        // True divisions (not products with reciprocals): the scale is exactly amax / 448.
+        let floor = amax.maximum(1e-30)?;
+        let inv = max.broadcast_div(&floor)?;
+        qs.push(x.broadcast_mul(&inv)?.to_dtype(DType::F8E4M3)?);
+        let nonzero = amax.gt(0.0)?.to_dtype(DType::F32)?;
+        scales.push((floor.broadcast_div(&max)? * nonzero)?.squeeze(D::Minus1)?);
+    }
+    Ok((Tensor::cat(&qs, 1)?, Tensor::cat(&scales, 1)?))
 }
 
 /// Selects, screens and quantises the stacked taps `[tokens, layers, hidden]` on their device.

@@ -10,8 +10,8 @@
 #           (ENCODING=identity asks for uncompressed answers, to take zstd off the host's load)
 # hf:       Hugging Face transformers + hooks, tuned (bf16, sdpa, sorted padded batches, pinned copies)
 # fidelity: bf16 on CUDA against HF f32, per index; packed against alone (bench/gpu/fidelity.py)
-# answers:  the engine three times on the same workload: as served (non-finite screen on), without
-#           the screen, and with fp8 answers (quantised on the device); each line also reports the
+# answers:  the engine on the same workload as served (non-finite screen on), without the screen,
+#           with fp8 answers (quantised on the device), and as served again; each line also reports the
 #           last batch's answer sizes (raw, zstd), the fp8 error per index and the checksum's speed
 # Each step appends one JSON line to $OUT_DIR/results.jsonl.
 set -euo pipefail
@@ -26,7 +26,7 @@ PORT="${PORT:-18080}"
 mkdir -p "$OUT_DIR" "$WORK_DIR"
 results="$OUT_DIR/results.jsonl"
 step="${1:-all}"
-workload="$WORK_DIR/workload_gpu.json"
+workload="${WORKLOAD:-$WORK_DIR/workload_gpu.json}"
 
 if [[ "$step" == prepare || "$step" == all ]]; then
   python3 bench/gpu/prepare.py --model-dir "$MODEL_DIR" --out-dir "$WORK_DIR" | tee -a "$results"
@@ -58,7 +58,8 @@ if [[ "$step" == fidelity || "$step" == all ]]; then
   python3 bench/gpu/fidelity.py --bin "$BIN" --model-dir "$MODEL_DIR" | tee -a "$results"
 fi
 if [[ "$step" == answers ]]; then
-  for extra in "" "--no-screen" "--fp8"; do
+  # The first configuration again at the end bounds the run-to-run noise.
+  for extra in "" "--no-screen" "--fp8" ""; do
     # shellcheck disable=SC2086
     "$BIN" bench --workload "$workload" --model "$MODEL_DIR" --device cuda:0 --dtype bf16 \
       --max-batch-tokens "$MAX_BATCH_TOKENS" $extra | tee -a "$results"

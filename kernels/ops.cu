@@ -92,3 +92,13 @@ extern "C" __global__ void rms_norm_f32_bf16(const float* x, const __nv_bfloat16
 extern "C" __global__ void rms_norm_f32_f16(const float* x, const __half* w, __half* out, int cols, float eps) {
     rms_norm_f32(x, w, out, cols, eps);
 }
+
+// f32 -> fp8 (E4M3, finite only): round to nearest even, saturating at +-448 (NaN stays NaN).
+// What answers in fp8 are written with, after each value is scaled by 448 / amax of its row.
+#include <cuda_fp8.h>
+
+extern "C" __global__ void f32_to_fp8_e4m3(const float* __restrict__ x, uint8_t* __restrict__ out, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = __nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3);
+    }
+}

@@ -143,3 +143,39 @@ fn residual_kernels_match_f32_ops() {
         assert!(e < tol, "{dtype:?} norm rel err {e}");
     }
 }
+
+/// The device's f32 -> fp8 (E4M3) cast rounds as the host's does, over the whole finite range:
+/// every fp8 value, the midpoints between neighbours (ties go to even), subnormals and random
+/// values in [-448, 448].
+#[test]
+fn fp8_cast_rounds_like_the_host() {
+    let Some(dev) = device() else { return };
+    let mut v: Vec<f32> = Vec::new();
+    let finite: Vec<f32> =
+        (0u8..=255).map(|b| float8::F8E4M3::from_bits(b).to_f32()).filter(|x| x.is_finite()).collect();
+    let mut sorted = finite.clone();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    for w in sorted.windows(2) {
+        v.extend([w[0], (w[0] + w[1]) / 2.0, w[0] + (w[1] - w[0]) * 0.25, w[0] + (w[1] - w[0]) * 0.75]);
+    }
+    v.extend(finite);
+    let mut state = 1u64;
+    for _ in 0..100_000 {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        v.push(((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 448.0);
+    }
+    let x = Tensor::new(v.as_slice(), &dev).unwrap();
+    let q = layertap::engine::cuda_ops::f32_to_fp8(&x).unwrap();
+    let got: Vec<u8> = q
+        .to_device(&candle_core::Device::Cpu)
+        .unwrap()
+        .to_vec1::<float8::F8E4M3>()
+        .unwrap()
+        .iter()
+        .map(|b| b.to_bits())
+        .collect();
+    for (i, (&x, &g)) in v.iter().zip(&got).enumerate() {
+        let want = float8::F8E4M3::from_f32(x).to_bits();
+        assert_eq!(g, want, "value {i}: {x} -> device {g:#04x}, host {want:#04x}");
+    }
+}

@@ -249,3 +249,51 @@ impl candle_core::CustomOp2 for RmsNormF32 {
         Ok((CudaStorage { slice, device: dev.clone() }, xl.shape().clone()))
     }
 }
+
+/// f32 values as fp8 (E4M3): round to nearest even, saturating at ±448, NaN kept. (Candle's own
+/// cast to F8E4M3 on CUDA looks up a kernel name its kernels do not define.)
+pub fn f32_to_fp8(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&F32ToFp8)
+}
+
+struct F32ToFp8;
+
+impl candle_core::CustomOp1 for F32ToFp8 {
+    fn name(&self) -> &'static str {
+        "f32-to-fp8"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("f32_to_fp8 runs on CUDA devices only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = s.device();
+        let x = match &s.slice {
+            CudaStorageSlice::F32(x) => contiguous(x, l, "f32_to_fp8: x")?,
+            _ => candle_core::bail!("f32_to_fp8: x must be f32"),
+        };
+        let n = l.shape().elem_count();
+        // SAFETY: the kernel writes every element of the output.
+        let out = unsafe { dev.alloc::<float8::F8E4M3>(n)? };
+        let func = dev.get_or_load_custom_func("f32_to_fp8_e4m3", "layertap_ops", PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&out);
+        b.arg(&n);
+        if n > 0 {
+            // SAFETY: argument types and order match the kernel (two pointers, then a size_t).
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((CudaStorage { slice: CudaStorageSlice::F8E4M3(out), device: dev.clone() }, l.shape().clone()))
+    }
+}

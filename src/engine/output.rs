@@ -130,11 +130,20 @@ pub fn quantize_fp8(states: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         // True divisions (not products with reciprocals): the scale is exactly amax / 448.
         let floor = amax.maximum(1e-30)?;
         let inv = max.broadcast_div(&floor)?;
-        qs.push(x.broadcast_mul(&inv)?.to_dtype(DType::F8E4M3)?);
+        qs.push(to_fp8(&x.broadcast_mul(&inv)?)?);
         let nonzero = amax.gt(0.0)?.to_dtype(DType::F32)?;
         scales.push((floor.broadcast_div(&max)? * nonzero)?.squeeze(D::Minus1)?);
     }
     Ok((Tensor::cat(&qs, 1)?, Tensor::cat(&scales, 1)?))
+}
+
+/// f32 values (already scaled) as E4M3, rounded to nearest even.
+fn to_fp8(x: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return super::cuda_ops::f32_to_fp8(x);
+    }
+    x.to_dtype(DType::F8E4M3)
 }
 
 /// Selects, screens and quantises the stacked taps `[tokens, layers, hidden]` on their device.

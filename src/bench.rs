@@ -49,6 +49,7 @@ pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
 /// compute-dtype states per index, and the speed of the checksum and of zstd on one thread.
 fn answers(
     engine: &mut dyn Engine,
+    engine_device: &candle_core::Device,
     b: &[Vec<u32>],
     cu: &[usize],
     layers: &[usize],
@@ -110,12 +111,36 @@ fn answers(
             }),
         );
     }
+    // The screen and the quantisation alone, on the device, over the last batch's states (the
+    // best of three, each waited for): what they add per token to the engine's own time.
+    let device = engine_device;
+    let states = candle_core::Tensor::from_vec(taps.host.to_f32(), taps.host.shape.clone(), &candle_core::Device::Cpu)?
+        .to_dtype(dtype.candle())?
+        .to_device(device)?;
+    let time = |f: &dyn Fn() -> candle_core::Result<()>| -> anyhow::Result<f64> {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            device.synchronize()?;
+            let t = Instant::now();
+            f()?;
+            device.synchronize()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let screen_s = time(&|| crate::engine::output::nonfinite(&states).map(drop))?;
+    let fp8_s = time(&|| crate::engine::output::quantize_fp8(&states).map(drop))?;
+    let rows = taps.host.shape[0] as f64;
     let err: Vec<serde_json::Value> = layers
         .iter()
         .enumerate()
         .map(|(c, l)| serde_json::json!({"index": l, "fp8_rel_err": (num[c] / den[c].max(1e-30)).sqrt()}))
         .collect();
-    Ok(serde_json::json!({"zstd_level": LEVEL, "sizes": sizes, "fp8_vs_compute_dtype": err}))
+    Ok(serde_json::json!({
+        "zstd_level": LEVEL, "sizes": sizes, "fp8_vs_compute_dtype": err, "tokens": rows,
+        "screen_seconds": screen_s, "fp8_quantise_seconds": fp8_s,
+        "screen_ms_per_1k_tokens": screen_s * 1e6 / rows, "fp8_quantise_ms_per_1k_tokens": fp8_s * 1e6 / rows,
+    }))
 }
 
 /// Runs the workload through the engine in process and returns the result line.
@@ -204,7 +229,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let answers = match last {
         Some((taps, b)) => {
             drop(taps);
-            Some(answers(&mut m.engine, b, &cu_of(b), &layers, dtype)?)
+            Some(answers(&mut m.engine, &device, b, &cu_of(b), &layers, dtype)?)
         }
         None => None,
     };

@@ -357,3 +357,29 @@ fn the_engine_selects_quantises_and_screens_on_its_device() {
         assert_eq!(&taps.nonfinite[r * 4..r * 4 + 4], &[0, 0, 1, 1], "row {r}");
     }
 }
+
+/// The one-shot path (`layertap extract --out-dtype fp8`) quantises on the engine as the service
+/// does, and its file carries the scales and checksums.
+#[test]
+fn one_shot_extraction_writes_fp8_with_scales() {
+    let control = std::sync::Arc::new(FakeControl::default());
+    let mut engine = FakeEngine(control);
+    let seqs = vec![layertap::tokenizer::Tokenized { ids: vec![4, 9, 300], loss_mask: vec![1, 1, 1] }];
+    let layers = [3usize, FAKE_LAYERS + 1];
+    let x = layertap::extract::run_once(&mut engine, &fake_info(), &seqs, &layers, OutDType::Float8E4M3).unwrap();
+    assert_eq!(x.hidden_states.dtype, OutDType::Float8E4M3);
+    let scale = x.hidden_states_scale.as_ref().expect("scales");
+    for (r, &id) in seqs[0].ids.iter().enumerate() {
+        for (k, &l) in layers.iter().enumerate() {
+            let (q, sc) = fp8_of(&(0..FAKE_HIDDEN).map(|h| fake_value(id, l, h)).collect::<Vec<_>>());
+            let at = (r * layers.len() + k) * FAKE_HIDDEN;
+            assert_eq!(&x.hidden_states.data[at..at + FAKE_HIDDEN], &q[..]);
+            assert_eq!(scale[r * layers.len() + k], sc);
+        }
+    }
+    let bytes = layertap::codec::to_safetensors(&x).unwrap();
+    layertap::codec::verify_checksums(&bytes).unwrap();
+    let (t, meta) = read_safetensors_bytes(&bytes);
+    assert_eq!(t["hidden_states_scale"].shape, [3, 2]);
+    assert_eq!(meta["layers"], "[3,\"final_prenorm\"]");
+}

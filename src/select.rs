@@ -6,6 +6,9 @@ use serde_json::Value;
 
 use crate::tokenizer::Tokenized;
 
+/// The positions one input keeps, or why its selection is invalid.
+type PickFn<'a> = dyn Fn(usize, &Tokenized) -> Result<Vec<u32>, String> + 'a;
+
 /// What `tokens` asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Selection {
@@ -100,9 +103,7 @@ impl Selection {
     /// The positions each tokenized input keeps, ascending; `None` for every position. Ranges
     /// past the end of their input are an error naming it.
     pub fn positions(&self, seqs: &[Tokenized]) -> Result<Option<Vec<Vec<u32>>>, String> {
-        let pick = |f: &dyn Fn(usize, &Tokenized) -> Result<Vec<u32>, String>| {
-            seqs.iter().enumerate().map(|(i, s)| f(i, s)).collect::<Result<Vec<_>, _>>().map(Some)
-        };
+        let pick = |f: &PickFn| seqs.iter().enumerate().map(|(i, s)| f(i, s)).collect::<Result<Vec<_>, _>>().map(Some);
         match self {
             Selection::All => Ok(None),
             Selection::Assistant => pick(&|_, s| {

@@ -100,6 +100,7 @@ impl Selection {
     /// The positions each tokenized input keeps, ascending; `None` for every position. Ranges
     /// past the end of their input are an error naming it.
     pub fn positions(&self, seqs: &[Tokenized]) -> Result<Option<Vec<Vec<u32>>>, String> {
+        #[allow(clippy::type_complexity)] // a one-off closure type, clearer inline
         let pick = |f: &dyn Fn(usize, &Tokenized) -> Result<Vec<u32>, String>| {
             seqs.iter().enumerate().map(|(i, s)| f(i, s)).collect::<Result<Vec<_>, _>>().map(Some)
         };

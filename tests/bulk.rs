@@ -474,10 +474,20 @@ async fn the_speculators_layout_writes_what_speculators_reads_and_resumes() {
     let at = tensor_start(&bytes, "token_ids");
     bytes[at] ^= 0x01;
     std::fs::write(spec.join("hs_2.safetensors"), bytes).unwrap();
+    // A change in the header leaves every tensor intact: only the whole file's xxh64 sees it.
+    let mut bytes = std::fs::read(spec.join("hs_3.safetensors")).unwrap();
+    let at = bytes.windows(11).position(|w| w == b"speculators").unwrap();
+    bytes[at] = b'S';
+    std::fs::write(spec.join("hs_3.safetensors"), bytes).unwrap();
     let (code, err) = run_bulk(&["--verify", "--out", &p(&spec)]).await;
     assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("conv/2: hs_2.safetensors: corrupt") && err.contains("token_ids"), "{err}");
-    assert_eq!(manifest(&spec).len(), 4);
+    let line_of = |id: &str| err.lines().find(|l| l.starts_with(&format!("{id}: "))).unwrap_or_default().to_string();
+    let two = line_of("conv/2");
+    assert!(two.starts_with("conv/2: hs_2.safetensors: corrupt") && two.contains("token_ids"), "{err}");
+    let three = line_of("conv/3");
+    assert!(three.starts_with("conv/3: hs_3.safetensors: corrupt") && three.contains("xxh64"), "{err}");
+    let left: Vec<String> = manifest(&spec).iter().map(|v| v["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(left, ["conv/0", "conv/1", "conv/4"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,34 +35,101 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct BulkArgs {
     /// Server URL, e.g. http://localhost:8080.
-    #[arg(long, env = "LAYERTAP_SERVER")]
-    pub server: String,
+    #[arg(long, env = "LAYERTAP_SERVER", required_unless_present = "verify")]
+    pub server: Option<String>,
     /// JSONL input: each line {"input_ids": [...]} or {"text": "..."} or {"messages": [...]}, optional "id".
-    #[arg(long)]
-    pub input: PathBuf,
-    /// Output folder (manifest.jsonl, failures.jsonl, shard-NNNNN/ID.safetensors).
+    #[arg(long, required_unless_present = "verify")]
+    pub input: Option<PathBuf>,
+    /// Output folder (manifest.jsonl, failures.jsonl and the samples' files).
     #[arg(long)]
     pub out: PathBuf,
     /// Hugging Face hidden_states indices, comma-separated (negative from the end); the name
     /// final_prenorm asks for the last decoder layer's output before the final norm.
-    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required = true)]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required_unless_present = "verify")]
     pub layers: Vec<LayerRef>,
     /// Output dtype: float32, bfloat16, float16 or fp8 (float8_e4m3fn, with per-token scales;
     /// default: the server's).
     #[arg(long)]
     pub dtype: Option<String>,
-    /// Requests kept in flight.
+    /// Requests kept in flight (with --verify: files checked at once).
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
     /// Bearer token for a server started with --api-key.
     #[arg(long, env = "LAYERTAP_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Retries per sample on 429, 5xx and connection errors (exponential backoff).
+    /// Retries per sample on 429, 5xx, connection errors and answers that fail their checksums
+    /// (exponential backoff).
     #[arg(long, default_value_t = 8)]
     pub retries: usize,
     /// Seconds one request may take.
     #[arg(long, default_value_t = 600)]
     pub timeout_s: u64,
+    /// Re-read every file the manifest of --out lists and check it against its checksums; files
+    /// missing or corrupt are reported and dropped from the manifest (the next run redoes them).
+    #[arg(long)]
+    pub verify: bool,
+    /// Files written: plain (shard-NNNNN/ID.safetensors, the server's answer as it is) or
+    /// speculators (hs_I.safetensors with hidden_states and token_ids, I the sample's index in
+    /// the input, as speculators' trainers read them).
+    #[arg(long, value_enum, default_value_t = BulkLayout::Plain)]
+    pub layout: BulkLayout,
+    /// Rows kept of each sample: all, assistant (rows whose loss_mask is 1) or last:K.
+    #[arg(long, default_value = "all", value_parser = parse_bulk_tokens)]
+    pub tokens: BulkTokens,
+}
+
+/// How `layertap bulk` lays out its files.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BulkLayout {
+    /// `shard-NNNNN/ID.safetensors`: the answer as the server sent it.
+    #[default]
+    Plain,
+    /// `hs_I.safetensors`: `hidden_states` and `token_ids`, as speculators reads them.
+    Speculators,
+}
+
+/// Which rows `layertap bulk` asks for (the request's `tokens`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BulkTokens {
+    #[default]
+    All,
+    Assistant,
+    Last(usize),
+}
+
+impl BulkTokens {
+    /// The request's `tokens` value; `None` for all rows (the server's default).
+    pub fn request(self) -> Option<serde_json::Value> {
+        match self {
+            BulkTokens::All => None,
+            BulkTokens::Assistant => Some("assistant".into()),
+            BulkTokens::Last(k) => Some(serde_json::json!({ "last": k })),
+        }
+    }
+}
+
+impl std::fmt::Display for BulkTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BulkTokens::All => f.write_str("all"),
+            BulkTokens::Assistant => f.write_str("assistant"),
+            BulkTokens::Last(k) => write!(f, "last:{k}"),
+        }
+    }
+}
+
+/// Parses `--tokens`: `all`, `assistant` or `last:K` with K >= 1.
+pub fn parse_bulk_tokens(s: &str) -> Result<BulkTokens, String> {
+    let s = s.trim();
+    match s {
+        "all" => Ok(BulkTokens::All),
+        "assistant" => Ok(BulkTokens::Assistant),
+        _ => match s.strip_prefix("last:").map(|k| k.trim().parse::<usize>()) {
+            Some(Ok(k)) if k >= 1 => Ok(BulkTokens::Last(k)),
+            Some(_) => Err(format!("{s:?}: last:K needs a whole number K >= 1, e.g. last:2")),
+            None => Err(format!("unknown --tokens value {s:?}; use all, assistant or last:K (K >= 1)")),
+        },
+    }
 }
 
 #[derive(Args, Debug, Clone)]

@@ -128,3 +128,483 @@ async fn samples_the_server_refuses_are_reported_and_the_rest_land() {
     let failures = std::fs::read_to_string(out.join("failures.jsonl")).unwrap();
     assert!(failures.contains("\"bad\"") && failures.contains("422"), "{failures}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Checksums, --verify, --layout speculators and --tokens
+// ---------------------------------------------------------------------------------------------
+
+/// `layertap bulk` with `args`, stdout dropped, stderr captured.
+fn bulk_cmd(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_layertap"));
+    c.arg("bulk").args(args).env_remove("LAYERTAP_SERVER").stdout(Stdio::null()).stderr(Stdio::piped());
+    c
+}
+
+/// Runs [`bulk_cmd`] off the runtime; returns the exit code and stderr.
+async fn run_bulk(args: &[&str]) -> (Option<i32>, String) {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let o = tokio::task::spawn_blocking(move || {
+        bulk_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>()).output().unwrap()
+    })
+    .await
+    .unwrap();
+    (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn p(path: &std::path::Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+/// Writes `samples` (id, token ids) as a JSONL input file.
+fn write_input(path: &std::path::Path, samples: &[(&str, Vec<u32>)]) {
+    let text: String =
+        samples.iter().map(|(id, ids)| serde_json::json!({"id": id, "input_ids": ids}).to_string() + "\n").collect();
+    std::fs::write(path, text).unwrap();
+}
+
+fn xxh64(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh64::xxh64(bytes, 0))
+}
+
+/// Where a tensor's bytes start in a safetensors file.
+fn tensor_start(file: &[u8], name: &str) -> usize {
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+    8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize
+}
+
+/// Each tensor's (dtype, shape, raw bytes), read with the safetensors library.
+fn raw_tensors(file: &[u8]) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let st = safetensors::SafeTensors::deserialize(file).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (format!("{:?}", v.dtype()), v.shape().to_vec(), v.data().to_vec())))
+        .collect()
+}
+
+/// Asserts that a file holds the fake model's states of `ids` at `layers` (resolved indices).
+fn assert_states(t: &std::collections::HashMap<String, Read>, ids: &[u32], layers: &[usize], what: &str) {
+    let hs = &t["hidden_states"];
+    assert_eq!(hs.shape, vec![ids.len(), layers.len(), FAKE_HIDDEN], "{what}");
+    for (r, &tok) in ids.iter().enumerate() {
+        for (j, &l) in layers.iter().enumerate() {
+            for h in 0..FAKE_HIDDEN {
+                let got = hs.f32[(r * layers.len() + j) * FAKE_HIDDEN + h];
+                assert_eq!(got, fake_value(tok, l, h), "{what}: row {r}, layer {l}, component {h}");
+            }
+        }
+    }
+}
+
+/// A proxy in front of a server that flips one bit of the hidden states in the answers `corrupt`
+/// picks (given the sample's token ids and how many requests for them came before), and counts
+/// the requests per sample. Answers go out uncompressed.
+struct Proxy {
+    base: String,
+    hits: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, usize>>>,
+}
+
+impl Proxy {
+    fn hits(&self, ids: &[u32]) -> usize {
+        let key: Vec<u64> = ids.iter().map(|&x| u64::from(x)).collect();
+        self.hits.lock().unwrap().get(&key).copied().unwrap_or(0)
+    }
+}
+
+async fn corrupting_proxy(target: String, corrupt: fn(&[u64], usize) -> bool) -> Proxy {
+    use axum::body::Bytes;
+    let hits: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, usize>>> = Default::default();
+    let h = hits.clone();
+    let handler = move |body: Bytes| {
+        let (target, hits) = (target.clone(), h.clone());
+        async move {
+            let req: Value = serde_json::from_slice(&body).unwrap();
+            let key: Vec<u64> =
+                req["inputs"][0]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            let n = {
+                let mut m = hits.lock().unwrap();
+                let c = m.entry(key.clone()).or_insert(0);
+                *c += 1;
+                *c - 1
+            };
+            let r = client()
+                .post(format!("{target}/v1/hidden-states"))
+                .header("content-type", "application/json")
+                .header("accept-encoding", "identity")
+                .body(body.to_vec())
+                .send()
+                .await
+                .unwrap();
+            let status = axum::http::StatusCode::from_u16(r.status().as_u16()).unwrap();
+            let mut answer = r.bytes().await.unwrap().to_vec();
+            if status.is_success() && corrupt(&key, n) {
+                let at = tensor_start(&answer, "hidden_states");
+                answer[at] ^= 0x01;
+            }
+            (status, [("content-type", "application/octet-stream")], answer)
+        }
+    };
+    let app = axum::Router::new().route("/v1/hidden-states", axum::routing::post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Proxy { base, hits }
+}
+
+fn entry<'a>(m: &'a [Value], id: &str) -> &'a Value {
+    m.iter().find(|v| v["id"] == id).unwrap_or_else(|| panic!("{id} is not in the manifest"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_corrupted_in_transit_is_retried_and_lands_intact() {
+    let s = fake_server(limits(), vec![]).await;
+    // Only the first answer for sample b is damaged.
+    let proxy = corrupting_proxy(s.base.clone(), |ids, n| ids == [11, 12, 13] && n == 0).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    let samples = [("a", vec![1, 2]), ("b", vec![11, 12, 13]), ("c", vec![5])];
+    write_input(&input, &samples);
+    let (code, err) = run_bulk(&[
+        "--server",
+        &proxy.base,
+        "--input",
+        &p(&input),
+        "--out",
+        &p(&out),
+        "--layers",
+        "1,-1",
+        "--dtype",
+        "float32",
+        "--retries",
+        "3",
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(proxy.hits(&[11, 12, 13]), 2, "the corrupted answer was asked again");
+    assert_eq!(proxy.hits(&[1, 2]), 1);
+    let m = manifest(&out);
+    assert_eq!(m.len(), 3);
+    for (id, ids) in &samples {
+        let e = entry(&m, id);
+        let bytes = std::fs::read(out.join(e["file"].as_str().unwrap())).unwrap();
+        let (t, meta) = read_safetensors_bytes(&bytes);
+        assert_states(&t, ids, &[1, FAKE_LAYERS], id);
+        // The manifest records the whole file's xxh64 and each tensor's, as the file's metadata does.
+        assert_eq!(e["xxh64"], xxh64(&bytes), "{id}");
+        let sums: Value = serde_json::from_str(&meta["checksums"]).unwrap();
+        assert_eq!(e["checksums"], sums, "{id}");
+        for (name, (_, _, data)) in raw_tensors(&bytes) {
+            assert_eq!(e["checksums"][&name], xxh64(&data), "{id}: {name}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_corrupted_every_time_fails_with_a_checksum_message_and_no_file() {
+    let s = fake_server(limits(), vec![]).await;
+    let proxy = corrupting_proxy(s.base.clone(), |ids, _| ids == [11, 12, 13]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    write_input(&input, &[("a", vec![1, 2]), ("b", vec![11, 12, 13]), ("c", vec![5])]);
+    let (code, err) = run_bulk(&[
+        "--server",
+        &proxy.base,
+        "--input",
+        &p(&input),
+        "--out",
+        &p(&out),
+        "--layers",
+        "1,-1",
+        "--retries",
+        "2",
+    ])
+    .await;
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(proxy.hits(&[11, 12, 13]), 3, "one attempt and two retries");
+    let ids: HashSet<String> = manifest(&out).iter().map(|v| v["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, HashSet::from(["a".to_string(), "c".to_string()]));
+    let failures: Vec<Value> = std::fs::read_to_string(out.join("failures.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0]["id"], "b");
+    let msg = failures[0]["error"].as_str().unwrap();
+    assert!(msg.contains("checksum") && msg.contains("hidden_states"), "{msg}");
+    let files: Vec<_> = walk(&out).into_iter().map(|f| p(f.strip_prefix(&out).unwrap())).collect();
+    assert!(!files.iter().any(|f| f.contains("b.safetensors")), "a file was written for b: {files:?}");
+    assert_eq!(files.iter().filter(|f| f.ends_with(".safetensors")).count(), 2, "{files:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_drops_missing_and_corrupt_files_and_the_next_run_redoes_exactly_those() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    let samples: Vec<(String, Vec<u32>)> =
+        (0..6u32).map(|i| (format!("s{i}"), (0..i + 2).map(|k| 20 * i + k + 1).collect())).collect();
+    let refs: Vec<(&str, Vec<u32>)> = samples.iter().map(|(id, ids)| (id.as_str(), ids.clone())).collect();
+    write_input(&input, &refs);
+    let run_args = ["--server", &s.base, "--input", &p(&input), "--out", &p(&out), "--layers", "1,-1"];
+    let (code, err) = run_bulk(&run_args).await;
+    assert_eq!(code, Some(0), "{err}");
+    let before = std::fs::read_to_string(out.join("manifest.jsonl")).unwrap();
+    let m = manifest(&out);
+    let file_of = |id: &str| entry(&m, id)["file"].as_str().unwrap().to_string();
+    let (corrupt, missing) = (file_of("s1"), file_of("s4"));
+    let mut bytes = std::fs::read(out.join(&corrupt)).unwrap();
+    let at = tensor_start(&bytes, "hidden_states") + 9;
+    bytes[at] ^= 0x10;
+    std::fs::write(out.join(&corrupt), bytes).unwrap();
+    std::fs::remove_file(out.join(&missing)).unwrap();
+
+    // Neither --server nor --input nor --layers is needed to verify.
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let line_of = |id: &str| err.lines().find(|l| l.starts_with(&format!("{id}: "))).map(String::from);
+    let bad = line_of("s1").unwrap_or_else(|| panic!("s1 not named: {err}"));
+    assert!(bad.contains(&corrupt) && bad.contains("corrupt") && bad.contains("hidden_states"), "{bad}");
+    let gone = line_of("s4").unwrap_or_else(|| panic!("s4 not named: {err}"));
+    assert!(gone.contains(&missing) && gone.contains("missing"), "{gone}");
+    for id in ["s0", "s2", "s3", "s5"] {
+        assert!(line_of(id).is_none(), "{id} is intact: {err}");
+    }
+    let after = std::fs::read_to_string(out.join("manifest.jsonl")).unwrap();
+    let expected: Vec<&str> =
+        before.lines().filter(|l| !l.contains("\"id\":\"s1\"") && !l.contains("\"id\":\"s4\"")).collect();
+    assert_eq!(expected.len(), 4);
+    assert_eq!(after.lines().collect::<Vec<_>>(), expected, "exactly the two lines are gone");
+    assert!(!out.join("manifest.jsonl.tmp").exists());
+
+    s.control.seen.lock().unwrap().clear();
+    let (code, err) = run_bulk(&run_args).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("4 samples already done, 2 to go"), "{err}");
+    let mut seen = s.control.seen.lock().unwrap().clone();
+    seen.sort();
+    let mut want: Vec<u32> = samples[1].1.iter().chain(&samples[4].1).copied().collect();
+    want.sort();
+    assert_eq!(seen, want, "only s1 and s4 were extracted again");
+    let m = manifest(&out);
+    let new_ids: HashSet<&str> = m[4..].iter().map(|v| v["id"].as_str().unwrap()).collect();
+    assert_eq!((m.len(), new_ids), (6, HashSet::from(["s1", "s4"])));
+    for (id, ids) in &samples {
+        assert_states(&read_safetensors(&out.join(file_of(id))), ids, &[1, FAKE_LAYERS], id);
+    }
+
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let total: u64 = m.iter().map(|v| std::fs::metadata(out.join(v["file"].as_str().unwrap())).unwrap().len()).sum();
+    assert!(err.contains(&format!("verified 6 files, {total} bytes")) && err.contains("all intact"), "{err}");
+    assert_eq!(std::fs::read_to_string(out.join("manifest.jsonl")).unwrap().lines().count(), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_speculators_layout_writes_what_speculators_reads_and_resumes() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, head) = (dir.path().join("data.jsonl"), dir.path().join("head.jsonl"));
+    let (plain, spec) = (dir.path().join("plain"), dir.path().join("spec"));
+    let samples: Vec<(String, Vec<u32>)> =
+        (0..5u32).map(|i| (format!("conv/{i}"), (0..i + 1).map(|k| 50 + 10 * i + k).collect())).collect();
+    let refs: Vec<(&str, Vec<u32>)> = samples.iter().map(|(id, ids)| (id.as_str(), ids.clone())).collect();
+    write_input(&input, &refs);
+    write_input(&head, &refs[..3]);
+    let layers = ["--layers", "1,3,final_prenorm", "--dtype", "float32"];
+    let args = |inp: &std::path::Path, out: &std::path::Path, layout: &str| -> Vec<String> {
+        ["--server", &s.base, "--input", &p(inp), "--out", &p(out), "--layout", layout]
+            .iter()
+            .chain(&layers)
+            .map(|x| x.to_string())
+            .collect()
+    };
+    let run = |a: Vec<String>| async move { run_bulk(&a.iter().map(String::as_str).collect::<Vec<_>>()).await };
+    let (code, err) = run(args(&input, &plain, "plain")).await;
+    assert_eq!(code, Some(0), "{err}");
+    // A first run over the first three samples, then the whole input: the three are not redone.
+    let (code, err) = run(args(&head, &spec, "speculators")).await;
+    assert_eq!(code, Some(0), "{err}");
+    s.control.seen.lock().unwrap().clear();
+    let (code, err) = run(args(&input, &spec, "speculators")).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("3 samples already done, 2 to go"), "{err}");
+    let mut seen = s.control.seen.lock().unwrap().clone();
+    seen.sort();
+    let mut want: Vec<u32> = samples[3..].iter().flat_map(|(_, ids)| ids.clone()).collect();
+    want.sort();
+    assert_eq!(seen, want, "resume asked for the last two samples only");
+
+    let pm = manifest(&plain);
+    let sm = manifest(&spec);
+    assert_eq!(sm.len(), 5);
+    for (i, (id, ids)) in samples.iter().enumerate() {
+        let name = format!("hs_{i}.safetensors");
+        let e = entry(&sm, id);
+        assert_eq!(e["file"], name.as_str(), "{id}");
+        let bytes = std::fs::read(spec.join(&name)).unwrap();
+        let t = raw_tensors(&bytes);
+        assert_eq!(t.keys().collect::<Vec<_>>(), ["hidden_states", "token_ids"], "{id}: nothing else");
+        let (dt, shape, hs) = &t["hidden_states"];
+        assert_eq!((dt.as_str(), shape.clone()), ("F32", vec![ids.len(), 3, FAKE_HIDDEN]), "{id}");
+        let (dt, shape, tok) = &t["token_ids"];
+        assert_eq!((dt.as_str(), shape.clone()), ("I64", vec![ids.len()]), "{id}");
+        let tok: Vec<i64> = tok.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(tok, ids.iter().map(|&x| i64::from(x)).collect::<Vec<_>>(), "{id}: token_ids are the input ids");
+        let plain_bytes = std::fs::read(plain.join(entry(&pm, id)["file"].as_str().unwrap())).unwrap();
+        assert_eq!(hs, &raw_tensors(&plain_bytes)["hidden_states"].2, "{id}: the plain layout's states");
+        let (vals, _) = read_safetensors_bytes(&bytes);
+        assert_states(&vals, ids, &[1, 3, FAKE_LAYERS + 1], id);
+        assert_eq!(e["xxh64"], xxh64(&bytes), "{id}");
+        assert_eq!(e["checksums"]["hidden_states"], xxh64(hs), "{id}");
+        assert_eq!(e["checksums"]["token_ids"], xxh64(&t["token_ids"].2), "{id}");
+    }
+    let mut names: Vec<String> =
+        std::fs::read_dir(&spec).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    let mut want: Vec<String> = (0..5).map(|i| format!("hs_{i}.safetensors")).collect();
+    want.extend(["failures.jsonl".to_string(), "manifest.jsonl".to_string()]);
+    want.sort();
+    assert_eq!(names, want, "one flat folder");
+
+    // --verify checks this layout too: its files carry their own checksums.
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&spec)]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let mut bytes = std::fs::read(spec.join("hs_2.safetensors")).unwrap();
+    let at = tensor_start(&bytes, "token_ids");
+    bytes[at] ^= 0x01;
+    std::fs::write(spec.join("hs_2.safetensors"), bytes).unwrap();
+    // A change in the header leaves every tensor intact: only the whole file's xxh64 sees it.
+    let mut bytes = std::fs::read(spec.join("hs_3.safetensors")).unwrap();
+    let at = bytes.windows(11).position(|w| w == b"speculators").unwrap();
+    bytes[at] = b'S';
+    std::fs::write(spec.join("hs_3.safetensors"), bytes).unwrap();
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&spec)]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let line_of = |id: &str| err.lines().find(|l| l.starts_with(&format!("{id}: "))).unwrap_or_default().to_string();
+    let two = line_of("conv/2");
+    assert!(two.starts_with("conv/2: hs_2.safetensors: corrupt") && two.contains("token_ids"), "{err}");
+    let three = line_of("conv/3");
+    assert!(three.starts_with("conv/3: hs_3.safetensors: corrupt") && three.contains("xxh64"), "{err}");
+    let left: Vec<String> = manifest(&spec).iter().map(|v| v["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(left, ["conv/0", "conv/1", "conv/4"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_speculators_layout_cannot_hold_is_refused_before_any_request() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("data.jsonl");
+    write_input(&input, &[("a", vec![1, 2, 3])]);
+    for (extra, says) in [
+        (["--dtype", "fp8"], "fp8"),
+        (["--dtype", "float8_e4m3fn"], "fp8"),
+        (["--tokens", "assistant"], "--tokens all"),
+        (["--tokens", "last:2"], "--tokens all"),
+    ] {
+        let out = dir.path().join(format!("out-{}", extra[1]));
+        let mut args = vec!["--server", &s.base, "--input", &input.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        args.extend(["--layers", "1,final_prenorm", "--layout", "speculators"]);
+        args.extend(extra);
+        let (code, err) = run_bulk(&args).await;
+        assert_eq!(code, Some(1), "{extra:?}: {err}");
+        assert!(err.contains(says) && err.contains("speculators"), "{extra:?}: {err}");
+        assert!(s.control.seen.lock().unwrap().is_empty(), "{extra:?}: a request was made");
+        assert!(!out.join("hs_0.safetensors").exists());
+    }
+    // The plain layout takes fp8 (with its scales) and selections.
+    let out = dir.path().join("plain-fp8");
+    let (code, err) =
+        run_bulk(&["--server", &s.base, "--input", &p(&input), "--out", &p(&out), "--layers", "1", "--dtype", "fp8"])
+            .await;
+    assert_eq!(code, Some(0), "{err}");
+    let t = raw_tensors(&std::fs::read(out.join("shard-00000/a.safetensors")).unwrap());
+    assert_eq!((t["hidden_states"].0.as_str(), t["hidden_states_scale"].1.clone()), ("F8_E4M3", vec![3, 1]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_values_other_than_all_assistant_and_last_k_are_refused_at_parse_time() {
+    for bad in ["last:0", "last:", "last:-1", "first:2", "ranges", "Assistant"] {
+        let (code, err) = run_bulk(&[
+            "--server",
+            "http://127.0.0.1:9",
+            "--input",
+            "x",
+            "--out",
+            "y",
+            "--layers",
+            "1",
+            "--tokens",
+            bad,
+        ])
+        .await;
+        assert_eq!(code, Some(2), "{bad}: {err}");
+        assert!(err.contains("--tokens") && err.contains("last:"), "{bad}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_assistant_and_last_k_keep_the_selected_rows_and_their_positions() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("data.jsonl");
+    let lines = [
+        serde_json::json!({"id": "chat", "messages": [
+            {"role": "user", "content": "Hi there, how are you?"},
+            {"role": "assistant", "content": "Very well, thank you."}]}),
+        serde_json::json!({"id": "ids", "input_ids": [3, 4, 5, 6, 7]}),
+        serde_json::json!({"id": "one", "input_ids": [9]}),
+    ];
+    std::fs::write(&input, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+    let mut outs = Vec::new();
+    for tokens in ["all", "assistant", "last:2"] {
+        let out = dir.path().join(tokens.replace(':', "-"));
+        let (code, err) = run_bulk(&[
+            "--server",
+            &s.base,
+            "--input",
+            &p(&input),
+            "--out",
+            &p(&out),
+            "--layers",
+            "2,-1",
+            "--tokens",
+            tokens,
+        ])
+        .await;
+        assert_eq!(code, Some(0), "{tokens}: {err}");
+        outs.push(out);
+    }
+    let mut partial = false;
+    for id in ["chat", "ids", "one"] {
+        let read = |out: &std::path::Path| {
+            let bytes = std::fs::read(out.join(format!("shard-00000/{id}.safetensors"))).unwrap();
+            read_safetensors_bytes(&bytes)
+        };
+        let (full, meta) = read(&outs[0]);
+        assert_eq!(meta["tokens"], "all");
+        assert!(!full.contains_key("positions"));
+        let ids = &full["input_ids"].i64;
+        let mask = &full["loss_mask"].i64;
+        let n = ids.len();
+        let assistant: Vec<usize> = (0..n).filter(|&i| mask[i] == 1).collect();
+        partial |= !assistant.is_empty() && assistant.len() < n;
+        for (out, rows, label) in
+            [(&outs[1], assistant, "assistant"), (&outs[2], (n.saturating_sub(2)..n).collect(), "last:2")]
+        {
+            let (t, meta) = read(out);
+            assert_eq!(meta["tokens"], label, "{id}");
+            let what = format!("{id} with --tokens {label}");
+            assert_eq!(t["positions"].i64, rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), "{what}");
+            assert_eq!(t["input_ids"].i64, rows.iter().map(|&r| ids[r]).collect::<Vec<_>>(), "{what}");
+            assert_eq!(t["loss_mask"].i64, rows.iter().map(|&r| mask[r]).collect::<Vec<_>>(), "{what}");
+            let sel: Vec<u32> = rows.iter().map(|&r| ids[r] as u32).collect();
+            assert_states(&t, &sel, &[2, FAKE_LAYERS], &what);
+            let width = 2 * FAKE_HIDDEN;
+            let want: Vec<f32> =
+                rows.iter().flat_map(|&r| full["hidden_states"].f32[r * width..(r + 1) * width].to_vec()).collect();
+            assert_eq!(t["hidden_states"].f32, want, "{what}: the full run's rows");
+        }
+    }
+    assert!(partial, "the chat sample has rows outside the assistant turn");
+}

@@ -875,8 +875,8 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
     std::fs::write(out.join("manifest.jsonl"), manifest).unwrap();
     h.server.control.seen.lock().unwrap().clear();
     let args = layertap::cli::BulkArgs {
-        server: h.server.base.clone(),
-        input,
+        server: Some(h.server.base.clone()),
+        input: Some(input),
         out: out.clone(),
         layers: vec![layertap::engine::LayerRef::Index(1)],
         dtype: Some("float32".into()),
@@ -884,6 +884,9 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
         api_key: None,
         retries: 2,
         timeout_s: 30,
+        verify: false,
+        layout: Default::default(),
+        tokens: Default::default(),
     };
     let code = h.rt.block_on(layertap::bulk::run(args)).expect("bulk runs");
     let seen = h.server.control.seen.lock().unwrap().clone();

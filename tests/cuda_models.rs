@@ -11,6 +11,22 @@ use common::{read_safetensors, rel_err};
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Engine, OutDType, Output, Rows};
 
+/// A fixture's reference tensors, its sequences, and their offsets packed in one batch.
+fn reference_batch(
+    dir: &std::path::Path,
+) -> (std::collections::HashMap<String, common::Read>, Vec<Vec<u32>>, Vec<usize>) {
+    let reference = read_safetensors(&dir.join("reference.safetensors"));
+    let mut seqs = Vec::new();
+    while let Some(ids) = reference.get(&format!("seq{}.input_ids", seqs.len())) {
+        seqs.push(ids.i64.iter().map(|&x| x as u32).collect::<Vec<u32>>());
+    }
+    let mut cu = vec![0];
+    for s in &seqs {
+        cu.push(cu.last().unwrap() + s.len());
+    }
+    (reference, seqs, cu)
+}
+
 #[test]
 fn every_fixture_family_matches_transformers_on_the_gpu() {
     let Some(dev) = common::cuda_device() else { return };
@@ -19,15 +35,7 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
     for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
-        let reference = read_safetensors(&dir.join("reference.safetensors"));
-        let mut seqs = Vec::new();
-        while let Some(ids) = reference.get(&format!("seq{}.input_ids", seqs.len())) {
-            seqs.push(ids.i64.iter().map(|&x| x as u32).collect::<Vec<u32>>());
-        }
-        let mut cu = vec![0];
-        for s in &seqs {
-            cu.push(cu.last().unwrap() + s.len());
-        }
+        let (reference, seqs, cu) = reference_batch(&dir);
         for dtype in [DType::F32, DType::BF16] {
             let mut m = files.load(&dev, dtype).unwrap();
             let n = m.info.num_layers;
@@ -110,15 +118,7 @@ fn selection_fp8_screen_and_prenorm_on_the_gpu() {
     for dir in common::fixture_models() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
-        let reference = read_safetensors(&dir.join("reference.safetensors"));
-        let mut seqs = Vec::new();
-        while let Some(ids) = reference.get(&format!("seq{}.input_ids", seqs.len())) {
-            seqs.push(ids.i64.iter().map(|&x| x as u32).collect::<Vec<u32>>());
-        }
-        let mut cu = vec![0];
-        for s in &seqs {
-            cu.push(cu.last().unwrap() + s.len());
-        }
+        let (reference, seqs, cu) = reference_batch(&dir);
         let mut m = files.load(&dev, DType::F32).unwrap();
         let n = m.info.num_layers;
         let taps = m.engine.forward(&Batch::new(seqs.concat(), cu.clone(), vec![n + 1])).unwrap();

@@ -228,53 +228,150 @@ fn check_tokenize_ok(req: &Value, r: &Reply) -> Result<(), TestCaseError> {
 
 /// A 200 of /v1/hidden-states: safetensors (or JSON) whose tensors agree with each other, with
 /// the request, with the tokenizer and with the fake engine's values.
+/// The positions of each input an accepted `tokens` value keeps (`None`: every position),
+/// worked out here from the request alone, not with the server's code.
+fn expected_positions(
+    tokens: Option<&Value>,
+    seqs: &[(Vec<u32>, Vec<u8>)],
+) -> Result<Option<Vec<Vec<usize>>>, TestCaseError> {
+    let all = |f: &dyn Fn(usize, &(Vec<u32>, Vec<u8>)) -> Vec<usize>| {
+        Some(seqs.iter().enumerate().map(|(i, s)| f(i, s)).collect())
+    };
+    Ok(match tokens {
+        None | Some(Value::Null) => None,
+        Some(Value::String(t)) if t == "all" => None,
+        Some(Value::String(t)) if t == "assistant" => all(&|_, s| (0..s.1.len()).filter(|&p| s.1[p] == 1).collect()),
+        Some(Value::Object(o)) => {
+            let k = o.get("last").and_then(Value::as_u64).filter(|&k| k >= 1 && o.len() == 1);
+            let k = k.ok_or_else(|| TestCaseError::fail(format!("accepted tokens {o:?}")))? as usize;
+            all(&|_, s| (s.0.len().saturating_sub(k)..s.0.len()).collect())
+        }
+        Some(Value::Array(per)) => {
+            check!(per.len() == seqs.len(), "accepted {} token lists for {} inputs", per.len(), seqs.len());
+            let mut out = Vec::new();
+            for (i, ranges) in per.iter().enumerate() {
+                let ranges = ranges.as_array().ok_or_else(|| TestCaseError::fail("accepted a non-list of ranges"))?;
+                let mut ps: Vec<usize> = Vec::new();
+                for r in ranges {
+                    let pair: Option<(u64, u64)> =
+                        r.as_array().filter(|a| a.len() == 2).and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)));
+                    let (a, b) = pair.ok_or_else(|| TestCaseError::fail(format!("accepted range {r}")))?;
+                    let (a, b) = (a as usize, b as usize);
+                    check!(
+                        a < b && b <= seqs[i].0.len(),
+                        "accepted range [{a}, {b}) of a {}-token input",
+                        seqs[i].0.len()
+                    );
+                    check!(ps.last().is_none_or(|&l| l < a), "accepted overlapping or unsorted ranges {ranges:?}");
+                    ps.extend(a..b);
+                }
+                out.push(ps);
+            }
+            Some(out)
+        }
+        Some(other) => return Err(TestCaseError::fail(format!("accepted tokens {other}"))),
+    })
+}
+
+/// The fp8 bits and scale of one row, as the format defines them.
+fn fp8_row(row: &[f32]) -> (Vec<u8>, f32) {
+    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let inv = 448.0 / amax.max(1e-30);
+    (
+        row.iter().map(|&x| float8::F8E4M3::from_f32(x * inv).to_bits()).collect(),
+        if amax > 0.0 { amax.max(1e-30) / 448.0 } else { 0.0 },
+    )
+}
+
+/// A 200 of /v1/hidden-states: the shape, dtype, tokens, positions, values (bit for bit, fp8 and
+/// its scales included), metadata and checksums the request asked for.
 fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) -> Result<(), TestCaseError> {
     let dtype = match req.get("dtype") {
         None | Some(Value::Null) => OutDType::Float32,
         Some(d) => OutDType::parse(d.as_str().ok_or_else(|| TestCaseError::fail("accepted a non-string dtype"))?)
             .ok_or_else(|| TestCaseError::fail(format!("accepted dtype {d}")))?,
     };
-    let asked: Vec<i64> =
-        serde_json::from_value(req["layers"].clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let fp8 = dtype == OutDType::Float8E4M3;
+    let asked = req["layers"].as_array().ok_or_else(|| TestCaseError::fail("accepted non-list layers"))?;
     let n = FAKE_LAYERS as i64;
-    let layers: Vec<usize> = asked.iter().map(|&i| if i < 0 { n + 1 + i } else { i } as usize).collect();
-    check!(!layers.is_empty() && layers.iter().all(|&l| l <= FAKE_LAYERS), "accepted layers {asked:?}");
+    let mut layers: Vec<usize> = Vec::new();
+    let mut labels: Vec<Value> = Vec::new();
+    for l in asked {
+        let idx = match l {
+            Value::String(s) if s == "final_prenorm" => FAKE_LAYERS + 1,
+            _ => {
+                let i = l.as_i64().ok_or_else(|| TestCaseError::fail(format!("accepted layer {l}")))?;
+                let r = if i < 0 { n + 1 + i } else { i };
+                check!((0..=n).contains(&r), "accepted layer {i}");
+                r as usize
+            }
+        };
+        check!(!layers.contains(&idx), "accepted layer {l} twice");
+        layers.push(idx);
+        labels.push(if idx == FAKE_LAYERS + 1 { json!("final_prenorm") } else { json!(idx) });
+    }
+    check!(!layers.is_empty(), "accepted no layers");
     let inputs = seen_inputs(req)?;
-    let (mut ids, mut mask, mut cu) = (Vec::new(), Vec::new(), vec![0i64]);
-    for s in &inputs {
-        let (i, m) = expected_tokens(s);
-        ids.extend(i.iter().map(|&x| i64::from(x)));
-        mask.extend(m);
+    let seqs: Vec<(Vec<u32>, Vec<u8>)> = inputs.iter().map(expected_tokens).collect();
+    let positions = expected_positions(req.get("tokens"), &seqs)?;
+    let (mut ids, mut mask, mut cu, mut pos) = (Vec::new(), Vec::new(), vec![0i64], Vec::new());
+    for (i, (si, sm)) in seqs.iter().enumerate() {
+        let ps: Vec<usize> = positions.as_ref().map_or_else(|| (0..si.len()).collect(), |p| p[i].clone());
+        for p in ps {
+            ids.push(i64::from(si[p]));
+            mask.push(sm[p]);
+            pos.push(p as i64);
+        }
         cu.push(ids.len() as i64);
     }
     let total = ids.len();
     check!(r.headers.get("x-tokens").and_then(|v| v.to_str().ok()) == Some(&total.to_string()), "x-tokens header");
-    let want_value = |row: usize, k: usize, h: usize| -> f32 {
-        let v = fake_value(ids[row] as u32, layers[k], h);
-        match dtype {
-            OutDType::Float32 => v,
-            OutDType::Bfloat16 => half::bf16::from_f32(v).to_f32(),
-            OutDType::Float16 => half::f16::from_f32(v).to_f32(),
-            // Not generated here: fp8 answers are checked in tests/answers.rs.
-            OutDType::Float8E4M3 => f32::NAN,
-        }
+    let width = layers.len();
+    let row_of = |row: usize, k: usize| -> Vec<f32> {
+        (0..FAKE_HIDDEN).map(|h| fake_value(ids[row] as u32, layers[k], h)).collect()
     };
+    // The values as stored (fp8: the fp8 values themselves) and, for fp8, the scales.
+    let mut want = Vec::with_capacity(total * width * FAKE_HIDDEN);
+    let mut want_scale = Vec::new();
+    for row in 0..total {
+        for k in 0..width {
+            let v = row_of(row, k);
+            match dtype {
+                OutDType::Float32 => want.extend(v),
+                OutDType::Bfloat16 => want.extend(v.iter().map(|&x| half::bf16::from_f32(x).to_f32())),
+                OutDType::Float16 => want.extend(v.iter().map(|&x| half::f16::from_f32(x).to_f32())),
+                OutDType::Float8E4M3 => {
+                    let (q, sc) = fp8_row(&v);
+                    want.extend(q.iter().map(|&b| float8::F8E4M3::from_bits(b).to_f32()));
+                    want_scale.push(sc);
+                }
+            }
+        }
+    }
     let json_asked =
         headers.iter().any(|(k, v)| *k == "accept" && v.split(',').any(|p| p.trim().starts_with("application/json")));
     let ctype = r.headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
     if json_asked {
         check!(ctype == "application/json", "JSON asked, content-type {ctype}");
         let v: Value = serde_json::from_slice(&r.body).map_err(|e| TestCaseError::fail(format!("JSON answer: {e}")))?;
-        check!(v["shape"] == json!([total, layers.len(), FAKE_HIDDEN]), "shape {}", v["shape"]);
+        check!(v["shape"] == json!([total, width, FAKE_HIDDEN]), "shape {}", v["shape"]);
         check!(v["dtype"] == dtype.name(), "dtype {}", v["dtype"]);
         check!(v["input_ids"] == json!(ids), "input_ids");
         check!(v["cu_seqlens"] == json!(cu), "cu_seqlens");
         check!(v["loss_mask"] == json!(mask), "loss_mask");
+        check!(
+            v.get("positions") == positions.as_ref().map(|_| json!(pos)).as_ref(),
+            "positions {:?}",
+            v.get("positions")
+        );
+        let scales: Option<Vec<f32>> = v.get("hidden_states_scale").map(|a| {
+            a.as_array().map(|a| a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN) as f32).collect()).unwrap_or_default()
+        });
+        check!(scales == fp8.then(|| want_scale.clone()), "scales {scales:?}");
         let hs = v["hidden_states"].as_array().ok_or_else(|| TestCaseError::fail("no hidden_states"))?;
-        check!(hs.len() == total * layers.len() * FAKE_HIDDEN, "{} values", hs.len());
+        check!(hs.len() == want.len(), "{} values", hs.len());
         for (i, x) in hs.iter().enumerate() {
-            let (row, k, h) = (i / (layers.len() * FAKE_HIDDEN), i / FAKE_HIDDEN % layers.len(), i % FAKE_HIDDEN);
-            check!(x.as_f64().map(|x| x as f32) == Some(want_value(row, k, h)), "value {i}: {x}");
+            check!(x.as_f64().map(|x| x as f32) == Some(want[i]), "value {i}: {x}");
         }
         return Ok(());
     }
@@ -300,10 +397,19 @@ fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) ->
         .map_err(|e| TestCaseError::fail(format!("not safetensors: {e}")))?;
     let mut names = st.names();
     names.sort();
-    check!(names == ["cu_seqlens", "hidden_states", "input_ids", "loss_mask"], "tensors {names:?}");
+    let mut want_names = vec!["cu_seqlens", "hidden_states", "input_ids", "loss_mask"];
+    if fp8 {
+        want_names.push("hidden_states_scale");
+    }
+    if positions.is_some() {
+        want_names.push("positions");
+    }
+    want_names.sort();
+    check!(names == want_names, "tensors {names:?}");
+    check!(codec::verify_checksums(&raw).is_ok(), "checksums do not verify");
     let (map, _) = common::read_safetensors_bytes(&raw);
     let hs = &map["hidden_states"];
-    check!(hs.shape == [total, layers.len(), FAKE_HIDDEN], "hidden_states shape {:?}", hs.shape);
+    check!(hs.shape == [total, width, FAKE_HIDDEN], "hidden_states shape {:?}", hs.shape);
     let st_dtype = st.tensor("hidden_states").unwrap().dtype();
     let want_dtype = match dtype {
         OutDType::Float32 => safetensors::Dtype::F32,
@@ -316,18 +422,21 @@ fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) ->
     check!(map["cu_seqlens"].shape == [inputs.len() + 1] && map["cu_seqlens"].i64 == cu, "cu_seqlens");
     let m: Vec<i64> = mask.iter().map(|&x| i64::from(x)).collect();
     check!(map["loss_mask"].shape == [total] && map["loss_mask"].i64 == m, "loss_mask");
+    if positions.is_some() {
+        check!(map["positions"].i64 == pos, "positions {:?}", map["positions"].i64);
+    }
+    if fp8 {
+        let sc: Vec<u32> = map["hidden_states_scale"].f32.iter().map(|x| x.to_bits()).collect();
+        check!(sc == want_scale.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "scales");
+    }
     for (i, x) in hs.f32.iter().enumerate() {
-        let (row, k, h) = (i / (layers.len() * FAKE_HIDDEN), i / FAKE_HIDDEN % layers.len(), i % FAKE_HIDDEN);
-        check!(x.to_bits() == want_value(row, k, h).to_bits(), "value {i}: {x}");
+        check!(x.to_bits() == want[i].to_bits(), "value {i}: {x}");
     }
     let (_, meta) = safetensors::SafeTensors::read_metadata(&raw).unwrap();
     let meta = meta.metadata().clone().unwrap_or_default();
-    check!(
-        meta.get("layers") == Some(&serde_json::to_string(&layers).unwrap()),
-        "metadata layers {:?}",
-        meta.get("layers")
-    );
+    check!(meta.get("layers") == Some(&Value::from(labels).to_string()), "metadata layers {:?}", meta.get("layers"));
     check!(meta.get("dtype").map(String::as_str) == Some(dtype.name()), "metadata dtype");
+    check!(meta.get("nonfinite").map(String::as_str) == Some("{}"), "metadata nonfinite {:?}", meta.get("nonfinite"));
     Ok(())
 }
 
@@ -430,6 +539,22 @@ fn layer() -> impl Strategy<Value = Value> {
         10 => (-7i64..7).prop_map(|l| json!(l)),
         1 => any::<i64>().prop_map(|l| json!(l)),
         1 => prop::sample::select(vec![json!(i64::MIN), json!(u64::MAX), json!(1.0), json!("1"), json!(null)]),
+        2 => prop::sample::select(vec![json!("final_prenorm"), json!("final_prenorm "), json!("FINAL_PRENORM"), json!("")]),
+    ]
+}
+
+/// `tokens`: the forms the API takes, near misses, and junk.
+fn tokens() -> impl Strategy<Value = Option<Value>> {
+    let range = prop_oneof![
+        6 => (0u64..12, 1u64..12).prop_map(|(a, n)| json!([a, a + n])),
+        1 => prop::sample::select(vec![json!([3, 3]), json!([4, 2]), json!([-1, 2]), json!([0]), json!([0, 1, 2]), json!(["0", 1]), json!(null)]),
+    ];
+    prop_oneof![
+        4 => Just(None),
+        1 => prop::sample::select(vec![json!("all"), json!("assistant"), json!(null)]).prop_map(Some),
+        2 => prop::sample::select(vec![1i64, 2, 5, 100]).prop_map(|k| Some(json!({"last": k}))),
+        1 => prop::sample::select(vec![json!({"last": 0}), json!({"last": -1}), json!({"last": 1.5}), json!({"first": 2}), json!({"last": 1, "x": 2}), json!("some"), json!(7), json!([])]).prop_map(Some),
+        3 => prop::collection::vec(prop::collection::vec(range, 0..3), 0..4).prop_map(|v| Some(json!(v))),
     ]
 }
 
@@ -438,14 +563,17 @@ fn dtype() -> impl Strategy<Value = Option<Value>> {
         3 => Just(None),
         6 => prop::sample::select(vec!["float32", "bfloat16", "float16", "f32", "bf16", "f16", "BF16", "Float16"])
             .prop_map(|d| Some(json!(d))),
+        3 => prop::sample::select(vec!["fp8", "float8_e4m3fn", "F8_E4M3", "fp8 ", "float8"]).prop_map(|d| Some(json!(d))),
         1 => prop::sample::select(vec![json!("float64"), json!(""), json!(" f32"), json!(null), json!(32)]).prop_map(Some),
         1 => nasty_text().prop_map(|d| Some(json!(d))),
     ]
 }
 
 fn request_value() -> impl Strategy<Value = Value> {
-    (prop::collection::vec(input_item(), 0..4), prop::collection::vec(layer(), 0..5), dtype(), 0u8..16).prop_map(
-        |(inputs, layers, dtype, shape)| {
+    let allow =
+        prop_oneof![6 => Just(None), 2 => any::<bool>().prop_map(|b| Some(json!(b))), 1 => Just(Some(json!("yes")))];
+    (prop::collection::vec(input_item(), 0..4), prop::collection::vec(layer(), 0..5), dtype(), tokens(), allow, 0u8..16)
+        .prop_map(|(inputs, layers, dtype, tokens, allow, shape)| {
             let mut o = serde_json::Map::new();
             if shape != 0 {
                 o.insert("inputs".into(), json!(inputs));
@@ -455,6 +583,12 @@ fn request_value() -> impl Strategy<Value = Value> {
             }
             if let Some(d) = dtype {
                 o.insert("dtype".into(), d);
+            }
+            if let Some(t) = tokens {
+                o.insert("tokens".into(), t);
+            }
+            if let Some(a) = allow {
+                o.insert("allow_nonfinite".into(), a);
             }
             match shape {
                 2 => {
@@ -467,8 +601,7 @@ fn request_value() -> impl Strategy<Value = Value> {
                 _ => {}
             }
             Value::Object(o)
-        },
-    )
+        })
 }
 
 /// A byte-level edit of a serialised body.
@@ -564,6 +697,47 @@ fn request_headers() -> impl Strategy<Value = Vec<(&'static str, String)>> {
     })
 }
 
+/// Bodies the server should mostly accept: real inputs and layers, every output option (dtype,
+/// fp8, token selections valid and not, the pre-norm state), so that most answers are 200s
+/// whose every value is checked.
+fn answer_options_request() -> impl Strategy<Value = Value> {
+    let input = prop_oneof![
+        3 => prop::collection::vec(0u32..FAKE_VOCAB as u32, 1..12).prop_map(|ids| json!({"input_ids": ids})),
+        1 => "[a-z ]{1,24}".prop_map(|t| json!({"text": t})),
+        1 => ("[a-z ]{1,12}", "[a-z ]{1,12}").prop_map(|(u, a)| json!({"messages": [
+            {"role": "user", "content": u}, {"role": "assistant", "content": a}]})),
+    ];
+    let layer = prop_oneof![
+        6 => (-(FAKE_LAYERS as i64) - 1..=FAKE_LAYERS as i64).prop_map(|l| json!(l)),
+        2 => Just(json!("final_prenorm")),
+    ];
+    let dtype = prop::sample::select(vec![
+        None,
+        Some("float32"),
+        Some("bf16"),
+        Some("f16"),
+        Some("fp8"),
+        Some("float8_e4m3fn"),
+    ]);
+    (prop::collection::vec(input, 1..4), prop::collection::vec(layer, 1..4), dtype, tokens(), any::<bool>()).prop_map(
+        |(inputs, layers, dtype, tokens, allow)| {
+            let mut o = serde_json::Map::new();
+            o.insert("inputs".into(), json!(inputs));
+            o.insert("layers".into(), json!(layers));
+            if let Some(d) = dtype {
+                o.insert("dtype".into(), json!(d));
+            }
+            if let Some(t) = tokens {
+                o.insert("tokens".into(), t);
+            }
+            if allow {
+                o.insert("allow_nonfinite".into(), json!(true));
+            }
+            Value::Object(o)
+        },
+    )
+}
+
 // ---------------------------------------------------------------------------------------------
 // Properties: requests
 // ---------------------------------------------------------------------------------------------
@@ -584,6 +758,19 @@ proptest! {
         let body = mutate(serde_json::to_vec(&req).unwrap(), &mutations);
         let r = call(path, &headers, body.clone());
         check_reply(path, &body, &headers, &r)?;
+    }
+
+    /// Well-formed bodies with every answer option (dtypes and fp8, token selections, the
+    /// pre-norm state): each is a 4xx JSON error or an answer right to the bit, scales,
+    /// positions, metadata and checksums included.
+    #[test]
+    fn answer_options_give_exactly_the_rows_dtypes_and_layers_asked(
+        req in answer_options_request(),
+        headers in request_headers(),
+    ) {
+        let body = serde_json::to_vec(&req).unwrap();
+        let r = call("/v1/hidden-states", &headers, body.clone());
+        check_reply("/v1/hidden-states", &body, &headers, &r)?;
     }
 }
 

@@ -228,15 +228,16 @@ fn check_tokenize_ok(req: &Value, r: &Reply) -> Result<(), TestCaseError> {
 
 /// A 200 of /v1/hidden-states: safetensors (or JSON) whose tensors agree with each other, with
 /// the request, with the tokenizer and with the fake engine's values.
+/// An input's ids and loss mask.
+type Tokens = (Vec<u32>, Vec<u8>);
+
 /// The positions of each input an accepted `tokens` value keeps (`None`: every position),
 /// worked out here from the request alone, not with the server's code.
 fn expected_positions(
     tokens: Option<&Value>,
     seqs: &[(Vec<u32>, Vec<u8>)],
 ) -> Result<Option<Vec<Vec<usize>>>, TestCaseError> {
-    let all = |f: &dyn Fn(usize, &(Vec<u32>, Vec<u8>)) -> Vec<usize>| {
-        Some(seqs.iter().enumerate().map(|(i, s)| f(i, s)).collect())
-    };
+    let all = |f: &dyn Fn(usize, &Tokens) -> Vec<usize>| Some(seqs.iter().enumerate().map(|(i, s)| f(i, s)).collect());
     Ok(match tokens {
         None | Some(Value::Null) => None,
         Some(Value::String(t)) if t == "all" => None,

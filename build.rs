@@ -1,40 +1,62 @@
-//! With the `cuda` feature, compiles `kernels/*.cu` (attention, fused element-wise ops) to PTX
-//! with nvcc (loaded by the driver at run time). Without it, does nothing.
+//! With the `cuda` feature, compiles `kernels/*.cu` (attention, fused element-wise ops) with nvcc
+//! into fat binaries: machine code for every compute capability in `LAYERTAP_CUDA_ARCHS` and PTX
+//! for the newest of them, which the driver compiles for GPUs newer still. Without the feature,
+//! does nothing.
+//!
+//! `LAYERTAP_CUDA_ARCHS` (default `80,86,89,90,100,120`: A100; A10 and RTX 30; L4, L40S and RTX 40;
+//! H100 and H200; B200; RTX PRO 6000 and RTX 50) is a comma-separated list of compute
+//! capabilities, 80 or newer (the attention kernel uses tensor-core instructions). CUDA 12.8 or
+//! newer compiles 100 and 120; with an older toolkit, leave them out.
 
 use std::path::PathBuf;
 use std::process::Command;
+
+const DEFAULT_ARCHS: &str = "80,86,89,90,100,120";
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed=kernels/attention.cu");
     println!("cargo::rerun-if-changed=kernels/ops.cu");
-    println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo::rerun-if-env-changed=LAYERTAP_CUDA_ARCHS");
     println!("cargo::rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    // The kernels need tensor-core mma (sm_80+); PTX for the oldest target runs on newer GPUs.
-    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
-    let cap: u32 =
-        cap.trim().replace('.', "").parse().unwrap_or_else(|_| panic!("CUDA_COMPUTE_CAP={cap} is not a number"));
-    if cap < 80 {
-        panic!("layertap's CUDA kernels need compute capability 8.0 or newer (CUDA_COMPUTE_CAP={cap})");
+    let list = std::env::var("LAYERTAP_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.into());
+    let mut archs: Vec<u32> = list
+        .split(',')
+        .map(|a| a.trim().replace('.', ""))
+        .filter(|a| !a.is_empty())
+        .map(|a| a.parse().unwrap_or_else(|_| panic!("LAYERTAP_CUDA_ARCHS={list}: {a:?} is not a compute capability")))
+        .collect();
+    archs.sort_unstable();
+    archs.dedup();
+    if archs.is_empty() || archs[0] < 80 {
+        panic!("LAYERTAP_CUDA_ARCHS={list}: layertap's CUDA kernels need compute capability 8.0 or newer");
     }
+    let newest = *archs.last().expect("not empty");
+    let mut gencode: Vec<String> = archs.iter().map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}")).collect();
+    gencode.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     for name in ["attention", "ops"] {
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "--use_fast_math"])
-            .arg(format!("-arch=sm_{cap}"))
+            .args(["--fatbin", "-O3", "-std=c++17", "--use_fast_math"])
+            .args(&gencode)
             .arg("-o")
-            .arg(out_dir.join(format!("{name}.ptx")))
+            .arg(out_dir.join(format!("{name}.fatbin")))
             .arg(format!("kernels/{name}.cu"))
             .status()
             .unwrap_or_else(|e| {
                 panic!("cannot run {nvcc} (needed by the cuda feature; is the CUDA toolkit on PATH?): {e}")
             });
         if !status.success() {
-            panic!("{nvcc} failed to compile kernels/{name}.cu ({status})");
+            panic!(
+                "{nvcc} failed to compile kernels/{name}.cu for compute capabilities {list} ({status}); \
+                 an older toolkit may not know the newest: set LAYERTAP_CUDA_ARCHS"
+            );
         }
     }
+    let archs: Vec<String> = archs.iter().map(u32::to_string).collect();
+    println!("cargo::rustc-env=LAYERTAP_CUDA_ARCHS={} (PTX {newest})", archs.join(","));
 }

@@ -2,12 +2,12 @@
 //! scores kept on chip, each sequence attending only to itself. Used for bf16 and f16 with head
 //! dimensions 64 and 128; other cases take the portable path in `attention.rs`.
 
+use super::cuda_module::{kernel, ATTENTION};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Storage, Tensor};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 /// Queries per kernel block (`BM` in the kernel).
 const TILE: usize = 64;
 
@@ -88,7 +88,7 @@ impl PackedAttention {
             );
         }
         let (qv, kv, vv) = (view(q.0, q.1, "q")?, view(k.0, k.1, "k")?, view(v.0, v.1, "v")?);
-        let func = dev.get_or_load_custom_func(name, "layertap_attention", PTX)?;
+        let func = kernel(dev, ATTENTION, name)?;
         // SAFETY: every row of every sequence is written by the kernel (each token belongs to a
         // sequence and each sequence's tiles cover all of its rows for every head).
         let out = unsafe { dev.alloc::<T>(t * heads * d)? };

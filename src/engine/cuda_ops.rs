@@ -1,11 +1,10 @@
 //! Fused element-wise kernels for CUDA (`kernels/ops.cu`).
 
+use super::cuda_module::{kernel, OPS};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Shape, Tensor};
-
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
 
 /// `silu(gate) * up` where `gu` is `[rows, 2 * inter]` holding the gate projection then the up
 /// projection (one matmul makes both). Returns `[rows, inter]`. `inter` must be a multiple of 8.
@@ -35,7 +34,7 @@ impl SiluMul {
         let src = gu.slice(start..start + rows * two_inter);
         // SAFETY: the kernel writes every element of the output.
         let out = unsafe { dev.alloc::<T>(rows * inter)? };
-        let func = dev.get_or_load_custom_func(name, "layertap_ops", PTX)?;
+        let func = kernel(dev, OPS, name)?;
         let vecs = (rows * inter / vec) as u32;
         let cfg = LaunchConfig {
             grid_dim: (vecs.div_ceil(256).clamp(1, 65535 * 8), 1, 1),
@@ -146,7 +145,7 @@ impl candle_core::CustomOp2 for AddF32 {
         match &ys.slice {
             CudaStorageSlice::BF16(y) => {
                 let y = contiguous(y, yl, "add_f32: y")?;
-                let func = dev.get_or_load_custom_func("add_f32_bf16", "layertap_ops", PTX)?;
+                let func = kernel(dev, OPS, "add_f32_bf16")?;
                 let mut b = func.builder();
                 b.arg(&x);
                 b.arg(&y);
@@ -157,7 +156,7 @@ impl candle_core::CustomOp2 for AddF32 {
             }
             CudaStorageSlice::F16(y) => {
                 let y = contiguous(y, yl, "add_f32: y")?;
-                let func = dev.get_or_load_custom_func("add_f32_f16", "layertap_ops", PTX)?;
+                let func = kernel(dev, OPS, "add_f32_f16")?;
                 let mut b = func.builder();
                 b.arg(&x);
                 b.arg(&y);
@@ -214,7 +213,7 @@ impl candle_core::CustomOp2 for RmsNormF32 {
                 let w = contiguous(w, wl, "rms_norm_f32: w")?;
                 // SAFETY: the kernel writes every element.
                 let out = unsafe { dev.alloc::<half::bf16>(rows * cols)? };
-                let func = dev.get_or_load_custom_func("rms_norm_f32_bf16", "layertap_ops", PTX)?;
+                let func = kernel(dev, OPS, "rms_norm_f32_bf16")?;
                 let mut b = func.builder();
                 b.arg(&x);
                 b.arg(&w);
@@ -231,7 +230,7 @@ impl candle_core::CustomOp2 for RmsNormF32 {
                 let w = contiguous(w, wl, "rms_norm_f32: w")?;
                 // SAFETY: the kernel writes every element.
                 let out = unsafe { dev.alloc::<half::f16>(rows * cols)? };
-                let func = dev.get_or_load_custom_func("rms_norm_f32_f16", "layertap_ops", PTX)?;
+                let func = kernel(dev, OPS, "rms_norm_f32_f16")?;
                 let mut b = func.builder();
                 b.arg(&x);
                 b.arg(&w);
@@ -280,7 +279,7 @@ impl candle_core::CustomOp1 for F32ToFp8 {
         let n = l.shape().elem_count();
         // SAFETY: the kernel writes every element of the output.
         let out = unsafe { dev.alloc::<float8::F8E4M3>(n)? };
-        let func = dev.get_or_load_custom_func("f32_to_fp8_e4m3", "layertap_ops", PTX)?;
+        let func = kernel(dev, OPS, "f32_to_fp8_e4m3")?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
             block_dim: (256, 1, 1),

@@ -6,6 +6,8 @@ pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda_attention;
 #[cfg(feature = "cuda")]
+pub mod cuda_module;
+#[cfg(feature = "cuda")]
 pub mod cuda_ops;
 pub mod decoder;
 pub mod gguf;
@@ -184,11 +186,18 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
                 .strip_prefix("cuda:")
                 .and_then(|i| i.parse::<usize>().ok())
                 .ok_or_else(|| EngineError::Load(format!("unknown device {s:?}; use cpu or cuda:N")))?;
-            Device::new_cuda(idx).map_err(|e| {
+            let d = Device::new_cuda(idx).map_err(|e| {
                 EngineError::Load(format!(
                     "cannot open {s}: {e} (was layertap built with `--features cuda`, and is the GPU visible?)"
                 ))
-            })
+            })?;
+            #[cfg(feature = "cuda")]
+            tracing::info!(
+                device = s,
+                kernels = cuda_module::ARCHS,
+                "CUDA device opened; kernels built for these compute capabilities"
+            );
+            Ok(d)
         }
     }
 }

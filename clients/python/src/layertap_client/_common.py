@@ -61,6 +61,25 @@ class LayertapError(Exception):
         self.type = type
         self.message = message
 
+    def __reduce__(self) -> Any:  # picklable (e.g. across processes)
+        return (LayertapError, (self.status, self.type, self.message))
+
+
+class ChecksumMismatch(LayertapError):
+    """Bytes that do not match their checksums: a :class:`LayertapError`
+    with ``type="checksum_mismatch"``.
+
+    It takes its message alone, so that wrappers re-raising it by type with
+    one argument (as torch's DataLoader does for its workers' errors) keep
+    it a ``ChecksumMismatch``.
+    """
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(status, "checksum_mismatch", message)
+
+    def __reduce__(self) -> Any:
+        return (ChecksumMismatch, (self.message, self.status))
+
 
 @dataclass
 class Result:
@@ -297,7 +316,7 @@ def verify_checksums(
         return False
 
     def fail(message: str) -> LayertapError:
-        return LayertapError(status, "checksum_mismatch", f"{what}: {message}")
+        return ChecksumMismatch(f"{what}: {message}", status)
 
     if algorithm not in CHECKSUM_ALGORITHMS:
         raise fail(f"unknown checksum_algorithm {algorithm!r} (this client verifies {', '.join(CHECKSUM_ALGORITHMS)})")
@@ -334,7 +353,7 @@ def verify_file(path: Any, require: bool = True) -> Dict[str, str]:
         data = decompress(f.read())
     _, metadata, raw = _safetensors.header(data)
     if not verify_checksums(raw, metadata, status=None, what=str(path)) and require:
-        raise LayertapError(None, "checksum_mismatch", f"{path}: no checksum_algorithm/checksums in the metadata")
+        raise ChecksumMismatch(f"{path}: no checksum_algorithm/checksums in the metadata")
     return metadata
 
 

@@ -179,11 +179,14 @@ def main() -> int:
     seen, real, slots, loss_tokens, steps, batches = set(), 0, 0, 0, 0, 0
     losses: List[float] = []
     start = time.perf_counter()
+    first: Optional[float] = None  # when the first batch arrived (workers started, files opened)
     for epoch in range(a.epochs):
         ds.set_epoch(epoch)
         for batch in loader:
             if not batch:
                 continue
+            if first is None:
+                first = time.perf_counter() - start
             hs = batch["hidden_states"]
             if model is None:
                 model = StandInDrafter(hs.shape[2], hs.shape[3])
@@ -192,7 +195,7 @@ def main() -> int:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             n_real = int(batch["attention_mask"].sum())
             n_loss = int(batch["loss_mask"].sum())
             if batches < a.show:
@@ -200,7 +203,7 @@ def main() -> int:
                 print(f"batch {batches}: hidden_states [{', '.join(map(str, hs.shape))}] {str(hs.dtype).replace('torch.', '')}, "
                       f"attention_mask [{', '.join(map(str, batch['attention_mask'].shape))}], "
                       f"{len(batch['ids'])} samples, {n_real} tokens in {batch['attention_mask'].numel()} slots, "
-                      f"{n_loss} loss tokens{extra}, loss {float(loss):.4f}")
+                      f"{n_loss} loss tokens{extra}, loss {losses[-1]:.4f}")
             seen.update(batch["ids"])
             real += n_real
             slots += batch["attention_mask"].numel()
@@ -214,7 +217,7 @@ def main() -> int:
     print(f"done: {len(seen)} samples, {steps} steps over {a.epochs} epoch(s), {real} tokens "
           f"({real / slots:.0%} of {slots} slots {'packed' if a.pack else 'padded'}), {loss_tokens} loss tokens, "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {real / secs:.0f} tokens/s, {len(seen) * a.epochs / secs:.1f} samples/s "
-          f"({secs:.2f} s with {a.workers} workers)")
+          f"({secs:.2f} s with {a.workers} workers, the first batch after {first:.2f} s)")
     return 0
 
 

@@ -148,6 +148,10 @@ def test_sharding_and_shuffling_cover_every_sample_once(bulk):
         for shuffle in (False, True):
             got = [i for r in range(world) for w in range(workers) for i in f.indices(r, world, w, workers, shuffle, seed=7)]
             assert sorted(got) == list(range(n)), (world, workers, shuffle)
+    # A rank's share (all its workers) differs from another's by one sample at most.
+    for world in (2, 5):
+        sizes = [sum(len(f.indices(r, world, w, 3)) for w in range(3)) for r in range(world)]
+        assert sum(sizes) == n and max(sizes) - min(sizes) <= 1, sizes
     plain = f.indices()
     assert plain == list(range(n))
     a, b = f.indices(shuffle=True, seed=1), f.indices(shuffle=True, seed=1)

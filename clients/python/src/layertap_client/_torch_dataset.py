@@ -29,9 +29,8 @@ class BulkIterableDataset(IterableDataset):
     that fails them or cannot be read, instead of raising. fp8 files come
     dequantised to float32 unless ``dequantize=False``; bf16 stays bf16.
 
-    Shares differ by at most one sample per (rank, worker): a distributed
-    loop that needs the same number of steps on every rank must stop at the
-    shortest.
+    Ranks' shares differ by at most one sample: a distributed loop that
+    needs the same number of steps on every rank must stop at the shortest.
     """
 
     def __init__(

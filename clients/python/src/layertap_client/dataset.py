@@ -79,16 +79,17 @@ def shard_indices(
     """The indices (of ``n`` samples) one DataLoader worker of one rank reads.
 
     Every (rank, worker) pair computes the same order (shuffled with
-    ``seed`` and ``epoch`` alike everywhere) and takes every
-    ``world_size * num_workers``-th index of it, so together they read each
-    sample exactly once.
+    ``seed`` and ``epoch`` alike everywhere); rank ``r`` owns every
+    ``world_size``-th index of it from ``r`` (so ranks' shares differ by at
+    most one sample), and its workers split that share the same way.
+    Together they read each sample exactly once.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if num_workers < 1 or not 0 <= worker < num_workers:
         raise ValueError(f"worker {worker} is not in [0, num_workers={num_workers})")
     order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-    return [int(i) for i in order[rank * num_workers + worker :: world_size * num_workers]]
+    return [int(i) for i in order[rank::world_size][worker::num_workers]]
 
 
 class BulkFolder:

@@ -10,7 +10,7 @@ output, i the output of decoder layer i, L (or -1) the final normed output;
 ``"final_prenorm"`` is the last decoder layer's output before the final norm.
 """
 
-from ._common import FINAL_PRENORM, LayertapError, Result, verify_file
+from ._common import FINAL_PRENORM, ChecksumMismatch, LayertapError, Result, verify_file
 from ._safetensors import SafetensorsError, has_numpy_bfloat16
 from ._safetensors import load as load_safetensors
 from ._safetensors import load_file as load_safetensors_file
@@ -29,6 +29,7 @@ def __getattr__(name):  # AsyncClient imports httpx lazily
 
 __all__ = [
     "AsyncClient",
+    "ChecksumMismatch",
     "Client",
     "FINAL_PRENORM",
     "LayertapError",

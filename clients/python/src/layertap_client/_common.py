@@ -8,7 +8,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import xxhash
@@ -60,6 +60,25 @@ class LayertapError(Exception):
         self.status = status
         self.type = type
         self.message = message
+
+    def __reduce__(self) -> Any:  # picklable (e.g. across processes)
+        return (LayertapError, (self.status, self.type, self.message))
+
+
+class ChecksumMismatch(LayertapError):
+    """Bytes that do not match their checksums: a :class:`LayertapError`
+    with ``type="checksum_mismatch"``.
+
+    It takes its message alone, so that wrappers re-raising it by type with
+    one argument (as torch's DataLoader does for its workers' errors) keep
+    it a ``ChecksumMismatch``.
+    """
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(status, "checksum_mismatch", message)
+
+    def __reduce__(self) -> Any:
+        return (ChecksumMismatch, (self.message, self.status))
 
 
 @dataclass
@@ -297,7 +316,7 @@ def verify_checksums(
         return False
 
     def fail(message: str) -> LayertapError:
-        return LayertapError(status, "checksum_mismatch", f"{what}: {message}")
+        return ChecksumMismatch(f"{what}: {message}", status)
 
     if algorithm not in CHECKSUM_ALGORITHMS:
         raise fail(f"unknown checksum_algorithm {algorithm!r} (this client verifies {', '.join(CHECKSUM_ALGORITHMS)})")
@@ -332,9 +351,9 @@ def verify_file(path: Any, require: bool = True) -> Dict[str, str]:
     """
     with open(path, "rb") as f:
         data = decompress(f.read())
-    _, metadata, raw = _safetensors.parse_raw(data)
+    _, metadata, raw = _safetensors.header(data)
     if not verify_checksums(raw, metadata, status=None, what=str(path)) and require:
-        raise LayertapError(None, "checksum_mismatch", f"{path}: no checksum_algorithm/checksums in the metadata")
+        raise ChecksumMismatch(f"{path}: no checksum_algorithm/checksums in the metadata")
     return metadata
 
 
@@ -346,6 +365,66 @@ def _parse_layers(text: str) -> List[Union[int, str]]:
         else:
             out.append(int(x))
     return out
+
+
+def decode(
+    raw: Any,
+    as_torch: bool = False,
+    bf16: str = "auto",
+    dequantize: bool = True,
+    verify: bool = True,
+    status: Optional[int] = 200,
+    what: str = "the answer",
+) -> Tuple[Dict[str, Any], Dict[str, str], str]:
+    """Reads a safetensors file layertap wrote (an answer, or a file of
+    ``layertap bulk``): ``({name: array or tensor}, metadata, hidden_states dtype)``.
+
+    Torch tensors come from ``safetensors.torch.load``; numpy arrays from
+    ``safetensors.deserialize``, bf16 and fp8 turned into numpy arrays as
+    :func:`layertap_client._safetensors.to_numpy` says. With ``verify`` the
+    tensors' checksums (when the metadata has them) are checked first. An fp8
+    ``hidden_states`` becomes float32 times its scale with ``dequantize=True``
+    (``hidden_states_scale`` is then dropped); otherwise it stays fp8
+    (``ml_dtypes.float8_e4m3fn``, uint8 bits without ml_dtypes;
+    ``torch.float8_e4m3fn``) beside its scale.
+    """
+    if as_torch:
+        tensors, metadata, stored = _safetensors.parse_torch(raw)
+    else:
+        tensors, metadata, stored = _safetensors.parse_raw(raw)
+    if verify:
+        verify_checksums(stored, metadata, status=status, what=what)
+    hs_dtype = tensors["hidden_states"][0] if "hidden_states" in tensors else ""
+    out: Dict[str, Any] = {}
+    for name, (dtype, arr) in tensors.items():
+        if name == "hidden_states" and dtype == "F8_E4M3":
+            if "hidden_states_scale" not in tensors:
+                raise LayertapError(status, "bad_answer", f"{what}: F8_E4M3 hidden_states without 'hidden_states_scale'")
+            scale_dtype, scale = tensors["hidden_states_scale"]
+            if scale_dtype != "F32" or tuple(scale.shape) != tuple(arr.shape[:2]):
+                raise LayertapError(
+                    status,
+                    "bad_answer",
+                    f"{what}: hidden_states_scale is {scale_dtype} {tuple(scale.shape)}, "
+                    f"expected F32 {tuple(arr.shape[:2])}",
+                )
+            if dequantize and as_torch:
+                out[name] = arr.to(scale.dtype) * scale[..., None]
+            elif dequantize:
+                values = _safetensors.f8_e4m3_bits_to_float32(arr)
+                values *= scale[..., None]
+                out[name] = values
+            elif as_torch or _safetensors._ml_dtypes is not None:
+                out[name] = _safetensors.to_numpy(dtype, arr) if not as_torch else arr
+            else:
+                out[name] = arr  # the raw bits, uint8
+        elif as_torch:
+            out[name] = arr
+        else:
+            out[name] = _safetensors.to_numpy(dtype, arr, bf16=bf16)
+    if hs_dtype == "F8_E4M3" and dequantize:
+        out.pop("hidden_states_scale", None)
+    return out, metadata, hs_dtype
 
 
 def parse_hidden_states(
@@ -369,32 +448,25 @@ def parse_hidden_states(
     def bad(message: str) -> LayertapError:
         return LayertapError(status, "bad_answer", message)
 
-    # A bytearray makes the arrays writable (and torch.from_numpy warning-free).
-    tensors, metadata, raw_tensors = _safetensors.parse_raw(bytearray(raw))
-    verify_checksums(raw_tensors, metadata, status=status)
+    if as_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            raise ImportError("as_torch=True needs torch installed") from e
+    t, metadata, _ = decode(raw, as_torch=as_torch, bf16=bf16, dequantize=dequantize, status=status)
     for k in ("hidden_states", "input_ids", "cu_seqlens", "loss_mask"):
-        if k not in tensors:
+        if k not in t:
             raise bad(f"the answer has no {k!r} tensor")
-    hs_dtype, hs = tensors["hidden_states"]
-    _, ids = tensors["input_ids"]
-    _, cu = tensors["cu_seqlens"]
-    _, mask = tensors["loss_mask"]
-    if hs.ndim != 3 or ids.ndim != 1 or hs.shape[0] != ids.shape[0] or mask.shape != ids.shape:
-        raise bad(f"inconsistent shapes {hs.shape}, {ids.shape}, {mask.shape}")
-    if cu.ndim != 1 or cu.shape[0] < 1 or cu[0] != 0 or cu[-1] != ids.shape[0] or np.any(np.diff(cu) < 0):
+    hs, ids, cu, mask = t["hidden_states"], t["input_ids"], t["cu_seqlens"], t["loss_mask"]
+    if hs.ndim != 3 or ids.ndim != 1 or hs.shape[0] != ids.shape[0] or tuple(mask.shape) != tuple(ids.shape):
+        raise bad(f"inconsistent shapes {tuple(hs.shape)}, {tuple(ids.shape)}, {tuple(mask.shape)}")
+    bounds = [int(c) for c in cu.tolist()] if cu.ndim == 1 else []
+    if not bounds or bounds[0] != 0 or bounds[-1] != ids.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise bad(f"bad cu_seqlens {cu.tolist()}")
-    positions = None
-    if "positions" in tensors:
-        _, positions = tensors["positions"]
-        if positions.shape != ids.shape:
-            raise bad(f"positions has shape {positions.shape}, input_ids {ids.shape}")
-    scale = None
-    if hs_dtype == "F8_E4M3":
-        if "hidden_states_scale" not in tensors:
-            raise bad("an F8_E4M3 answer without a 'hidden_states_scale' tensor")
-        scale_dtype, scale = tensors["hidden_states_scale"]
-        if scale_dtype != "F32" or scale.shape != hs.shape[:2]:
-            raise bad(f"hidden_states_scale is {scale_dtype} {scale.shape}, expected F32 {hs.shape[:2]}")
+    positions = t.get("positions")
+    if positions is not None and tuple(positions.shape) != tuple(ids.shape):
+        raise bad(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(ids.shape)}")
+    scale = t.get("hidden_states_scale")
     try:
         layers = _parse_layers(metadata.get("layers", "[]"))
     except (ValueError, TypeError):
@@ -404,47 +476,18 @@ def parse_hidden_states(
     except (ValueError, TypeError, AttributeError):
         raise bad(f"the nonfinite metadata is not an object of counts: {metadata.get('nonfinite')!r}") from None
 
-    if as_torch:
-        try:
-            import torch  # noqa: F401
-        except ImportError as e:
-            raise ImportError("as_torch=True needs torch installed") from e
-    to_array = (lambda d, a: _safetensors.to_torch(d, a)) if as_torch else (lambda d, a: a)
-
-    scale_t = None
-    if scale is not None and dequantize:
-        values = _safetensors.f8_e4m3_bits_to_float32(hs)
-        values *= scale[..., None]
-        hs_t = to_array("F32", values)
-    elif scale is not None:
-        if as_torch:
-            hs_t = _safetensors.to_torch(hs_dtype, hs)
-        elif _safetensors._ml_dtypes is not None:
-            hs_t = hs.view(_safetensors._ml_dtypes.float8_e4m3fn)
-        else:
-            hs_t = hs  # the raw bits, uint8
-        scale_t = to_array("F32", scale)
-    elif as_torch:
-        hs_t = _safetensors.to_torch(hs_dtype, hs)
-    else:
-        hs_t = _safetensors.to_numpy(hs_dtype, hs, bf16=bf16)
-    ids_t = to_array("I64", ids)
-    mask_t = to_array("U8", mask)
-    pos_t = to_array("I64", positions) if positions is not None else None
-
     out = []
-    bounds = [int(c) for c in cu]
     for s, e in zip(bounds[:-1], bounds[1:]):
         out.append(
             Result(
-                hidden_states=hs_t[s:e],
-                input_ids=ids_t[s:e],
-                loss_mask=mask_t[s:e],
+                hidden_states=hs[s:e],
+                input_ids=ids[s:e],
+                loss_mask=mask[s:e],
                 layers=list(layers),
                 metadata=dict(metadata),
                 request_id=request_id,
-                positions=pos_t[s:e] if pos_t is not None else None,
-                hidden_states_scale=scale_t[s:e] if scale_t is not None else None,
+                positions=positions[s:e] if positions is not None else None,
+                hidden_states_scale=scale[s:e] if scale is not None else None,
                 nonfinite=dict(nonfinite),
             )
         )

@@ -1,15 +1,16 @@
-"""A strict safetensors reader built on numpy alone.
+"""Reading the safetensors files layertap writes (answers, and the files of ``layertap bulk``).
 
-Format: an unsigned little-endian 64-bit header length ``N``, ``N`` bytes of
-UTF-8 JSON (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
-"__metadata__": {str: str}}``), then the data section; offsets are relative to
-the start of the data section and the tensors must tile it exactly.
+The ``safetensors`` package parses and validates every file (header, offsets,
+tensors tiling the data section): :func:`parse_torch` is
+``safetensors.torch.load``, and :func:`parse_raw` takes each tensor's bytes
+from ``safetensors.deserialize``. What that package cannot do is kept here,
+for the dtypes the server writes only (:data:`DTYPES`):
 
-:func:`parse` returns each tensor's safetensors dtype name and a numpy array
-that views the buffer. Types that numpy lacks are returned as their raw bits
-(``BF16`` as ``uint16``, ``F8_*`` as ``uint8``); :func:`to_numpy` and
-:func:`to_torch` turn those into usable arrays / tensors. :func:`parse_raw`
-also returns each tensor's bytes exactly as stored (for checksums).
+- numpy arrays of ``BF16`` without ``ml_dtypes`` (numpy has no bfloat16: the
+  values are widened to float32, exactly), and of ``F8_E4M3`` without
+  ``ml_dtypes`` or torch (widened through a 256-entry table, exactly);
+- the ``__metadata__`` and each tensor's stored bytes (for the checksums,
+  without a copy): the package has no API for either on a buffer in memory.
 """
 
 from __future__ import annotations
@@ -19,50 +20,33 @@ import struct
 from typing import Any, Dict, Tuple, Union
 
 import numpy as np
+import safetensors
 
-try:  # optional: a real bfloat16 dtype for numpy
+try:  # optional: real bfloat16 / float8_e4m3fn dtypes for numpy
     import ml_dtypes as _ml_dtypes  # type: ignore
 except Exception:  # pragma: no cover - depends on the environment
     _ml_dtypes = None
 
-__all__ = [
-    "SafetensorsError",
-    "parse",
-    "parse_raw",
-    "load",
-    "load_file",
-    "to_numpy",
-    "to_torch",
-    "has_numpy_bfloat16",
-    "F8_E4M3_TO_FLOAT32",
-    "f8_e4m3_bits_to_float32",
-]
+Buffer = Union[bytes, bytearray, memoryview]
 
-# safetensors dtype -> numpy dtype holding the same bytes (little-endian).
-_STORAGE = {
-    "F64": np.dtype("<f8"),
+#: safetensors dtype -> numpy dtype holding the same bytes (little-endian), for
+#: the dtypes layertap writes: hidden states (F32, BF16, F16, F8_E4M3), fp8
+#: scales (F32), token ids, cu_seqlens and positions (I64), loss masks (U8).
+DTYPES = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     "BF16": np.dtype("<u2"),  # raw bits
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"),
-    "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
     "F8_E4M3": np.dtype("u1"),  # raw bits
-    "F8_E5M2": np.dtype("u1"),  # raw bits
+    "I64": np.dtype("<i8"),
+    "U8": np.dtype("u1"),
 }
 
-# Sanity bound on the JSON header (the reference implementation uses 100 MB).
+# Sanity bound on the JSON header (the safetensors package uses 100 MB).
 _MAX_HEADER = 100_000_000
 
 
 class SafetensorsError(ValueError):
-    """The bytes are not a well-formed safetensors file."""
+    """The bytes are not a well-formed safetensors file (or hold a dtype layertap does not write)."""
 
 
 def _e4m3fn_table() -> np.ndarray:
@@ -96,25 +80,35 @@ def f8_e4m3_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return F8_E4M3_TO_FLOAT32[np.asarray(bits, dtype=np.uint8)]
 
 
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Exact widening of raw bfloat16 bits (uint16) to float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def has_numpy_bfloat16() -> bool:
     """True when ``ml_dtypes`` is installed, so numpy output can stay bfloat16."""
     return _ml_dtypes is not None
 
 
-def parse(data: Union[bytes, bytearray, memoryview]) -> Tuple[Dict[str, Tuple[str, np.ndarray]], Dict[str, str]]:
-    """Parses a safetensors buffer.
+def _validate(data: Buffer) -> list:
+    """``safetensors.deserialize``: the package's checks, and each tensor's bytes (a copy)."""
+    try:
+        return safetensors.deserialize(bytes(data) if isinstance(data, memoryview) else data)
+    except safetensors.SafetensorError as e:
+        raise SafetensorsError(str(e)) from None
 
-    Returns ``({name: (dtype_name, array)}, metadata)``. The arrays view
-    ``data`` (no copy); pass a ``bytearray`` to get writable arrays.
+
+def header(
+    data: Buffer, validated: bool = False
+) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, str], Dict[str, memoryview]]:
+    """The header of a file: ``({name: entry}, metadata, {name: stored bytes})``.
+
+    The file is first checked by the safetensors package unless ``validated``
+    says it has been already. The stored bytes are views of ``data`` (no
+    copy), what the checksums are computed over.
     """
-    tensors, metadata, _ = parse_raw(data)
-    return tensors, metadata
-
-
-def parse_raw(
-    data: Union[bytes, bytearray, memoryview],
-) -> Tuple[Dict[str, Tuple[str, np.ndarray]], Dict[str, str], Dict[str, memoryview]]:
-    """:func:`parse`, plus ``{name: memoryview}`` of each tensor's bytes as stored in the file."""
+    if not validated:
+        _validate(data)
     buf = memoryview(data).cast("B")
     if len(buf) < 8:
         raise SafetensorsError(f"{len(buf)} bytes is too short for a safetensors file")
@@ -122,71 +116,73 @@ def parse_raw(
     if n > _MAX_HEADER or 8 + n > len(buf):
         raise SafetensorsError(f"header length {n} does not fit in a {len(buf)}-byte file")
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
+        entries = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise SafetensorsError(f"the header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
+    if not isinstance(entries, dict):
         raise SafetensorsError("the header is not a JSON object")
-
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
+    metadata = entries.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise SafetensorsError("__metadata__ must map strings to strings")
-
     body = buf[8 + n :]
-    spans = []
-    tensors: Dict[str, Tuple[str, np.ndarray]] = {}
-    raw: Dict[str, memoryview] = {}
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise SafetensorsError(f"tensor {name!r}: entry is not an object")
-        dtype_name = info.get("dtype")
-        shape = info.get("shape")
-        offsets = info.get("data_offsets")
-        if dtype_name not in _STORAGE:
-            raise SafetensorsError(f"tensor {name!r}: unsupported dtype {dtype_name!r}")
-        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-            raise SafetensorsError(f"tensor {name!r}: bad shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-            raise SafetensorsError(f"tensor {name!r}: bad data_offsets {offsets!r}")
-        begin, end = offsets
-        storage = _STORAGE[dtype_name]
-        count = 1
-        for d in shape:
-            count *= d
-        if end < begin or end > len(body):
-            raise SafetensorsError(f"tensor {name!r}: data_offsets {offsets} outside the {len(body)}-byte data")
-        if end - begin != count * storage.itemsize:
+    stored = {}
+    for name, e in entries.items():
+        try:
+            begin, end = e["data_offsets"]
+            dtype = e["dtype"]
+        except (TypeError, KeyError, ValueError):
+            raise SafetensorsError(f"tensor {name!r}: malformed entry {e!r}") from None
+        if dtype not in DTYPES:
             raise SafetensorsError(
-                f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype_name} "
-                f"(expected {count * storage.itemsize})"
+                f"tensor {name!r}: dtype {dtype!r} is not one layertap writes ({', '.join(DTYPES)}); "
+                "read such files with the safetensors package"
             )
-        arr = np.frombuffer(body, dtype=storage, count=count, offset=begin).reshape(shape)
-        if not arr.flags.aligned:
+        stored[name] = body[begin:end]
+    return entries, metadata, stored
+
+
+def parse_raw(
+    data: Buffer,
+) -> Tuple[Dict[str, Tuple[str, np.ndarray]], Dict[str, str], Dict[str, memoryview]]:
+    """Parses a safetensors buffer into numpy.
+
+    Returns ``({name: (dtype_name, array)}, metadata, {name: stored bytes})``.
+    The arrays are writable and hold types numpy lacks as their raw bits
+    (``BF16`` as ``uint16``, ``F8_E4M3`` as ``uint8``); :func:`to_numpy` turns
+    them into usable arrays. The stored bytes view ``data``.
+    """
+    flat = _validate(data)
+    _, metadata, stored = header(data, validated=True)
+    tensors: Dict[str, Tuple[str, np.ndarray]] = {}
+    for name, t in flat:
+        dtype = t["dtype"]
+        if dtype not in DTYPES:  # header() has refused it already; kept for clarity
+            raise SafetensorsError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        arr = np.frombuffer(t["data"], dtype=DTYPES[dtype]).reshape(t["shape"])
+        if not arr.flags.writeable:  # older safetensors hand out bytes
             arr = arr.copy()
-        tensors[name] = (dtype_name, arr)
-        raw[name] = body[begin:end]
-        spans.append((begin, end, name))
-
-    # The tensors must cover the data section exactly: no holes, no overlaps.
-    pos = 0
-    for begin, end, name in sorted(spans):
-        if begin != pos:
-            raise SafetensorsError(f"tensor {name!r} starts at {begin}, expected {pos} (hole or overlap)")
-        pos = end
-    if pos != len(body):
-        raise SafetensorsError(f"{len(body) - pos} trailing bytes after the last tensor")
-    return tensors, metadata, raw
+        tensors[name] = (dtype, arr)
+    return tensors, metadata, stored
 
 
-def _is_uint(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+def parse(data: Buffer) -> Tuple[Dict[str, Tuple[str, np.ndarray]], Dict[str, str]]:
+    """:func:`parse_raw` without the stored bytes."""
+    tensors, metadata, _ = parse_raw(data)
+    return tensors, metadata
 
 
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Exact widening of raw bfloat16 bits (uint16) to float32."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+def parse_torch(data: Buffer) -> Tuple[Dict[str, Tuple[str, Any]], Dict[str, str], Dict[str, memoryview]]:
+    """:func:`parse_raw` with torch tensors, read by ``safetensors.torch.load`` (bf16 and fp8 keep their dtype)."""
+    try:
+        import safetensors.torch as st_torch
+    except ImportError as e:  # torch missing
+        raise ImportError("torch output needs torch installed") from e
+    try:
+        loaded = st_torch.load(bytes(data) if isinstance(data, memoryview) else data)
+    except safetensors.SafetensorError as e:
+        raise SafetensorsError(str(e)) from None
+    entries, metadata, stored = header(data, validated=True)
+    return {k: (entries[k]["dtype"], v) for k, v in loaded.items()}, metadata, stored
 
 
 def to_numpy(dtype_name: str, arr: np.ndarray, bf16: str = "auto") -> np.ndarray:
@@ -195,8 +191,7 @@ def to_numpy(dtype_name: str, arr: np.ndarray, bf16: str = "auto") -> np.ndarray
     ``BF16`` becomes ``ml_dtypes.bfloat16`` and ``F8_E4M3``
     ``ml_dtypes.float8_e4m3fn`` when that package is installed
     (``bf16="auto"``), otherwise float32 (exact: every value of either type is
-    a float32 value). ``bf16="float32"`` always widens. ``F8_E5M2`` needs
-    ``ml_dtypes``.
+    a float32 value). ``bf16="float32"`` always widens.
     """
     if dtype_name == "BF16":
         if bf16 == "auto" and _ml_dtypes is not None:
@@ -206,33 +201,11 @@ def to_numpy(dtype_name: str, arr: np.ndarray, bf16: str = "auto") -> np.ndarray
         if bf16 == "auto" and _ml_dtypes is not None:
             return arr.view(_ml_dtypes.float8_e4m3fn)
         return f8_e4m3_bits_to_float32(arr)
-    if dtype_name == "F8_E5M2":
-        if _ml_dtypes is None:
-            raise SafetensorsError(f"{dtype_name} needs the ml_dtypes package")
-        return arr.view(_ml_dtypes.float8_e5m2)
     return arr
 
 
-def to_torch(dtype_name: str, arr: np.ndarray) -> Any:
-    """Turns a parsed tensor into a torch tensor sharing its memory (bf16 stays bf16)."""
-    import torch
-
-    if not arr.dtype.isnative:  # big-endian host: safetensors bytes are little-endian
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    if dtype_name == "BF16":
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    if dtype_name == "F8_E4M3":
-        return torch.from_numpy(arr.view(np.int8)).view(torch.float8_e4m3fn)
-    if dtype_name == "F8_E5M2":
-        return torch.from_numpy(arr.view(np.int8)).view(torch.float8_e5m2)
-    return torch.from_numpy(arr)
-
-
-def load(data: Union[bytes, bytearray, memoryview], bf16: str = "auto") -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
-    """Parses a safetensors buffer into ``({name: numpy array}, metadata)``.
-
-    bfloat16 tensors follow :func:`to_numpy`'s rule.
-    """
+def load(data: Buffer, bf16: str = "auto") -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+    """Parses a safetensors buffer into ``({name: numpy array}, metadata)``; bf16 and fp8 follow :func:`to_numpy`."""
     tensors, metadata = parse(data)
     return {k: to_numpy(d, a, bf16=bf16) for k, (d, a) in tensors.items()}, metadata
 
@@ -240,4 +213,4 @@ def load(data: Union[bytes, bytearray, memoryview], bf16: str = "auto") -> Tuple
 def load_file(path: str, bf16: str = "auto") -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
     """:func:`load` for a file on disk."""
     with open(path, "rb") as f:
-        return load(bytearray(f.read()), bf16=bf16)
+        return load(f.read(), bf16=bf16)

@@ -1,46 +1,51 @@
-//! `layertap bulk`: extract hidden states for every line of a JSONL file through a running server,
-//! one safetensors file per sample, resumable after a crash or Ctrl-C.
+//! `layertap bulk`: extract hidden states for every row of a JSONL or Parquet file through one
+//! or more running servers, one safetensors file per sample, resumable after a crash or Ctrl-C.
 //!
 //! Layout of `--out`: `manifest.jsonl` (one line per finished sample: id, file, tokens, bytes, the
 //! xxh64 of each tensor and of the whole file), `failures.jsonl` (samples that failed for good,
-//! rewritten each run) and the samples' files:
-//! - `--layout plain` (default): `shard-NNNNN/ID.safetensors` (1,000 samples per shard, in input
-//!   order), the server's answer as it came: `hidden_states` [T, n_layers, H], `input_ids` [T],
-//!   `loss_mask` [T], `cu_seqlens` [2] (and `hidden_states_scale` for fp8, `positions` for a
+//! with their id and input row, rewritten each run) and the samples' files; with `--shard I/N`
+//! the two lists are `manifest-I-of-N.jsonl` and `failures-I-of-N.jsonl`, one pair per worker,
+//! and the files of all workers share the folder (their ids, and so their names, differ):
+//! - `--layout plain` (default): `shard-NNNNN/ID.safetensors` (1,000 input rows per folder, by
+//!   input row), the server's answer as it came: `hidden_states` [T, n_layers, H], `input_ids`
+//!   [T], `loss_mask` [T], `cu_seqlens` [2] (and `hidden_states_scale` for fp8, `positions` for a
 //!   token selection), its metadata holding every tensor's checksum;
-//! - `--layout speculators`: `hs_I.safetensors` (I = the sample's index in the input, from 0)
-//!   holding `hidden_states` [T, n_layers, H] and `token_ids` [T] (I64), as speculators reads them.
+//! - `--layout speculators`: `hs_I.safetensors` (I = the sample's row in the whole input, from 0,
+//!   whatever the shard) holding `hidden_states` [T, n_layers, H] and `token_ids` [T] (I64), as
+//!   speculators reads them.
 //!
 //! Every answer is checked against its checksums on receipt (a mismatch is retried like a 5xx)
 //! and written to a temporary name, synced, renamed, and only then recorded in the manifest, so a
-//! restart never trusts a partial file. `--verify` re-reads every recorded file and drops the
-//! lines of missing or corrupt ones from the manifest, so the next run redoes exactly those.
+//! restart never trusts a partial file. Each sample is handled by one task from its first request
+//! to its manifest line: a request that timed out or failed is abandoned before the next is sent
+//! (to any server), only one answer is ever written, and the manifest is locked against a second
+//! process of the same shard. `--verify` re-reads every recorded file and drops the lines of
+//! missing or corrupt ones from the manifest, so the next run redoes exactly those.
 
-use std::collections::HashSet;
-use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+mod answer;
+mod input;
+mod pool;
+mod verify;
+
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use safetensors::tensor::Dtype;
-use safetensors::SafeTensors;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tokio::sync::Mutex;
 
-use crate::cli::{BulkArgs, BulkLayout, BulkTokens};
-use crate::codec::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
+use crate::cli::{BulkArgs, BulkLayout, BulkTokens, Shard};
+use crate::codec::xxh64_hex;
 use crate::engine::{LayerRef, OutDType, FINAL_PRENORM};
+use answer::{prepare, Prepared};
+use input::{Input, Row, Sample};
+use pool::{Pool, Server};
 
 const SHARD_SIZE: usize = 1000;
-
-/// One line of the input file.
-struct Sample {
-    /// Index among the input's non-empty lines, from 0.
-    index: usize,
-    id: String,
-    input: Value,
-}
 
 /// A file name for a sample id: letters, digits, '-', '_', '.' kept, anything else replaced.
 fn file_stem(id: &str) -> String {
@@ -53,32 +58,40 @@ fn file_stem(id: &str) -> String {
     }
 }
 
-fn read_samples(path: &Path) -> anyhow::Result<Vec<Sample>> {
-    let f = std::fs::File::open(path).map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
-    let mut out = Vec::new();
-    let mut seen = HashSet::new();
-    for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let mut v: Value =
-            serde_json::from_str(&line).map_err(|e| anyhow::anyhow!("{}:{}: not JSON: {e}", path.display(), n + 1))?;
-        let obj = v.as_object_mut().ok_or_else(|| anyhow::anyhow!("{}:{}: not an object", path.display(), n + 1))?;
-        let id = match obj.remove("id") {
-            Some(Value::String(s)) => s,
-            Some(other) => other.to_string(),
-            None => format!("line-{}", n + 1),
-        };
-        anyhow::ensure!(seen.insert(id.clone()), "{}:{}: id {id:?} appears twice", path.display(), n + 1);
-        out.push(Sample { index: out.len(), id, input: v });
+/// The manifest's name: `manifest.jsonl`, or `manifest-I-of-N.jsonl` for a shard.
+pub(crate) fn manifest_name(shard: Option<Shard>) -> String {
+    match shard {
+        None => "manifest.jsonl".into(),
+        Some(Shard { index, count }) => format!("manifest-{index}-of-{count}.jsonl"),
     }
-    Ok(out)
+}
+
+fn failures_name(shard: Option<Shard>) -> String {
+    match shard {
+        None => "failures.jsonl".into(),
+        Some(Shard { index, count }) => format!("failures-{index}-of-{count}.jsonl"),
+    }
+}
+
+/// Takes an exclusive lock on the open manifest, so two processes of one shard never write the
+/// same samples. Where the file system cannot lock, says so and goes on.
+fn lock_manifest(f: &std::fs::File, name: &str) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a file descriptor this process holds open.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        anyhow::bail!("another layertap bulk is writing {name} in this folder: one process per shard");
+    }
+    eprintln!("note: cannot lock {name} ({e}); make sure no other process writes it");
+    Ok(())
 }
 
 /// Ids already recorded in the manifest, and whether its last line is torn (no newline). Lines
 /// are read as bytes, so a corrupted line (a torn write, invalid UTF-8) hides no line after it.
-fn read_manifest(path: &Path) -> (HashSet<String>, bool) {
+fn read_manifest(path: &std::path::Path) -> (HashSet<String>, bool) {
     let Ok(bytes) = std::fs::read(path) else { return (HashSet::new(), false) };
     let ids = bytes
         .split(|&b| b == b'\n')
@@ -90,7 +103,7 @@ fn read_manifest(path: &Path) -> (HashSet<String>, bool) {
 
 struct Shared {
     out: PathBuf,
-    url: String,
+    pool: Pool,
     /// The request body without its inputs.
     body: Value,
     layout: BulkLayout,
@@ -111,110 +124,60 @@ enum Outcome {
 /// An error of one attempt: whether it is worth retrying, and what went wrong.
 type Attempt<T> = Result<T, (bool, String)>;
 
-async fn fetch(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample) -> Attempt<bytes::Bytes> {
+/// What went wrong with one request.
+enum Trouble {
+    /// Not worth retrying (a 4xx other than 429): the sample fails.
+    Fatal(String),
+    /// The server failed (no connection, a timeout, a 5xx): it is left alone for a while and the
+    /// request goes elsewhere.
+    Down(String, Option<Duration>),
+    /// 429: the server asks for a pause of Retry-After.
+    Busy(String, Duration),
+    /// The answer was damaged (checksums, zstd): asked again after a delay.
+    Again(String),
+}
+
+/// A Retry-After header in seconds, at most a minute.
+fn retry_after(r: &reqwest::Response) -> Option<Duration> {
+    let secs: f64 = r.headers().get("retry-after")?.to_str().ok()?.trim().parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(60.0)))
+}
+
+async fn fetch(
+    client: &reqwest::Client,
+    a: &BulkArgs,
+    sh: &Shared,
+    url: &str,
+    s: &Sample,
+) -> Result<bytes::Bytes, Trouble> {
     let mut body = sh.body.clone();
     body["inputs"] = json!([s.input]);
-    let mut req = client.post(&sh.url).header("accept-encoding", "zstd").json(&body);
+    let mut req = client.post(url).header("accept-encoding", "zstd").json(&body);
     if let Some(k) = &a.api_key {
         req = req.bearer_auth(k);
     }
-    let r = req.send().await.map_err(|e| (true, format!("request failed: {e}")))?;
+    let r = req.send().await.map_err(|e| Trouble::Down(format!("request failed: {e}"), None))?;
     let status = r.status();
     if status.is_success() {
         let compressed = r.headers().get("content-encoding").is_some_and(|v| v == "zstd");
-        let b = r.bytes().await.map_err(|e| (true, format!("reading the answer: {e}")))?;
+        let b = r.bytes().await.map_err(|e| Trouble::Down(format!("reading the answer: {e}"), None))?;
         return if compressed {
-            zstd::stream::decode_all(&b[..]).map(bytes::Bytes::from).map_err(|e| (true, format!("bad zstd: {e}")))
+            zstd::stream::decode_all(&b[..])
+                .map(bytes::Bytes::from)
+                .map_err(|e| Trouble::Again(format!("bad zstd: {e}")))
         } else {
             Ok(b)
         };
     }
-    let retry = status.as_u16() == 429 || status.is_server_error();
-    let msg = r.text().await.unwrap_or_default();
-    Err((retry, format!("HTTP {status}: {msg}")))
-}
-
-/// A sample's file, ready to write.
-struct Prepared {
-    bytes: Vec<u8>,
-    /// Tensor name → xxh64 of its bytes in `bytes`.
-    checksums: Map<String, Value>,
-    rows: usize,
-}
-
-/// The metadata of a safetensors file (empty when it has none).
-fn metadata(file: &[u8]) -> Result<std::collections::HashMap<String, String>, String> {
-    let (_, meta) = SafeTensors::read_metadata(file).map_err(|e| format!("not a safetensors file: {e}"))?;
-    Ok(meta.metadata().clone().unwrap_or_default())
-}
-
-/// Checks an answer against its checksums and turns it into the file `layout` asks for. A
-/// checksum mismatch (or an answer too damaged to read) is worth retrying; an answer without
-/// checksums is not.
-fn prepare(answer: &[u8], layout: BulkLayout) -> Attempt<Prepared> {
-    if let Err(e) = verify_checksums(answer) {
-        if metadata(answer).is_ok_and(|m| !m.contains_key("checksum_algorithm")) {
-            return Err((false, "the answer carries no checksums (is the server older than this client?)".into()));
-        }
-        return Err((true, format!("the answer failed its checksum check ({e})")));
-    }
-    let st = SafeTensors::deserialize(answer).map_err(|e| (false, format!("the answer is not safetensors: {e}")))?;
-    let ids = st.tensor("input_ids").map_err(|e| (false, format!("the answer has no input_ids: {e}")))?;
-    let rows = ids.shape().first().copied().unwrap_or(0);
-    match layout {
-        BulkLayout::Plain => {
-            let checksums = metadata(answer)
-                .ok()
-                .and_then(|m| serde_json::from_str::<Map<String, Value>>(m.get("checksums")?).ok())
-                .unwrap_or_default();
-            Ok(Prepared { bytes: answer.to_vec(), checksums, rows })
-        }
-        BulkLayout::Speculators => speculators_file(answer, &st).map_err(|e| (false, e)),
-    }
-}
-
-/// The file speculators' trainers read for one sample, made from its answer (all rows).
-///
-/// Checked against vllm-project/speculators: `FileTransfer.get_cached` in
-/// `hs_connectors/src/hs_connectors/transfer.py` loads `<hidden states path>/hs_{file_idx}.safetensors`
-/// with `safetensors.torch.load_file`, where `file_idx` is the sample's row in the dataset
-/// (`ArrowDataset._map_to_file_idx`, `src/speculators/train/data.py`), and the path defaults to
-/// `<data path>/hidden_states` (or `--hidden-states-path`). `ArrowDataset._get_raw_data` reads
-/// exactly two tensors: `hidden_states` [seq_len, num_layers, hidden_size] (slot -1 is the
-/// verifier's last state, the others are flattened to the draft's input) and `token_ids` [seq_len],
-/// which must `torch.equal` the dataset's `input_ids` (int64) or the sample is dropped; the loss
-/// mask and positions come from the dataset, not the file. `CollateFn` casts `hidden_states` to the
-/// training dtype, so F32, BF16 and F16 all load; fp8 would be cast without its scales, so the
-/// layout refuses it. The metadata (checksums) is ignored by `load_file`.
-fn speculators_file(answer: &[u8], st: &SafeTensors) -> Result<Prepared, String> {
-    let hs = st.tensor("hidden_states").map_err(|e| format!("the answer has no hidden_states: {e}"))?;
-    let ids = st.tensor("input_ids").map_err(|e| format!("the answer has no input_ids: {e}"))?;
-    if !matches!(hs.dtype(), Dtype::F32 | Dtype::BF16 | Dtype::F16) {
-        return Err(format!("speculators reads float32, bfloat16 or float16 hidden states, not {:?}", hs.dtype()));
-    }
-    let shape = hs.shape();
-    if shape.len() != 3 || ids.dtype() != Dtype::I64 || ids.shape() != [shape[0]] {
-        return Err(format!(
-            "the answer's hidden_states {:?} and input_ids {:?} ({:?}) do not match",
-            shape,
-            ids.shape(),
-            ids.dtype()
-        ));
-    }
-    if st.tensor("positions").is_ok() {
-        return Err("the answer holds a selection of rows; speculators needs every token".into());
-    }
-    let mut checksums = Map::new();
-    checksums.insert("hidden_states".into(), xxh64_hex([hs.data()]).into());
-    checksums.insert("token_ids".into(), xxh64_hex([ids.data()]).into());
-    let mut meta = metadata(answer)?;
-    meta.insert("format".into(), "speculators".into());
-    meta.insert("checksum_algorithm".into(), CHECKSUM_ALGORITHM.into());
-    meta.insert("checksums".into(), Value::Object(checksums.clone()).to_string());
-    let rows = shape[0];
-    let tensors = [("hidden_states", hs), ("token_ids", ids)];
-    let bytes = safetensors::tensor::serialize(tensors, Some(meta)).map_err(|e| format!("writing the file: {e}"))?;
-    Ok(Prepared { bytes, checksums, rows })
+    let wait = retry_after(&r);
+    let msg = format!("HTTP {status}: {}", r.text().await.unwrap_or_default());
+    Err(if status.as_u16() == 429 {
+        Trouble::Busy(msg, wait.unwrap_or(Duration::from_secs(1)))
+    } else if status.is_server_error() {
+        Trouble::Down(msg, wait)
+    } else {
+        Trouble::Fatal(msg)
+    })
 }
 
 /// Where a sample's file goes, relative to `--out`.
@@ -226,39 +189,75 @@ fn relative_path(layout: BulkLayout, s: &Sample) -> PathBuf {
     }
 }
 
-async fn process(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample) -> Outcome {
+/// One answer for `s`, checked and made into its file: asked of the least busy server up, and
+/// again (of any server) while the failures are worth retrying and `--retries` allows.
+async fn answer(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample) -> Result<Prepared, Outcome> {
     let mut delay = Duration::from_millis(500);
     let mut attempt = 0;
-    let prepared = loop {
+    loop {
         if sh.stop.is_cancelled() {
-            return Outcome::Stopped;
+            return Err(Outcome::Stopped);
         }
-        let r = match fetch(client, a, sh, s).await {
+        let lease = match sh.pool.pick() {
+            Ok(l) => l,
+            Err(back) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(back.into()) => {}
+                    _ = sh.stop.cancelled() => return Err(Outcome::Stopped),
+                }
+                continue;
+            }
+        };
+        let server: &Server = lease.server;
+        let r = match fetch(client, a, sh, &server.url, s).await {
             Ok(answer) => {
                 let layout = sh.layout;
-                tokio::task::spawn_blocking(move || prepare(&answer, layout))
+                let checked = tokio::task::spawn_blocking(move || prepare(&answer, layout))
                     .await
-                    .unwrap_or_else(|e| Err((false, format!("checking the answer: {e}"))))
+                    .unwrap_or_else(|e| Err((false, format!("checking the answer: {e}"))));
+                checked.map_err(|(retry, msg)| if retry { Trouble::Again(msg) } else { Trouble::Fatal(msg) })
             }
-            Err(e) => Err(e),
+            Err(t) => Err(t),
         };
-        match r {
-            Ok(p) => break p,
-            Err((retry, msg)) => {
-                attempt += 1;
-                if !retry {
-                    return Outcome::Failed(msg);
-                }
-                if attempt > a.retries {
-                    return Outcome::Failed(format!("after {attempt} attempts: {msg}"));
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = sh.stop.cancelled() => return Outcome::Stopped,
-                }
+        drop(lease);
+        let (msg, pause) = match r {
+            Ok(p) => {
+                sh.pool.ok(server);
+                return Ok(p);
+            }
+            Err(Trouble::Fatal(msg)) => return Err(Outcome::Failed(msg)),
+            // Another server may be up: try again at once; pick waits when none is.
+            Err(Trouble::Down(msg, wait)) => {
+                sh.pool.down(server, wait);
+                (msg, None)
+            }
+            Err(Trouble::Busy(msg, wait)) => {
+                sh.pool.busy(server, wait);
+                (msg, None)
+            }
+            Err(Trouble::Again(msg)) => {
+                let d = delay;
                 delay = (delay * 2).min(Duration::from_secs(30));
+                (msg, Some(d))
+            }
+        };
+        attempt += 1;
+        if attempt > a.retries {
+            return Err(Outcome::Failed(format!("after {attempt} attempts: {msg} ({})", server.base)));
+        }
+        if let Some(d) = pause {
+            tokio::select! {
+                _ = tokio::time::sleep(d) => {}
+                _ = sh.stop.cancelled() => return Err(Outcome::Stopped),
             }
         }
+    }
+}
+
+async fn process(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample) -> Outcome {
+    let prepared = match answer(client, a, sh, s).await {
+        Ok(p) => p,
+        Err(o) => return o,
     };
     let rel = relative_path(sh.layout, s);
     let file = sh.out.join(&rel);
@@ -271,6 +270,8 @@ async fn process(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample
             if let Some(dir) = file.parent() {
                 std::fs::create_dir_all(dir)?;
             }
+            // One name per sample: a run after a crash rewrites (and renames) what it left, and
+            // the manifest's lock keeps a second process of this shard from writing it at once.
             let tmp = file.with_extension("safetensors.tmp");
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&bytes)?;
@@ -332,28 +333,75 @@ fn check_layout(a: &BulkArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Rows of the input to do: this shard's, not in `done`, each id once (a repeated id is a bad
+/// row). With `ids_only` the rows carry no input (for counting).
+fn rows_to_do(
+    input: &Input,
+    shard: Option<Shard>,
+    done: &HashSet<String>,
+    ids_only: bool,
+    mut f: impl FnMut(Row) -> ControlFlow<()>,
+) -> anyhow::Result<()> {
+    let mut first_row: HashMap<String, usize> = HashMap::new();
+    input.for_each(ids_only, |row| {
+        if shard.is_some_and(|sh| !sh.holds(row.id())) {
+            return ControlFlow::Continue(());
+        }
+        let index = match &row {
+            Row::Ok(s) => s.index,
+            Row::Bad { index, .. } => *index,
+        };
+        if let Some(&first) = first_row.get(row.id()) {
+            let id = row.id().to_string();
+            return f(Row::Bad { index, id, error: format!("the id appears twice (first at row {first})") });
+        }
+        first_row.insert(row.id().to_string(), index);
+        if done.contains(row.id()) {
+            return ControlFlow::Continue(());
+        }
+        f(row)
+    })
+}
+
 /// Runs the extraction (or, with `--verify`, the check of what is already written); returns the
 /// process exit code (0 all done, 1 some failed, 130 interrupted).
 pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     if a.verify {
-        return tokio::task::spawn_blocking(move || verify(&a)).await?;
+        return tokio::task::spawn_blocking(move || verify::verify(&a)).await?;
     }
-    let server = a.server.clone().ok_or_else(|| anyhow::anyhow!("--server is required"))?;
-    let input = a.input.clone().ok_or_else(|| anyhow::anyhow!("--input is required"))?;
+    let servers: Vec<String> = a.server.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    anyhow::ensure!(!servers.is_empty(), "--server is required");
+    let input_path = a.input.clone().ok_or_else(|| anyhow::anyhow!("--input is required"))?;
     anyhow::ensure!(!a.layers.is_empty(), "--layers needs at least one index");
     check_layout(&a)?;
+    let input = Input::new(&a, &input_path)?;
     std::fs::create_dir_all(&a.out)?;
-    let samples = read_samples(&input)?;
-    let manifest_path = a.out.join("manifest.jsonl");
-    let (done, torn) = read_manifest(&manifest_path);
-    let todo: Vec<Sample> = samples.into_iter().filter(|s| !done.contains(&s.id)).collect();
-    eprintln!("{} samples already done, {} to go", done.len(), todo.len());
+    let name = manifest_name(a.shard);
+    let manifest_path = a.out.join(&name);
     let mut manifest = std::fs::OpenOptions::new().create(true).append(true).open(&manifest_path)?;
+    lock_manifest(&manifest, &name)?;
+    let (done, torn) = read_manifest(&manifest_path);
     if torn {
         // End the torn line, or the next entry would be glued to it and lost.
         manifest.write_all(b"\n")?;
     }
-    let bar = indicatif::ProgressBar::new(todo.len() as u64).with_style(
+    let done = Arc::new(done);
+    // A first pass over the ids only counts what is left (and finds an unreadable file early).
+    let todo = {
+        let (input, done, shard) = (input.clone(), done.clone(), a.shard);
+        tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
+            let mut n = 0;
+            rows_to_do(&input, shard, &done, true, |_| {
+                n += 1;
+                ControlFlow::Continue(())
+            })?;
+            Ok(n)
+        })
+        .await??
+    };
+    let of_shard = a.shard.map(|s| format!(" (shard {s})")).unwrap_or_default();
+    eprintln!("{} samples already done, {todo} to go{of_shard}", done.len());
+    let bar = indicatif::ProgressBar::new(todo).with_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} samples  {msg}  eta {eta}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
@@ -366,7 +414,7 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     }
     let sh = Arc::new(Shared {
         out: a.out.clone(),
-        url: format!("{}/v1/hidden-states", server.trim_end_matches('/')),
+        pool: Pool::new(&servers),
         body,
         layout: a.layout,
         manifest: Mutex::new(manifest),
@@ -386,18 +434,40 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     }
     let client = reqwest::Client::builder().timeout(Duration::from_secs(a.timeout_s)).build()?;
     let a = Arc::new(a);
-    let queue = Arc::new(Mutex::new(todo.into_iter()));
+    // The input is read as the samples go, a few ahead of the workers.
+    let concurrency = a.concurrency.max(1);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Row>(concurrency * 4);
+    let reader = {
+        let (input, done, shard) = (input.clone(), done.clone(), a.shard);
+        tokio::task::spawn_blocking(move || {
+            rows_to_do(&input, shard, &done, false, |row| match tx.blocking_send(row) {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(_) => ControlFlow::Break(()),
+            })
+        })
+    };
+    let queue = Arc::new(Mutex::new(rx));
     let start = Instant::now();
     let mut workers = Vec::new();
-    for _ in 0..a.concurrency.max(1) {
+    for _ in 0..concurrency {
         let (sh, a, queue, client) = (sh.clone(), a.clone(), queue.clone(), client.clone());
         workers.push(tokio::spawn(async move {
             loop {
-                let Some(s) = queue.lock().await.next() else { return };
-                match process(&client, &a, &sh, &s).await {
-                    Outcome::Done => {}
-                    Outcome::Stopped => return,
-                    Outcome::Failed(e) => sh.failures.lock().await.push(json!({"id": s.id, "error": e})),
+                if sh.stop.is_cancelled() {
+                    return;
+                }
+                let Some(row) = queue.lock().await.recv().await else { return };
+                match row {
+                    Row::Bad { index, id, error } => {
+                        sh.failures.lock().await.push(json!({"id": id, "row": index, "error": error}));
+                    }
+                    Row::Ok(s) => match process(&client, &a, &sh, &s).await {
+                        Outcome::Done => {}
+                        Outcome::Stopped => return,
+                        Outcome::Failed(e) => {
+                            sh.failures.lock().await.push(json!({"id": s.id, "row": s.index, "error": e}))
+                        }
+                    },
                 }
                 sh.bar.inc(1);
                 let secs = start.elapsed().as_secs_f64().max(1e-9);
@@ -409,9 +479,13 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     for w in workers {
         w.await?;
     }
+    // The workers are gone: a reader still sending stops at its next row.
+    drop(queue);
+    let read = reader.await?;
     sh.bar.finish_and_clear();
-    let failures = sh.failures.lock().await;
-    let fail_path = a.out.join("failures.jsonl");
+    let mut failures = sh.failures.lock().await;
+    failures.sort_by_key(|f| f["row"].as_u64());
+    let fail_path = a.out.join(failures_name(a.shard));
     let text: String = failures.iter().map(|f| f.to_string() + "\n").collect();
     std::fs::write(&fail_path, text)?;
     let secs = start.elapsed().as_secs_f64();
@@ -429,9 +503,19 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
         failures.len(),
         if failures.is_empty() { String::new() } else { format!(" (see {})", fail_path.display()) }
     );
-    for f in failures.iter().take(10) {
-        eprintln!("  {}: {}", f["id"], f["error"]);
+    for s in &sh.pool.servers {
+        eprintln!(
+            "server {}: {} answered, {} failed, {} throttled (429)",
+            s.base,
+            s.answered.load(Ordering::Relaxed),
+            s.failed.load(Ordering::Relaxed),
+            s.throttled.load(Ordering::Relaxed)
+        );
     }
+    for f in failures.iter().take(10) {
+        eprintln!("  {} (row {}): {}", f["id"], f["row"], f["error"]);
+    }
+    read?;
     Ok(if sh.stop.is_cancelled() {
         130
     } else if failures.is_empty() {
@@ -439,137 +523,4 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     } else {
         1
     })
-}
-
-/// One sample recorded in the manifest, as `--verify` checks it.
-struct Entry {
-    /// Line number in the manifest (from 0).
-    line: usize,
-    id: String,
-    file: Option<String>,
-    xxh64: Option<String>,
-}
-
-/// Checks one recorded file: present, its whole-file xxh64 as the manifest recorded it, and each
-/// tensor against the checksums in its own metadata (where it has them). Returns its size.
-fn check_file(out: &Path, e: &Entry) -> Result<u64, String> {
-    let file = e.file.as_deref().ok_or("the manifest line names no file")?;
-    let data = match std::fs::read(out.join(file)) {
-        Ok(d) => d,
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Err("missing".into()),
-        Err(err) => return Err(format!("unreadable: {err}")),
-    };
-    let mut problems = Vec::new();
-    if let Some(want) = &e.xxh64 {
-        let got = xxh64_hex([&data[..]]);
-        if &got != want {
-            problems.push(format!("its xxh64 is {got}, the manifest recorded {want}"));
-        }
-    }
-    match metadata(&data) {
-        Err(err) => problems.push(err),
-        Ok(m) if m.contains_key("checksum_algorithm") => {
-            if let Err(err) = verify_checksums(&data) {
-                problems.push(err);
-            }
-        }
-        Ok(_) => {
-            if let Err(err) = SafeTensors::deserialize(&data) {
-                problems.push(format!("not a safetensors file: {err}"));
-            }
-        }
-    }
-    if problems.is_empty() {
-        Ok(data.len() as u64)
-    } else {
-        Err(format!("corrupt: {}", problems.join("; ")))
-    }
-}
-
-/// Replaces `path` with `bytes`: a temporary file, synced, renamed over it, and the folder synced.
-fn replace_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("jsonl.tmp");
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent() {
-        // The rename itself is durable once the folder is synced.
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
-}
-
-/// `--verify`: re-reads every file the manifest lists, reports those missing or corrupt and drops
-/// their lines from the manifest. Returns 0 when all are intact, 1 otherwise.
-fn verify(a: &BulkArgs) -> anyhow::Result<i32> {
-    let path = a.out.join("manifest.jsonl");
-    let bytes =
-        std::fs::read(&path).map_err(|e| anyhow::anyhow!("nothing to verify: cannot read {}: {e}", path.display()))?;
-    let lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
-    let entries: Vec<Entry> = lines
-        .iter()
-        .enumerate()
-        .filter_map(|(line, l)| {
-            let v: Value = serde_json::from_slice(l).ok()?;
-            let str_of = |k: &str| v[k].as_str().map(String::from);
-            Some(Entry { line, id: str_of("id")?, file: str_of("file"), xxh64: str_of("xxh64") })
-        })
-        .collect();
-    let bar = indicatif::ProgressBar::new(entries.len() as u64).with_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} files  {msg}  eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let start = Instant::now();
-    let (next, total) = (AtomicUsize::new(0), AtomicU64::new(0));
-    let results: Vec<std::sync::Mutex<Option<Result<u64, String>>>> =
-        entries.iter().map(|_| std::sync::Mutex::new(None)).collect();
-    std::thread::scope(|scope| {
-        for _ in 0..a.concurrency.clamp(1, 64) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(e) = entries.get(i) else { return };
-                let r = check_file(&a.out, e);
-                if let Ok(n) = r {
-                    let t = total.fetch_add(n, Ordering::Relaxed) + n;
-                    bar.set_message(format!("{:.1} MB", t as f64 / 1e6));
-                }
-                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-                bar.inc(1);
-            });
-        }
-    });
-    bar.finish_and_clear();
-    let secs = start.elapsed().as_secs_f64();
-    let total = total.load(Ordering::Relaxed);
-    let mut bad = HashSet::new();
-    for (e, r) in entries.iter().zip(results) {
-        if let Some(Err(what)) = r.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            eprintln!("{}: {}: {what}", e.id, e.file.as_deref().unwrap_or("(no file)"));
-            bad.insert(e.line);
-        }
-    }
-    if bad.is_empty() {
-        eprintln!(
-            "verified {} files, {total} bytes ({:.1} MB) in {secs:.1} s: all intact",
-            entries.len(),
-            total as f64 / 1e6
-        );
-        return Ok(0);
-    }
-    let kept: Vec<u8> = lines
-        .iter()
-        .enumerate()
-        .filter(|(i, l)| !bad.contains(i) && !l.is_empty())
-        .flat_map(|(_, l)| l.iter().copied().chain([b'\n']))
-        .collect();
-    replace_atomically(&path, &kept).map_err(|e| anyhow::anyhow!("rewriting {}: {e}", path.display()))?;
-    eprintln!(
-        "verified {} files, {total} bytes ({:.1} MB) intact in {secs:.1} s; {} missing or corrupt, dropped from \
-         the manifest: run the same bulk command again to extract them anew",
-        entries.len() - bad.len(),
-        total as f64 / 1e6,
-        bad.len()
-    );
-    Ok(1)
 }

@@ -1029,3 +1029,74 @@ async fn a_parquet_file_written_by_pyarrow_reads_its_text_messages_and_ids_colum
         }
     }
 }
+
+/// A front for `target` that answers 429 with `Retry-After: 1` to the first request it gets for
+/// each sample (by its token ids) and passes the others on; counts the requests.
+async fn throttling_proxy(target: String) -> Proxy {
+    use axum::body::Bytes;
+    let hits: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, usize>>> = Default::default();
+    let h = hits.clone();
+    let handler = move |body: Bytes| {
+        let (target, hits) = (target.clone(), h.clone());
+        async move {
+            let req: Value = serde_json::from_slice(&body).unwrap();
+            let key: Vec<u64> =
+                req["inputs"][0]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            let n = {
+                let mut m = hits.lock().unwrap();
+                let c = m.entry(key).or_insert(0);
+                *c += 1;
+                *c
+            };
+            if n == 1 {
+                let headers = [("content-type", "application/json"), ("retry-after", "1")];
+                return (axum::http::StatusCode::TOO_MANY_REQUESTS, headers, b"{\"error\":\"busy\"}".to_vec());
+            }
+            let r = client()
+                .post(format!("{target}/v1/hidden-states"))
+                .header("content-type", "application/json")
+                .header("accept-encoding", "identity")
+                .body(body.to_vec())
+                .send()
+                .await
+                .unwrap();
+            let status = axum::http::StatusCode::from_u16(r.status().as_u16()).unwrap();
+            let headers = [("content-type", "application/octet-stream"), ("x-proxy", "1")];
+            (status, headers, r.bytes().await.unwrap().to_vec())
+        }
+    };
+    let app = axum::Router::new().route("/v1/hidden-states", axum::routing::post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Proxy { base, hits }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_is_retried_after_its_retry_after_and_every_sample_lands_once() {
+    let s = fake_server(limits(), vec![]).await;
+    let proxy = throttling_proxy(s.base.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    let samples = [("a", vec![1, 2]), ("b", vec![11, 12, 13]), ("c", vec![5])];
+    write_input(&input, &samples);
+    let started = std::time::Instant::now();
+    let (code, err) = run_extract(&proxy.base, &input, &out, "1,-1", &["--dtype", "float32", "--retries", "2"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(started.elapsed() >= Duration::from_secs(1), "Retry-After: 1 was not waited out");
+    for (id, ids) in &samples {
+        assert_eq!(proxy.hits(ids), 2, "{id}: one 429, then one answer");
+    }
+    let line = err.lines().find(|l| l.starts_with(&format!("server {}: ", proxy.base))).unwrap_or_default();
+    assert_eq!(line, format!("server {}: 3 answered, 0 failed, 3 throttled (429)", proxy.base), "{err}");
+    let m = manifest(&out);
+    assert_eq!(m.len(), 3);
+    for (id, ids) in &samples {
+        assert_states(
+            &read_safetensors(&out.join(entry(&m, id)["file"].as_str().unwrap())),
+            ids,
+            &[1, FAKE_LAYERS],
+            id,
+        );
+    }
+}

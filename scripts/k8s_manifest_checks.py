@@ -13,7 +13,14 @@
   k8s_manifest_checks.py consistency K8S_DIR RENDERED
       Cross-object checks no schema can make: selectors match pod labels, named
       ports exist, probes hit the service's routes, grace period covers preStop +
-      shutdown timeout, references resolve, every manifest is in the kustomization.
+      shutdown timeout, references resolve, every manifest is in the kustomization
+      (but the standalone ones, STANDALONE).
+  k8s_manifest_checks.py bulkjob K8S_DIR RENDERED
+      Checks of the standalone `layertap bulk` Job (bulk-job.yaml, with its claim in
+      bulk-data-pvc.yaml) against the rendered kustomization: an Indexed Job whose
+      completions, parallelism and --shard denominator agree, pointing at a Service
+      (name and port) that exists and selects the server pods, not its own, writing
+      --input/--out on a mounted ReadWriteMany claim, non-root, with resources.
 Exit status 1 with one line per problem.
 """
 
@@ -116,6 +123,10 @@ def servicemonitor(rendered: str) -> int:
     return 1 if errors else 0
 
 
+# Applied on their own, not by `kubectl apply -k` (a Job runs once): see k8s/README.md.
+STANDALONE = ("bulk-job.yaml", "bulk-data-pvc.yaml")
+
+
 def _selects(selector: dict, labels: dict) -> bool:
     ml = selector.get("matchLabels", selector) if isinstance(selector, dict) else {}
     return bool(ml) and all(labels.get(k) == v for k, v in ml.items())
@@ -141,6 +152,10 @@ def consistency(k8s_dir: str, rendered: str) -> int:
     kust = yaml.safe_load((root / "kustomization.yaml").read_text())
     listed = set(kust.get("resources") or [])
     for f in sorted(root.glob("*.y*ml")):
+        if f.name in STANDALONE:
+            if f.name in listed:
+                errors.append(f"{f} is applied on its own (STANDALONE) but listed in {root}/kustomization.yaml")
+            continue
         if f.name not in listed and f.name not in ("kustomization.yaml", "kustomization.yml"):
             errors.append(f"{f} is not listed in {root}/kustomization.yaml resources")
 
@@ -265,9 +280,143 @@ def consistency(k8s_dir: str, rendered: str) -> int:
     return 1 if errors else 0
 
 
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of --name in a command line (--name V or --name=V), the last one given."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def bulkjob(k8s_dir: str, rendered: str) -> int:
+    errors: list[str] = []
+    root = pathlib.Path(k8s_dir)
+    docs = load_all(rendered)
+    own = [d for f in STANDALONE if (root / f).exists() for d in load_all(root / f)]
+    jobs = [d for d in own if d.get("kind") == "Job"]
+    pvcs = {d["metadata"]["name"]: d for d in docs + own if d.get("kind") == "PersistentVolumeClaim"}
+    services = {d["metadata"]["name"]: d for d in docs if d.get("kind") == "Service"}
+    deployments = [d for d in docs if d.get("kind") == "Deployment"]
+    secrets_used = {
+        ((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+        for dep in deployments
+        for c in dep["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+    }
+    if len(jobs) != 1:
+        errors.append(f"expected one Job in {', '.join(STANDALONE)}, found {len(jobs)}")
+    for job in jobs:
+        where = f"Job/{job['metadata']['name']}"
+        spec = job["spec"]
+        if job.get("apiVersion") != "batch/v1":
+            errors.append(f"{where}: apiVersion must be batch/v1")
+        if spec.get("completionMode") != "Indexed":
+            errors.append(f"{where}: completionMode must be Indexed (JOB_COMPLETION_INDEX picks the shard)")
+        n, par = spec.get("completions"), spec.get("parallelism")
+        if not isinstance(n, int) or n < 1:
+            errors.append(f"{where}: completions must be a whole number >= 1, not {n!r}")
+        if par != n:
+            errors.append(f"{where}: parallelism {par!r} != completions {n!r} (one pod per shard, all at once)")
+        if not isinstance(spec.get("backoffLimitPerIndex"), int):
+            errors.append(f"{where}: no backoffLimitPerIndex (a failed shard should be retried on its own)")
+        tpl = spec["template"]
+        pod = tpl["spec"]
+        pod_labels = (tpl.get("metadata") or {}).get("labels") or {}
+        if pod.get("restartPolicy") != "Never":
+            errors.append(f"{where}: restartPolicy must be Never (podFailurePolicy and per-index backoff need it)")
+        sc = pod.get("securityContext") or {}
+        if sc.get("runAsNonRoot") is not True or not sc.get("runAsUser"):
+            errors.append(f"{where}: the pod must run as non-root (securityContext runAsNonRoot, runAsUser)")
+        mounts_ok = {}
+        for v in pod.get("volumes", []):
+            claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim:
+                if claim not in pvcs:
+                    errors.append(f"{where}: volume {v['name']} uses PVC {claim}, not in the manifests")
+                elif isinstance(n, int) and n > 1 and "ReadWriteMany" not in pvcs[claim]["spec"].get("accessModes", []):
+                    errors.append(f"{where}: PVC {claim} is not ReadWriteMany, but {n} pods write to it")
+                mounts_ok[v["name"]] = claim
+        bulk = [c for c in pod.get("containers", []) if (c.get("args") or [None])[0] == "bulk"]
+        if len(bulk) != 1:
+            errors.append(f"{where}: expected one container running `layertap bulk` (args starting with bulk)")
+            continue
+        c = bulk[0]
+        args = [str(a) for a in c.get("args", [])]
+        shard = _flag(args, "--shard")
+        m = re.fullmatch(r"\$\(JOB_COMPLETION_INDEX\)/(\d+)", shard or "")
+        if not m:
+            errors.append(f"{where}: --shard must be $(JOB_COMPLETION_INDEX)/N, not {shard!r}")
+        elif int(m.group(1)) != n:
+            errors.append(f"{where}: --shard denominator {m.group(1)} != completions {n}: shards would be lost or overlap")
+        if any(e.get("name") == "JOB_COMPLETION_INDEX" for e in c.get("env", [])):
+            errors.append(f"{where}: JOB_COMPLETION_INDEX is set by the Job controller; do not override it")
+        server = _flag(args, "--server")
+        if not server:
+            errors.append(f"{where}: no --server")
+        for url in (server or "").split(","):
+            um = re.fullmatch(r"http://([a-z0-9-]+)(\.[a-z0-9.-]+)?:(\d+)/?", url.strip())
+            if not um:
+                errors.append(f"{where}: --server {url!r} is not http://SERVICE:PORT")
+                continue
+            name, port = um.group(1), int(um.group(3))
+            svc = services.get(name)
+            if svc is None:
+                errors.append(f"{where}: --server {url} names Service {name}, not in the kustomization")
+                continue
+            if port not in [p["port"] for p in svc["spec"]["ports"]]:
+                errors.append(f"{where}: --server {url}: Service {name} has no port {port}")
+            if _selects(svc["spec"].get("selector", {}), pod_labels):
+                errors.append(f"{where}: Service {name} selects the Job's own pods")
+            if not any(_selects(svc["spec"].get("selector", {}), d["spec"]["template"]["metadata"].get("labels", {}))
+                       for d in deployments):
+                errors.append(f"{where}: Service {name} selects no server pods")
+        mounts = {vm["mountPath"].rstrip("/"): vm for vm in c.get("volumeMounts", [])}
+        for flag in ("--input", "--out"):
+            path = _flag(args, flag)
+            if not path:
+                errors.append(f"{where}: no {flag}")
+                continue
+            mount = next((mp for mp in mounts if path == mp or path.startswith(mp + "/")), None)
+            if mount is None or mounts[mount]["name"] not in mounts_ok:
+                errors.append(f"{where}: {flag} {path} is not on a mounted PersistentVolumeClaim")
+            elif flag == "--out" and mounts[mount].get("readOnly"):
+                errors.append(f"{where}: --out {path} is on a read-only mount")
+        input_path = _flag(args, "--input") or ""
+        if input_path.endswith(".parquet"):
+            cols = [f for f in ("--text-column", "--messages-column", "--ids-column") if _flag(args, f)]
+            if len(cols) != 1:
+                errors.append(f"{where}: a Parquet --input needs exactly one of --text-column, --messages-column, "
+                              f"--ids-column (has {cols})")
+        for e in c.get("env", []):
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            if e.get("name") == "LAYERTAP_API_KEY" and ref and ref.get("name") not in secrets_used:
+                errors.append(f"{where}: LAYERTAP_API_KEY from Secret {ref.get('name')}, which no server uses")
+            if e.get("name") == "LAYERTAP_API_KEY" and "value" in e:
+                errors.append(f"{where}: LAYERTAP_API_KEY set in plain text")
+        res = c.get("resources") or {}
+        for section, keys in (("requests", ("cpu", "memory")), ("limits", ("memory",))):
+            for k in keys:
+                q = (res.get(section) or {}).get(k)
+                if q is None:
+                    errors.append(f"{where}: container {c['name']} has no {section}.{k}")
+                elif not QUANTITY.match(str(q)):
+                    errors.append(f"{where}: container {c['name']} {section}.{k} {q!r} is not a quantity")
+        csc = c.get("securityContext") or {}
+        if csc.get("allowPrivilegeEscalation") is not False:
+            errors.append(f"{where}: container {c['name']} must set allowPrivilegeEscalation: false")
+    for e in errors:
+        print(f"ERROR {e}")
+    if not errors:
+        print(f"ok: bulk Job checks pass ({len(jobs)} Job)")
+    return 1 if errors else 0
+
+
 def main(argv: list[str]) -> int:
     cmds = {"render": (render, 1), "extract": (extract, 2), "servicemonitor": (servicemonitor, 1),
-            "consistency": (consistency, 2)}
+            "consistency": (consistency, 2), "bulkjob": (bulkjob, 2)}
     if len(argv) < 1 or argv[0] not in cmds or len(argv) - 1 != cmds[argv[0]][1]:
         print(__doc__, file=sys.stderr)
         return 2

@@ -7,7 +7,10 @@
 #      which bundles the schemas),
 #   3. validates the ServiceMonitor against the prometheus-operator CRD schema (npm
 #      @kubernetes-models/prometheus-operator), plus a structural check in Python,
-#   4. runs cross-object consistency checks (selectors, ports, probes, grace period).
+#   4. runs cross-object consistency checks (selectors, ports, probes, grace period),
+#   5. validates the standalone bulk Job (bulk-job.yaml, bulk-data-pvc.yaml: applied on
+#      their own, not by the kustomization) against the same schemas, and checks it
+#      against the kustomization (shard count, Service, claims).
 # Tools are installed on first use under .cache/ (PyPI and npm only). Exit status 1 on
 # any invalid manifest.
 #   scripts/validate-k8s.sh [K8S_DIR]     (default: k8s)
@@ -92,6 +95,25 @@ say "ServiceMonitor structural check"
 # --- 4. consistency -------------------------------------------------------------------
 say "cross-object consistency"
 "$PY" "$ROOT/scripts/k8s_manifest_checks.py" consistency "$K8S_DIR" "$RENDERED" || fail=1
+
+# --- 5. the bulk Job (standalone) -------------------------------------------------------
+STANDALONE=()
+for f in bulk-job.yaml bulk-data-pvc.yaml; do
+  [[ -f "$K8S_DIR/$f" ]] && STANDALONE+=("$K8S_DIR/$f")
+done
+if [[ ${#STANDALONE[@]} -gt 0 ]]; then
+  for v in $K8S_VERSIONS; do
+    say "kubernetes-validate --strict, Kubernetes $v: ${STANDALONE[*]##*/}"
+    log="$OUT/kv-bulk-$v.log"
+    if ! "$VENV/bin/kubernetes-validate" --strict --kubernetes-version "$v" "${STANDALONE[@]}" >"$log" 2>&1; then
+      fail=1
+    fi
+    sed "s|$K8S_DIR/||" "$log"
+    if grep -q -e '^ERROR' -e "Couldn't find schema" "$log"; then fail=1; fi
+  done
+  say "bulk Job against the kustomization"
+  "$PY" "$ROOT/scripts/k8s_manifest_checks.py" bulkjob "$K8S_DIR" "$RENDERED" || fail=1
+fi
 
 if [[ $fail != 0 ]]; then
   echo "FAIL: k8s manifests are invalid"

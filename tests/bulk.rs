@@ -579,3 +579,524 @@ async fn tokens_assistant_and_last_k_keep_the_selected_rows_and_their_positions(
     }
     assert!(partial, "the chat sample has rows outside the assistant turn");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Parquet input, --shard I/N and several servers
+// ---------------------------------------------------------------------------------------------
+
+/// Every manifest of `out` (manifest.jsonl and manifest-I-of-N.jsonl), by name; complete lines
+/// only (a run may be writing them). None before `out` exists.
+fn manifests(out: &std::path::Path) -> std::collections::BTreeMap<String, Vec<Value>> {
+    std::fs::read_dir(out)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("manifest") && n.ends_with(".jsonl"))
+        .map(|n| {
+            let lines = std::fs::read_to_string(out.join(&n)).unwrap();
+            (n, lines.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+        })
+        .collect()
+}
+
+fn failures_of(out: &std::path::Path, name: &str) -> Vec<Value> {
+    std::fs::read_to_string(out.join(name)).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn ids_of(m: &[Value]) -> Vec<String> {
+    m.iter().map(|v| v["id"].as_str().unwrap().to_string()).collect()
+}
+
+fn shard_of(id: &str, n: u64) -> u64 {
+    xxhash_rust::xxh64::xxh64(id.as_bytes(), 0) % n
+}
+
+/// (answered, failed) of `base` in a run's closing report.
+fn server_counts(err: &str, base: &str) -> (u64, u64) {
+    let line = err
+        .lines()
+        .find(|l| l.starts_with(&format!("server {base}: ")))
+        .unwrap_or_else(|| panic!("no report for {base}: {err}"));
+    let num = |what: &str| -> u64 {
+        let before = line.split(&format!(" {what}")).next().unwrap();
+        before.rsplit(' ').next().unwrap().parse().unwrap_or_else(|_| panic!("{line}"))
+    };
+    (num("answered"), num("failed"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_shards_over_two_servers_one_shut_down_midway_land_every_sample_once() {
+    let a = fake_server(limits(), vec![]).await;
+    let b = fake_server(limits(), vec![]).await;
+    a.control.delay_ms.store(25, Ordering::SeqCst);
+    b.control.delay_ms.store(25, Ordering::SeqCst);
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    let samples: Vec<(String, Vec<u32>)> =
+        (0..90u32).map(|i| (format!("s{i}"), (0..i % 5 + 1).map(|k| (i * 5 + k) % 500).collect())).collect();
+    let refs: Vec<(&str, Vec<u32>)> = samples.iter().map(|(id, ids)| (id.as_str(), ids.clone())).collect();
+    write_input(&input, &refs);
+    let mut children = Vec::new();
+    for k in 0..3 {
+        let shard = format!("{k}/3");
+        let mut args = vec!["--input".to_string(), p(&input), "--out".into(), p(&out), "--shard".into(), shard];
+        if k == 0 {
+            // The comma-separated form; the others repeat --server.
+            args.extend(["--server".into(), format!("{},{}", a.base, b.base)]);
+        } else {
+            args.extend(["--server".into(), a.base.clone(), "--server".into(), b.base.clone()]);
+        }
+        args.extend(["--layers", "1,-1", "--dtype", "float32", "--concurrency", "2"].map(String::from));
+        let mut c = bulk_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        children.push(c.spawn().unwrap());
+    }
+    let landed = || manifests(&out).values().map(Vec::len).sum::<usize>();
+    for _ in 0..1000 {
+        if landed() >= 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    b.running.shutdown.cancel();
+    let at_shutdown = landed();
+    assert!((20..80).contains(&at_shutdown), "server b should go down midway, {at_shutdown} had landed");
+    let outputs = tokio::task::spawn_blocking(move || {
+        children.into_iter().map(|c| c.wait_with_output().unwrap()).collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let (mut from_a, mut from_b, mut b_failed) = (0, 0, 0);
+    for (k, o) in outputs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "shard {k}: {err}");
+        let (ok_a, _) = server_counts(&err, &a.base);
+        let (ok_b, fail_b) = server_counts(&err, &b.base);
+        let m = &manifests(&out)[&format!("manifest-{k}-of-3.jsonl")];
+        assert_eq!((ok_a + ok_b) as usize, m.len(), "shard {k}: the counts add up to its samples: {err}");
+        from_a += ok_a;
+        from_b += ok_b;
+        b_failed += fail_b;
+        assert!(failures_of(&out, &format!("failures-{k}-of-3.jsonl")).is_empty(), "shard {k}");
+    }
+    assert!(from_a > 0 && from_b > 0, "both servers answered: a {from_a}, b {from_b}");
+    assert!(b_failed > 0, "requests to the shut-down server failed and went elsewhere");
+    assert_eq!(from_a + from_b, 90);
+
+    let all = manifests(&out);
+    assert_eq!(
+        all.keys().collect::<Vec<_>>(),
+        ["manifest-0-of-3.jsonl", "manifest-1-of-3.jsonl", "manifest-2-of-3.jsonl"]
+    );
+    let mut union: Vec<String> = Vec::new();
+    for (k, (_, m)) in all.iter().enumerate() {
+        for id in ids_of(m) {
+            assert_eq!(shard_of(&id, 3), k as u64, "{id} is shard {}'s", shard_of(&id, 3));
+            union.push(id);
+        }
+    }
+    assert_eq!(union.len(), 90, "every sample once: {union:?}");
+    let distinct: HashSet<&String> = union.iter().collect();
+    assert_eq!(distinct.len(), 90, "no sample twice");
+    for m in all.values() {
+        for e in m {
+            let id = e["id"].as_str().unwrap();
+            let ids = &samples.iter().find(|(i, _)| i == id).unwrap().1;
+            let bytes = std::fs::read(out.join(e["file"].as_str().unwrap())).unwrap();
+            assert_eq!(e["xxh64"], xxh64(&bytes), "{id}");
+            assert_states(&read_safetensors_bytes(&bytes).0, ids, &[1, FAKE_LAYERS], id);
+        }
+    }
+    let files: Vec<_> = walk(&out).into_iter().map(|f| p(f.strip_prefix(&out).unwrap())).collect();
+    assert_eq!(files.iter().filter(|f| f.ends_with(".safetensors")).count(), 90, "{files:?}");
+    assert!(!files.iter().any(|f| f.ends_with(".tmp")), "{files:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shard_split_is_deterministic_verify_knows_shards_and_bad_shards_are_refused() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("data.jsonl");
+    let samples: Vec<(String, Vec<u32>)> = (0..40u32).map(|i| (format!("item-{i}"), vec![i + 1, i + 2])).collect();
+    let refs: Vec<(&str, Vec<u32>)> = samples.iter().map(|(id, ids)| (id.as_str(), ids.clone())).collect();
+    write_input(&input, &refs);
+    let mut splits = Vec::new();
+    for (run, conc) in [("one", "4"), ("two", "1")] {
+        let out = dir.path().join(run);
+        for k in 0..4 {
+            let shard = format!("{k}/4");
+            let (code, err) =
+                run_extract(&s.base, &input, &out, "1", &["--shard", &shard, "--concurrency", conc]).await;
+            assert_eq!(code, Some(0), "{err}");
+            let want = samples.iter().filter(|(id, _)| shard_of(id, 4) == k).count();
+            assert!(err.contains(&format!("0 samples already done, {want} to go (shard {k}/4)")), "{err}");
+        }
+        let split: Vec<HashSet<String>> = manifests(&out).values().map(|m| ids_of(m).into_iter().collect()).collect();
+        splits.push(split);
+    }
+    assert_eq!(splits[0], splits[1], "the same split twice");
+    assert_eq!(splits[0].len(), 4);
+    for (k, part) in splits[0].iter().enumerate() {
+        let want: HashSet<String> =
+            samples.iter().map(|(id, _)| id.clone()).filter(|id| shard_of(id, 4) == k as u64).collect();
+        assert_eq!(part, &want, "shard {k} holds the ids whose xxh64 mod 4 is {k}");
+        assert!(!part.is_empty(), "shard {k} is empty: the split is not spread");
+    }
+    // A second run of one shard finds its own manifest only.
+    let out = dir.path().join("one");
+    let (code, err) = run_extract(&s.base, &input, &out, "1", &["--shard", "2/4"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains(&format!("{} samples already done, 0 to go", splits[0][2].len())), "{err}");
+
+    // --verify checks every manifest, or --shard's alone.
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(err.matches("all intact").count(), 4, "{err}");
+    let m = &manifests(&out)["manifest-3-of-4.jsonl"];
+    let victim = m[0]["file"].as_str().unwrap();
+    std::fs::remove_file(out.join(victim)).unwrap();
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out), "--shard", "1/4"]).await;
+    assert_eq!((code, err.matches("all intact").count()), (Some(0), 1), "{err}");
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains(victim) && err.contains("missing"), "{err}");
+    assert_eq!(manifests(&out)["manifest-3-of-4.jsonl"].len(), m.len() - 1);
+
+    for bad in ["4/4", "0/0", "5/2", "x/3", "3", "1/-2"] {
+        let (code, err) = run_extract(&s.base, &input, &dir.path().join("bad"), "1", &["--shard", bad]).await;
+        assert_eq!(code, Some(2), "{bad}: {err}");
+        assert!(err.contains("--shard") && err.contains("I/N"), "{bad}: {err}");
+    }
+    assert!(!dir.path().join("bad").exists(), "nothing was started for a refused shard");
+}
+
+/// Writes a Parquet file with the crate's own writer: columns id (string), text (optional
+/// string), n (int64) and ids (optional list of optional int64), in row groups of `group` rows.
+type PqRow = (String, Option<String>, i64, Option<Vec<Option<i64>>>);
+
+fn write_parquet(path: &std::path::Path, rows: &[PqRow], group: usize) {
+    use parquet::basic::Compression;
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::types::ColumnPath;
+    let schema = parquet::schema::parser::parse_message_type(
+        "message schema {
+            REQUIRED BYTE_ARRAY id (UTF8);
+            OPTIONAL BYTE_ARRAY text (UTF8);
+            REQUIRED INT64 n;
+            OPTIONAL group ids (LIST) { REPEATED group list { OPTIONAL INT64 element; } }
+        }",
+    )
+    .unwrap();
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(Default::default()))
+        .set_column_compression(ColumnPath::from("text"), Compression::SNAPPY)
+        .set_column_compression(
+            ColumnPath::from(vec!["ids".into(), "list".into(), "element".into()]),
+            Compression::GZIP(Default::default()),
+        )
+        .build();
+    let file = std::fs::File::create(path).unwrap();
+    let mut w = SerializedFileWriter::new(file, std::sync::Arc::new(schema), std::sync::Arc::new(props)).unwrap();
+    for chunk in rows.chunks(group) {
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let ids: Vec<ByteArray> = chunk.iter().map(|r| ByteArray::from(r.0.as_str())).collect();
+        col.typed::<ByteArrayType>().write_batch(&ids, None, None).unwrap();
+        col.close().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let texts: Vec<ByteArray> = chunk.iter().filter_map(|r| r.1.as_deref().map(ByteArray::from)).collect();
+        let defs: Vec<i16> = chunk.iter().map(|r| i16::from(r.1.is_some())).collect();
+        col.typed::<ByteArrayType>().write_batch(&texts, Some(&defs), None).unwrap();
+        col.close().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<Int64Type>().write_batch(&chunk.iter().map(|r| r.2).collect::<Vec<_>>(), None, None).unwrap();
+        col.close().unwrap();
+        // A list's levels: definition 0 null list, 1 empty list, 2 null element, 3 a value.
+        let (mut vals, mut defs, mut reps) = (Vec::new(), Vec::new(), Vec::new());
+        for r in chunk {
+            match &r.3 {
+                None => {
+                    defs.push(0);
+                    reps.push(0);
+                }
+                Some(l) if l.is_empty() => {
+                    defs.push(1);
+                    reps.push(0);
+                }
+                Some(l) => {
+                    for (i, e) in l.iter().enumerate() {
+                        reps.push(i16::from(i > 0));
+                        defs.push(if e.is_some() { 3 } else { 2 });
+                        vals.extend(*e);
+                    }
+                }
+            }
+        }
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<Int64Type>().write_batch(&vals, Some(&defs), Some(&reps)).unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+    }
+    w.close().unwrap();
+}
+
+/// The tensors of a run's file for `id` (via its manifest `m`), but the metadata.
+fn tensors_of(
+    out: &std::path::Path,
+    m: &[Value],
+    id: &str,
+) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    raw_tensors(&std::fs::read(out.join(entry(m, id)["file"].as_str().unwrap())).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_input_with_bad_rows_reports_them_with_id_and_row_and_the_rest_land() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("data.parquet");
+    let rows: Vec<PqRow> = (0..12i64)
+        .map(|i| {
+            let text = (i != 3).then(|| format!("sample number {i} says hello"));
+            let ids = match i {
+                4 => Some(vec![]),
+                6 => None,
+                8 => Some(vec![Some(5), None, Some(6)]),
+                9 => Some(vec![Some(FAKE_VOCAB as i64)]),
+                10 => Some(vec![Some(-3)]),
+                _ => Some((0..i % 4 + 1).map(|k| Some((i * 10 + k) % 500)).collect()),
+            };
+            (format!("r{i}"), text, i, ids)
+        })
+        .collect();
+    write_parquet(&input, &rows, 5);
+
+    // --ids-column: the reader's bad rows and the server's refusal are failures, the rest land.
+    let out = dir.path().join("ids");
+    let (code, err) = run_extract(&s.base, &input, &out, "1,-1", &["--ids-column", "ids", "--dtype", "float32"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let f = failures_of(&out, "failures.jsonl");
+    let got: Vec<(String, u64)> =
+        f.iter().map(|v| (v["id"].as_str().unwrap().into(), v["row"].as_u64().unwrap())).collect();
+    let want: Vec<(String, u64)> = [4, 6, 8, 9, 10].iter().map(|&i| (format!("r{i}"), i)).collect();
+    assert_eq!(got, want, "{f:?}");
+    let msg = |id: &str| f.iter().find(|v| v["id"] == id).unwrap()["error"].as_str().unwrap().to_string();
+    assert!(msg("r4").contains("empty"), "{}", msg("r4"));
+    assert!(msg("r6").contains("null"), "{}", msg("r6"));
+    assert!(msg("r8").contains("token id 1") && msg("r8").contains("null"), "{}", msg("r8"));
+    assert!(msg("r9").contains("422"), "{}", msg("r9"));
+    assert!(msg("r10").contains("-3"), "{}", msg("r10"));
+    let m = manifest(&out);
+    assert_eq!(
+        ids_of(&m).into_iter().collect::<HashSet<_>>(),
+        ["r0", "r1", "r2", "r3", "r5", "r7", "r11"].map(String::from).into_iter().collect()
+    );
+    for (id, _, _, ids) in &rows {
+        if let Some(e) = m.iter().find(|v| v["id"] == id.as_str()) {
+            let want: Vec<u32> = ids.as_ref().unwrap().iter().map(|x| x.unwrap() as u32).collect();
+            let t = read_safetensors(&out.join(e["file"].as_str().unwrap()));
+            assert_eq!(t["input_ids"].i64, want.iter().map(|&x| i64::from(x)).collect::<Vec<_>>(), "{id}");
+            assert_states(&t, &want, &[1, FAKE_LAYERS], id);
+        }
+    }
+
+    // --text-column, ids taken from a column that is not there: the row numbers. The same texts
+    // from JSONL give the same states.
+    let out = dir.path().join("text");
+    let (code, err) = run_extract(&s.base, &input, &out, "2", &["--text-column", "text", "--id-column", "key"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let f = failures_of(&out, "failures.jsonl");
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!((f[0]["id"].as_str(), f[0]["row"].as_u64()), (Some("3"), Some(3)));
+    assert!(f[0]["error"].as_str().unwrap().contains("null"), "{f:?}");
+    let jsonl = dir.path().join("text.jsonl");
+    let lines: String = rows
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            r.1.as_ref().map(|t| serde_json::json!({"id": i.to_string(), "text": t}).to_string() + "\n")
+        })
+        .collect();
+    std::fs::write(&jsonl, lines).unwrap();
+    let out_j = dir.path().join("text-jsonl");
+    let (code, err) = run_extract(&s.base, &jsonl, &out_j, "2", &[]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let (m, mj) = (manifest(&out), manifest(&out_j));
+    assert_eq!(m.len(), 11);
+    for i in (0..12).filter(|&i| i != 3) {
+        let id = i.to_string();
+        let t = tensors_of(&out, &m, &id);
+        assert!(t["input_ids"].1[0] > 0, "{id}");
+        assert_eq!(t, tensors_of(&out_j, &mj, &id), "row {i}: Parquet and JSONL agree");
+    }
+
+    // A column of the wrong type: every row fails, and no request is made.
+    s.control.seen.lock().unwrap().clear();
+    let out = dir.path().join("n");
+    let (code, err) = run_extract(&s.base, &input, &out, "1", &["--text-column", "n"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let f = failures_of(&out, "failures.jsonl");
+    assert_eq!(f.len(), 12);
+    assert!(f.iter().all(|v| v["error"].as_str().unwrap().contains("an integer, not a string")), "{f:?}");
+    assert!(s.control.seen.lock().unwrap().is_empty());
+    assert!(manifest(&out).is_empty());
+
+    // Exactly one input column for Parquet; a missing column is named with those there.
+    for (extra, says) in [
+        (vec!["--text-column", "text", "--ids-column", "ids"], "exactly one"),
+        (vec![], "exactly one"),
+        (vec!["--messages-column", "chat"], "no column \"chat\" (its columns: id, text, n, ids)"),
+    ] {
+        let (code, err) = run_extract(&s.base, &input, &dir.path().join("refused"), "1", &extra).await;
+        assert_eq!(code, Some(1), "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_file_written_by_pyarrow_reads_its_text_messages_and_ids_columns() {
+    // tests/fixtures/bulk/mixed.parquet, from scripts/make_parquet_fixture.py.
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = fixtures().join("bulk/mixed.parquet");
+    let chat = |turns: &[(&str, &str)]| -> Value {
+        turns.iter().map(|(r, c)| serde_json::json!({"role": r, "content": c})).collect()
+    };
+    let texts =
+        [("a", "hello world"), ("c", "the quick brown fox"), ("d", "a b c"), ("e", "Zürich ✓"), ("f", "last row")];
+    let chats = [
+        ("a", chat(&[("user", "Hi"), ("assistant", "Hello!")])),
+        ("d", chat(&[("system", "Be brief."), ("user", "What is 2+2?"), ("assistant", "4")])),
+        ("e", chat(&[("user", "x"), ("assistant", "y")])),
+    ];
+    let ids: [(&str, Vec<u32>); 4] =
+        [("a", vec![1, 2, 3]), ("d", vec![7]), ("e", vec![100, 200, 300, 400]), ("f", vec![511])];
+    let expect_bad = |column: &str, out: &std::path::Path, want: &[(&str, u64, &str)]| {
+        let f = failures_of(out, "failures.jsonl");
+        let got: Vec<(&str, u64)> = f.iter().map(|v| (v["id"].as_str().unwrap(), v["row"].as_u64().unwrap())).collect();
+        assert_eq!(got, want.iter().map(|w| (w.0, w.1)).collect::<Vec<_>>(), "{column}: {f:?}");
+        for (v, w) in f.iter().zip(want) {
+            assert!(v["error"].as_str().unwrap().contains(w.2), "{column}: {v}");
+        }
+    };
+
+    let out = dir.path().join("ids");
+    let (code, err) = run_extract(&s.base, &input, &out, "1,-1", &["--ids-column", "ids", "--dtype", "float32"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    expect_bad("ids", &out, &[("b", 1, "empty"), ("c", 2, "null")]);
+    let m = manifest(&out);
+    assert_eq!(m.len(), 4);
+    for (id, want) in &ids {
+        let t = read_safetensors(&out.join(entry(&m, id)["file"].as_str().unwrap()));
+        assert_eq!(t["input_ids"].i64, want.iter().map(|&x| i64::from(x)).collect::<Vec<_>>(), "{id}");
+        assert_states(&t, want, &[1, FAKE_LAYERS], id);
+    }
+
+    // Text and messages: the same states as the same inputs given as JSONL.
+    for (column, key, inputs, bad) in [
+        (
+            "--text-column",
+            "text",
+            texts.iter().map(|(i, t)| (*i, Value::from(*t))).collect::<Vec<_>>(),
+            vec![("b", 1, "null")],
+        ),
+        (
+            "--messages-column",
+            "messages",
+            chats.to_vec(),
+            vec![("b", 1, "null"), ("c", 2, "message 1: its content is null"), ("f", 5, "empty")],
+        ),
+    ] {
+        let out = dir.path().join(key);
+        let col = key.to_string();
+        let (code, err) = run_extract(&s.base, &input, &out, "2", &[column, &col]).await;
+        assert_eq!(code, Some(1), "{column}: {err}");
+        expect_bad(key, &out, &bad);
+        let jsonl = dir.path().join(format!("{key}.jsonl"));
+        let lines: String =
+            inputs.iter().map(|(id, v)| serde_json::json!({"id": id, key: v}).to_string() + "\n").collect();
+        std::fs::write(&jsonl, lines).unwrap();
+        let out_j = dir.path().join(format!("{key}-jsonl"));
+        let (code, err) = run_extract(&s.base, &jsonl, &out_j, "2", &[]).await;
+        assert_eq!(code, Some(0), "{err}");
+        let (m, mj) = (manifest(&out), manifest(&out_j));
+        assert_eq!(m.len(), inputs.len(), "{column}");
+        for (id, _) in &inputs {
+            let t = tensors_of(&out, &m, id);
+            assert!(t["input_ids"].1[0] > 0, "{column} {id}");
+            assert_eq!(t, tensors_of(&out_j, &mj, id), "{column} {id}: Parquet and JSONL agree");
+        }
+    }
+}
+
+/// A front for `target` that answers 429 with `Retry-After: 1` to the first request it gets for
+/// each sample (by its token ids) and passes the others on; counts the requests.
+async fn throttling_proxy(target: String) -> Proxy {
+    use axum::body::Bytes;
+    let hits: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, usize>>> = Default::default();
+    let h = hits.clone();
+    let handler = move |body: Bytes| {
+        let (target, hits) = (target.clone(), h.clone());
+        async move {
+            let req: Value = serde_json::from_slice(&body).unwrap();
+            let key: Vec<u64> =
+                req["inputs"][0]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            let n = {
+                let mut m = hits.lock().unwrap();
+                let c = m.entry(key).or_insert(0);
+                *c += 1;
+                *c
+            };
+            if n == 1 {
+                let headers = [("content-type", "application/json"), ("retry-after", "1")];
+                return (axum::http::StatusCode::TOO_MANY_REQUESTS, headers, b"{\"error\":\"busy\"}".to_vec());
+            }
+            let r = client()
+                .post(format!("{target}/v1/hidden-states"))
+                .header("content-type", "application/json")
+                .header("accept-encoding", "identity")
+                .body(body.to_vec())
+                .send()
+                .await
+                .unwrap();
+            let status = axum::http::StatusCode::from_u16(r.status().as_u16()).unwrap();
+            let headers = [("content-type", "application/octet-stream"), ("x-proxy", "1")];
+            (status, headers, r.bytes().await.unwrap().to_vec())
+        }
+    };
+    let app = axum::Router::new().route("/v1/hidden-states", axum::routing::post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Proxy { base, hits }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_is_retried_after_its_retry_after_and_every_sample_lands_once() {
+    let s = fake_server(limits(), vec![]).await;
+    let proxy = throttling_proxy(s.base.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    let samples = [("a", vec![1, 2]), ("b", vec![11, 12, 13]), ("c", vec![5])];
+    write_input(&input, &samples);
+    let started = std::time::Instant::now();
+    let (code, err) = run_extract(&proxy.base, &input, &out, "1,-1", &["--dtype", "float32", "--retries", "2"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(started.elapsed() >= Duration::from_secs(1), "Retry-After: 1 was not waited out");
+    for (id, ids) in &samples {
+        assert_eq!(proxy.hits(ids), 2, "{id}: one 429, then one answer");
+    }
+    let line = err.lines().find(|l| l.starts_with(&format!("server {}: ", proxy.base))).unwrap_or_default();
+    assert_eq!(line, format!("server {}: 3 answered, 0 failed, 3 throttled (429)", proxy.base), "{err}");
+    let m = manifest(&out);
+    assert_eq!(m.len(), 3);
+    for (id, ids) in &samples {
+        assert_states(
+            &read_safetensors(&out.join(entry(&m, id)["file"].as_str().unwrap())),
+            ids,
+            &[1, FAKE_LAYERS],
+            id,
+        );
+    }
+}

@@ -1063,7 +1063,7 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
     std::fs::write(out.join("manifest.jsonl"), manifest).unwrap();
     h.server.control.seen.lock().unwrap().clear();
     let args = layertap::cli::BulkArgs {
-        server: Some(h.server.base.clone()),
+        server: vec![h.server.base.clone()],
         input: Some(input),
         out: out.clone(),
         layers: vec![layertap::engine::LayerRef::Index(1)],
@@ -1073,8 +1073,8 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
         retries: 2,
         timeout_s: 30,
         verify: false,
-        layout: Default::default(),
-        tokens: Default::default(),
+        id_column: "id".into(),
+        ..Default::default()
     };
     let code = h.rt.block_on(layertap::bulk::run(args)).expect("bulk runs");
     let seen = h.server.control.seen.lock().unwrap().clone();

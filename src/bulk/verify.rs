@@ -1,0 +1,187 @@
+//! `layertap bulk --verify`: every file a manifest lists re-read and checked.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+use super::answer::metadata;
+use crate::cli::BulkArgs;
+use crate::codec::{verify_checksums, xxh64_hex};
+
+/// One sample recorded in the manifest, as `--verify` checks it.
+struct Entry {
+    /// Line number in the manifest (from 0).
+    line: usize,
+    id: String,
+    file: Option<String>,
+    xxh64: Option<String>,
+}
+
+/// Checks one recorded file: present, its whole-file xxh64 as the manifest recorded it, and each
+/// tensor against the checksums in its own metadata (where it has them). Returns its size.
+fn check_file(out: &Path, e: &Entry) -> Result<u64, String> {
+    let file = e.file.as_deref().ok_or("the manifest line names no file")?;
+    let data = match std::fs::read(out.join(file)) {
+        Ok(d) => d,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Err("missing".into()),
+        Err(err) => return Err(format!("unreadable: {err}")),
+    };
+    let mut problems = Vec::new();
+    if let Some(want) = &e.xxh64 {
+        let got = xxh64_hex([&data[..]]);
+        if &got != want {
+            problems.push(format!("its xxh64 is {got}, the manifest recorded {want}"));
+        }
+    }
+    match metadata(&data) {
+        Err(err) => problems.push(err),
+        Ok(m) if m.contains_key("checksum_algorithm") => {
+            if let Err(err) = verify_checksums(&data) {
+                problems.push(err);
+            }
+        }
+        Ok(_) => {
+            if let Err(err) = SafeTensors::deserialize(&data) {
+                problems.push(format!("not a safetensors file: {err}"));
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(data.len() as u64)
+    } else {
+        Err(format!("corrupt: {}", problems.join("; ")))
+    }
+}
+
+/// Replaces `path` with `bytes`: a temporary file, synced, renamed over it, and the folder synced.
+fn replace_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("jsonl.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        // The rename itself is durable once the folder is synced.
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// The manifests of `out`: `manifest.jsonl` and every `manifest-I-of-N.jsonl`, sorted.
+fn manifests(out: &Path) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(out)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            name == "manifest.jsonl"
+                || name
+                    .strip_prefix("manifest-")
+                    .and_then(|r| r.strip_suffix(".jsonl"))
+                    .and_then(|r| r.split_once("-of-"))
+                    .is_some_and(|(i, n)| i.parse::<u64>().is_ok() && n.parse::<u64>().is_ok())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// `--verify`: checks every manifest of `--out` (or `--shard`'s only). Returns 0 when every file
+/// is intact, 1 otherwise.
+pub fn verify(a: &BulkArgs) -> anyhow::Result<i32> {
+    let paths = match a.shard {
+        Some(shard) => vec![a.out.join(super::manifest_name(Some(shard)))],
+        None => manifests(&a.out),
+    };
+    if paths.is_empty() {
+        anyhow::bail!("nothing to verify: {} holds no manifest", a.out.display());
+    }
+    let mut code = 0;
+    for path in &paths {
+        if paths.len() > 1 {
+            eprintln!("{}:", path.file_name().unwrap_or_default().to_string_lossy());
+        }
+        code = code.max(verify_manifest(a, path)?);
+    }
+    Ok(code)
+}
+
+/// Re-reads every file one manifest lists, reports those missing or corrupt and drops their
+/// lines from it. Returns 0 when all are intact, 1 otherwise.
+fn verify_manifest(a: &BulkArgs, path: &Path) -> anyhow::Result<i32> {
+    let bytes =
+        std::fs::read(path).map_err(|e| anyhow::anyhow!("nothing to verify: cannot read {}: {e}", path.display()))?;
+    let lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
+    let entries: Vec<Entry> = lines
+        .iter()
+        .enumerate()
+        .filter_map(|(line, l)| {
+            let v: Value = serde_json::from_slice(l).ok()?;
+            let str_of = |k: &str| v[k].as_str().map(String::from);
+            Some(Entry { line, id: str_of("id")?, file: str_of("file"), xxh64: str_of("xxh64") })
+        })
+        .collect();
+    let bar = indicatif::ProgressBar::new(entries.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} files  {msg}  eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let start = Instant::now();
+    let (next, total) = (AtomicUsize::new(0), AtomicU64::new(0));
+    let results: Vec<std::sync::Mutex<Option<Result<u64, String>>>> =
+        entries.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..a.concurrency.clamp(1, 64) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(e) = entries.get(i) else { return };
+                let r = check_file(&a.out, e);
+                if let Ok(n) = r {
+                    let t = total.fetch_add(n, Ordering::Relaxed) + n;
+                    bar.set_message(format!("{:.1} MB", t as f64 / 1e6));
+                }
+                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                bar.inc(1);
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    let total = total.load(Ordering::Relaxed);
+    let mut bad = HashSet::new();
+    for (e, r) in entries.iter().zip(results) {
+        if let Some(Err(what)) = r.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            eprintln!("{}: {}: {what}", e.id, e.file.as_deref().unwrap_or("(no file)"));
+            bad.insert(e.line);
+        }
+    }
+    if bad.is_empty() {
+        eprintln!(
+            "verified {} files, {total} bytes ({:.1} MB) in {secs:.1} s: all intact",
+            entries.len(),
+            total as f64 / 1e6
+        );
+        return Ok(0);
+    }
+    let kept: Vec<u8> = lines
+        .iter()
+        .enumerate()
+        .filter(|(i, l)| !bad.contains(i) && !l.is_empty())
+        .flat_map(|(_, l)| l.iter().copied().chain([b'\n']))
+        .collect();
+    replace_atomically(path, &kept).map_err(|e| anyhow::anyhow!("rewriting {}: {e}", path.display()))?;
+    eprintln!(
+        "verified {} files, {total} bytes ({:.1} MB) intact in {secs:.1} s; {} missing or corrupt, dropped from \
+         the manifest: run the same bulk command again to extract them anew",
+        entries.len() - bad.len(),
+        total as f64 / 1e6,
+        bad.len()
+    );
+    Ok(1)
+}

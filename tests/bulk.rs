@@ -225,12 +225,24 @@ impl Proxy {
     }
 }
 
-async fn corrupting_proxy(target: String, corrupt: fn(&[u64], usize) -> bool) -> Proxy {
+/// What a [`proxy`] does with one request.
+#[derive(Clone, Copy, PartialEq)]
+enum Act {
+    Pass,
+    /// Flip one bit of the hidden states in the answer.
+    Corrupt,
+    /// Answer 429 with `Retry-After: 1` instead.
+    Throttle,
+}
+
+/// A front for `target` that does with each request what `act` says (given the sample's token
+/// ids and how many requests for them came before) and counts the requests per sample.
+async fn proxy(target: String, act: impl Fn(&[u64], usize) -> Act + Clone + Send + Sync + 'static) -> Proxy {
     use axum::body::Bytes;
     let hits: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, usize>>> = Default::default();
     let h = hits.clone();
     let handler = move |body: Bytes| {
-        let (target, hits) = (target.clone(), h.clone());
+        let (target, hits, act) = (target.clone(), h.clone(), act.clone());
         async move {
             let req: Value = serde_json::from_slice(&body).unwrap();
             let key: Vec<u64> =
@@ -241,6 +253,11 @@ async fn corrupting_proxy(target: String, corrupt: fn(&[u64], usize) -> bool) ->
                 *c += 1;
                 *c - 1
             };
+            let act = act(&key, n);
+            if act == Act::Throttle {
+                let headers = [("content-type", "application/json"), ("retry-after", "1")];
+                return (axum::http::StatusCode::TOO_MANY_REQUESTS, headers, b"{\"error\":\"busy\"}".to_vec());
+            }
             let r = client()
                 .post(format!("{target}/v1/hidden-states"))
                 .header("content-type", "application/json")
@@ -251,11 +268,12 @@ async fn corrupting_proxy(target: String, corrupt: fn(&[u64], usize) -> bool) ->
                 .unwrap();
             let status = axum::http::StatusCode::from_u16(r.status().as_u16()).unwrap();
             let mut answer = r.bytes().await.unwrap().to_vec();
-            if status.is_success() && corrupt(&key, n) {
+            if status.is_success() && act == Act::Corrupt {
                 let at = tensor_start(&answer, "hidden_states");
                 answer[at] ^= 0x01;
             }
-            (status, [("content-type", "application/octet-stream")], answer)
+            let headers = [("content-type", "application/octet-stream"), ("x-proxy", "1")];
+            (status, headers, answer)
         }
     };
     let app = axum::Router::new().route("/v1/hidden-states", axum::routing::post(handler));
@@ -263,6 +281,11 @@ async fn corrupting_proxy(target: String, corrupt: fn(&[u64], usize) -> bool) ->
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     Proxy { base, hits }
+}
+
+/// A proxy that corrupts the answers `corrupt` picks.
+async fn corrupting_proxy(target: String, corrupt: fn(&[u64], usize) -> bool) -> Proxy {
+    proxy(target, move |k, n| if corrupt(k, n) { Act::Corrupt } else { Act::Pass }).await
 }
 
 fn entry<'a>(m: &'a [Value], id: &str) -> &'a Value {
@@ -1030,46 +1053,10 @@ async fn a_parquet_file_written_by_pyarrow_reads_its_text_messages_and_ids_colum
     }
 }
 
-/// A front for `target` that answers 429 with `Retry-After: 1` to the first request it gets for
-/// each sample (by its token ids) and passes the others on; counts the requests.
+/// A proxy that answers 429 with `Retry-After: 1` to the first request for each sample (by its
+/// token ids) and passes the others on.
 async fn throttling_proxy(target: String) -> Proxy {
-    use axum::body::Bytes;
-    let hits: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, usize>>> = Default::default();
-    let h = hits.clone();
-    let handler = move |body: Bytes| {
-        let (target, hits) = (target.clone(), h.clone());
-        async move {
-            let req: Value = serde_json::from_slice(&body).unwrap();
-            let key: Vec<u64> =
-                req["inputs"][0]["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-            let n = {
-                let mut m = hits.lock().unwrap();
-                let c = m.entry(key).or_insert(0);
-                *c += 1;
-                *c
-            };
-            if n == 1 {
-                let headers = [("content-type", "application/json"), ("retry-after", "1")];
-                return (axum::http::StatusCode::TOO_MANY_REQUESTS, headers, b"{\"error\":\"busy\"}".to_vec());
-            }
-            let r = client()
-                .post(format!("{target}/v1/hidden-states"))
-                .header("content-type", "application/json")
-                .header("accept-encoding", "identity")
-                .body(body.to_vec())
-                .send()
-                .await
-                .unwrap();
-            let status = axum::http::StatusCode::from_u16(r.status().as_u16()).unwrap();
-            let headers = [("content-type", "application/octet-stream"), ("x-proxy", "1")];
-            (status, headers, r.bytes().await.unwrap().to_vec())
-        }
-    };
-    let app = axum::Router::new().route("/v1/hidden-states", axum::routing::post(handler));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    Proxy { base, hits }
+    proxy(target, |_, n| if n == 0 { Act::Throttle } else { Act::Pass }).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -705,6 +705,7 @@ async fn three_shards_over_two_servers_one_shut_down_midway_land_every_sample_on
     assert!(from_a > 0 && from_b > 0, "both servers answered: a {from_a}, b {from_b}");
     assert!(b_failed > 0, "requests to the shut-down server failed and went elsewhere");
     assert_eq!(from_a + from_b, 90);
+    println!("{at_shutdown} samples had landed when server b shut down; a answered {from_a}, b {from_b}, {b_failed} requests to b failed and went to a");
 
     let all = manifests(&out);
     assert_eq!(

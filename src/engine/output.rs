@@ -24,13 +24,6 @@ impl Rows {
         Rows::Only(Vec::new())
     }
 
-    /// How many rows of a batch of `total` tokens this selects.
-    pub fn count(&self, total: usize) -> usize {
-        match self {
-            Rows::All => total,
-            Rows::Only(r) => r.len(),
-        }
-    }
 }
 
 /// Which rows of a batch come back, and in which form. The default: every row as computed.

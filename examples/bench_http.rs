@@ -40,6 +40,7 @@ async fn main() -> anyhow::Result<()> {
         .await?
         .error_for_status()?;
     let next = Arc::new(AtomicUsize::new(0));
+    let cpu_start = cpu_seconds();
     let encoded = Arc::new(AtomicUsize::new(0));
     let raw = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
@@ -79,6 +80,8 @@ async fn main() -> anyhow::Result<()> {
         t.await??;
     }
     let secs = start.elapsed().as_secs_f64();
+    // The client's own CPU (receiving, decompressing, parsing) shares the host with the server.
+    let client_cpu = cpu_seconds() - cpu_start;
     let tokens: usize = seqs.iter().map(Vec::len).sum();
     let (enc, rawb) = (encoded.load(Ordering::SeqCst), raw.load(Ordering::SeqCst));
     println!(
@@ -88,7 +91,20 @@ async fn main() -> anyhow::Result<()> {
             "tokens_per_s": tokens as f64 / secs, "requests_per_s": seqs.len() as f64 / secs,
             "concurrency": concurrency, "dtype": dtype, "encoding": encoding, "encoded_bytes": enc, "decoded_bytes": rawb,
             "compression_ratio": rawb as f64 / enc.max(1) as f64,
+            "client_cpu_seconds": client_cpu, "client_cores_busy": client_cpu / secs,
         })
     );
     Ok(())
+}
+
+/// CPU seconds (user + system) this process has used.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given; a zeroed rusage is a valid value.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid pointer to an rusage.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0.0;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
 }

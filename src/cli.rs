@@ -261,8 +261,9 @@ pub struct ServeArgs {
     /// Most hidden-state values in a JSON answer (Accept: application/json).
     #[arg(long, default_value_t = 4 << 20, env = "LAYERTAP_MAX_JSON_VALUES")]
     pub max_json_values: usize,
-    /// zstd level for answers (1-22; higher is smaller and slower).
-    #[arg(long, default_value_t = 3, env = "LAYERTAP_ZSTD_LEVEL")]
+    /// zstd level for answers: 1-22 (higher is smaller and slower), or -7 to -1, zstd's fast
+    /// levels (faster still, larger).
+    #[arg(long, default_value_t = 3, env = "LAYERTAP_ZSTD_LEVEL", allow_negative_numbers = true)]
     pub zstd_level: i32,
     /// Seconds a request may take end to end before it is answered 503.
     #[arg(long = "request-timeout", default_value_t = 600, env = "LAYERTAP_REQUEST_TIMEOUT")]
@@ -338,8 +339,8 @@ impl ServeArgs {
                 "--api-key / LAYERTAP_API_KEY holds an empty key; remove it (or unset the variable for no auth)".into(),
             );
         }
-        if !(1..=22).contains(&self.zstd_level) {
-            return Err("--zstd-level must be between 1 and 22".into());
+        if !(1..=22).contains(&self.zstd_level) && !(-7..=-1).contains(&self.zstd_level) {
+            return Err("--zstd-level must be between 1 and 22, or a fast level from -7 to -1".into());
         }
         Ok(())
     }
@@ -440,5 +441,33 @@ fn compute_dtype(s: &str) -> Result<OutDType, String> {
              compute in f32, bf16 or f16"
             .into()),
         d => Ok(d),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn serve(extra: &[&str]) -> Result<ServeArgs, String> {
+        let mut args = vec!["layertap", "serve", "--model", "m"];
+        args.extend_from_slice(extra);
+        match Cli::try_parse_from(args).map_err(|e| e.to_string())?.command {
+            Command::Serve(a) => a.validate().map(|_| a),
+            _ => Err("not serve".into()),
+        }
+    }
+
+    /// zstd's fast levels (-7 to -1) and its ordinary ones (1 to 22) are accepted, as separate
+    /// arguments too; 0 and the rest are refused with the range.
+    #[test]
+    fn zstd_levels_fast_and_ordinary() {
+        assert_eq!(serve(&["--zstd-level", "-3"]).unwrap().zstd_level, -3);
+        assert_eq!(serve(&["--zstd-level=1"]).unwrap().zstd_level, 1);
+        assert_eq!(serve(&[]).unwrap().zstd_level, 3);
+        for bad in ["0", "23", "-8"] {
+            let e = serve(&["--zstd-level", bad]).unwrap_err();
+            assert!(e.contains("--zstd-level must be between 1 and 22"), "{bad}: {e}");
+        }
     }
 }

@@ -10,6 +10,9 @@
 #           (ENCODING=identity asks for uncompressed answers, to take zstd off the host's load)
 # hf:       Hugging Face transformers + hooks, tuned (bf16, sdpa, sorted padded batches, pinned copies)
 # fidelity: bf16 on CUDA against HF f32, per index; packed against alone (bench/gpu/fidelity.py)
+# zstd:     the server at each zstd level in LEVELS (default "3 1 -1 -3"), clients at 64 and 256 in
+#           flight, default encoding; then identity at 256: tokens/s, the server's and the client's
+#           CPU seconds (from /proc and getrusage), bytes sent
 # answers:  the engine on the same workload as served (non-finite screen on), without the screen,
 #           with fp8 answers (quantised on the device), and as served again; each line also reports the
 #           last batch's answer sizes (raw, zstd), the fp8 error per index and the checksum's speed
@@ -63,5 +66,31 @@ if [[ "$step" == answers ]]; then
     # shellcheck disable=SC2086
     "$BIN" bench --workload "$workload" --model "$MODEL_DIR" --device cuda:0 --dtype bf16 \
       --max-batch-tokens "$MAX_BATCH_TOKENS" $extra | tee -a "$results"
+  done
+fi
+if [[ "$step" == zstd ]]; then
+  tick=$(getconf CLK_TCK)
+  cpu_of() { awk -v t="$tick" '{print ($14 + $15) / t}' "/proc/$1/stat"; }
+  levels="${LEVELS:-3 1 -1 -3}"
+  for level in $levels; do
+    "$BIN" serve --model "$MODEL_DIR" --device cuda:0 --dtype bf16 --host 127.0.0.1 --port "$PORT" \
+      --max-batch-tokens "$MAX_BATCH_TOKENS" --max-input-tokens 4096 --max-queue-tokens 1000000 \
+      --zstd-level "$level" 2>"$OUT_DIR/server-zstd$level.log" &
+    server=$!
+    for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+    encodings="zstd"
+    [[ "$level" == "${levels##* }" ]] && encodings="zstd identity"
+    for enc in $encodings; do
+      for c in 64 256; do
+        [[ "$enc" == identity && "$c" == 64 ]] && continue
+        before=$(cpu_of "$server")
+        line=$("$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$workload" --dtype bfloat16 \
+          --concurrency "$c" --encoding "$enc")
+        after=$(cpu_of "$server")
+        used=$(awk -v a="$after" -v b="$before" 'BEGIN { print a - b }')
+        echo "$line" | sed "s/^{/{\"zstd_level\":$level,\"server_cpu_seconds\":$used,/" | tee -a "$results"
+      done
+    done
+    kill -TERM $server; wait $server || true
   done
 fi

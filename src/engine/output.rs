@@ -23,7 +23,6 @@ impl Rows {
     pub fn none() -> Self {
         Rows::Only(Vec::new())
     }
-
 }
 
 /// Which rows of a batch come back, and in which form. The default: every row as computed.

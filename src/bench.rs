@@ -44,7 +44,7 @@ pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
 
 /// What answers of the last batch cost and hold, untimed: the batch is run once more with every
 /// row returned both in the compute dtype and as fp8, and each sequence is encoded as the server
-/// encodes answers (safetensors with checksums, zstd at level 3, the server's default) in both
+/// encodes answers (safetensors with checksums, zstd at the server's default level) in both
 /// forms. Reports bytes (raw and zstd) and zstd speed, the fp8 states' relative error against the
 /// compute-dtype states per index, and the speed of the checksum and of zstd on one thread.
 fn answers(
@@ -55,7 +55,7 @@ fn answers(
     layers: &[usize],
     dtype: OutDType,
 ) -> anyhow::Result<serde_json::Value> {
-    const LEVEL: i32 = 3;
+    let level = crate::http::Limits::default().zstd_level;
     let mut batch = Batch::new(b.concat(), cu.to_vec(), layers.to_vec());
     batch.output = Output { plain: Rows::All, fp8: Rows::All, screen: true };
     let taps = std::sync::Arc::new(engine.launch(&batch)?.wait()?);
@@ -94,12 +94,12 @@ fn answers(
             std::hint::black_box(crate::codec::xxh64_hex([&bytes[..]]));
             hash_s += t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let mut z = zstd::stream::Encoder::new(Vec::new(), LEVEL)?;
+            let mut z = zstd::stream::Encoder::new(Vec::new(), level)?;
             std::io::Write::write_all(&mut z, &bytes)?;
             std::hint::black_box(z.finish()?);
             zstd_s += t.elapsed().as_secs_f64();
             raw += crate::codec::encode_answer(&parts, None)?.len();
-            enc += crate::codec::encode_answer(&parts, Some(LEVEL))?.len();
+            enc += crate::codec::encode_answer(&parts, Some(level))?.len();
         }
         let name = if fp8 { "float8_e4m3fn".to_string() } else { dtype.name().to_string() };
         sizes.insert(
@@ -137,7 +137,7 @@ fn answers(
         .map(|(c, l)| serde_json::json!({"index": l, "fp8_rel_err": (num[c] / den[c].max(1e-30)).sqrt()}))
         .collect();
     Ok(serde_json::json!({
-        "zstd_level": LEVEL, "sizes": sizes, "fp8_vs_compute_dtype": err, "tokens": rows,
+        "zstd_level": level, "sizes": sizes, "fp8_vs_compute_dtype": err, "tokens": rows,
         "screen_seconds": screen_s, "fp8_quantise_seconds": fp8_s,
         "screen_ms_per_1k_tokens": screen_s * 1e6 / rows, "fp8_quantise_ms_per_1k_tokens": fp8_s * 1e6 / rows,
     }))

@@ -70,7 +70,7 @@ impl Default for Limits {
             max_queue_tokens: 131072,
             max_body_bytes: 64 << 20,
             max_json_values: 4 << 20,
-            zstd_level: 3,
+            zstd_level: 1,
             request_timeout: Duration::from_secs(600),
             max_request_tokens: 65536,
             max_inputs: 1024,

@@ -33,14 +33,6 @@ async fn answer(
     (t, meta, bytes)
 }
 
-/// The fp8 value and scale the format defines for one row of the fake engine's states.
-fn fp8_of(row: &[f32]) -> (Vec<u8>, f32) {
-    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let inv = 448.0 / amax.max(1e-30);
-    let q = row.iter().map(|&x| float8::F8E4M3::from_f32(x * inv).to_bits()).collect();
-    (q, if amax > 0.0 { amax.max(1e-30) / 448.0 } else { 0.0 })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fp8_answers_hold_the_quantised_states_and_their_scales() {
     let s = fake_server(limits(), vec![]).await;

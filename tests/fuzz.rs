@@ -274,16 +274,6 @@ fn expected_positions(
     })
 }
 
-/// The fp8 bits and scale of one row, as the format defines them.
-fn fp8_row(row: &[f32]) -> (Vec<u8>, f32) {
-    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let inv = 448.0 / amax.max(1e-30);
-    (
-        row.iter().map(|&x| float8::F8E4M3::from_f32(x * inv).to_bits()).collect(),
-        if amax > 0.0 { amax.max(1e-30) / 448.0 } else { 0.0 },
-    )
-}
-
 /// A 200 of /v1/hidden-states: the shape, dtype, tokens, positions, values (bit for bit, fp8 and
 /// its scales included), metadata and checksums the request asked for.
 fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) -> Result<(), TestCaseError> {
@@ -342,7 +332,7 @@ fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) ->
                 OutDType::Bfloat16 => want.extend(v.iter().map(|&x| half::bf16::from_f32(x).to_f32())),
                 OutDType::Float16 => want.extend(v.iter().map(|&x| half::f16::from_f32(x).to_f32())),
                 OutDType::Float8E4M3 => {
-                    let (q, sc) = fp8_row(&v);
+                    let (q, sc) = common::fp8_of(&v);
                     want.extend(q.iter().map(|&b| float8::F8E4M3::from_bits(b).to_f32()));
                     want_scale.push(sc);
                 }

@@ -58,6 +58,16 @@ pub fn read_safetensors(path: &Path) -> HashMap<String, Read> {
     read_safetensors_bytes(&bytes).0
 }
 
+/// The fp8 (E4M3) bits and the scale the answer format defines for one row: the largest
+/// magnitude maps to 448, the scale is amax / 448 (0 for an all-zero row). Written from the
+/// format's definition, independently of the engine.
+pub fn fp8_of(row: &[f32]) -> (Vec<u8>, f32) {
+    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let inv = 448.0 / amax.max(1e-30);
+    let q = row.iter().map(|&x| float8::F8E4M3::from_f32(x * inv).to_bits()).collect();
+    (q, if amax > 0.0 { amax.max(1e-30) / 448.0 } else { 0.0 })
+}
+
 /// ‖a − b‖₂ / ‖b‖₂.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");

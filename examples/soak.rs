@@ -15,8 +15,10 @@
 //! apart, they are allowed under overload); a 200 whose tensors differ bitwise from the answer to
 //! the same request computed alone before the soak; a request the client did not cancel that got
 //! no answer (reset, timeout); a status other than the one the API documents for that request;
-//! resident memory at rest (every answer delivered, 3 s later) growing by 5 % or more from the
-//! end of the warm-up round to the end of the load round; a panic in the server's log; a server that does not stop on SIGTERM.
+//! memory at rest (every answer delivered, 3 s later) growing from the end of the warm-up round to
+//! the end of the load round: the heap in use (`layertap_heap_in_use_bytes`, what a leak grows) by
+//! 5 % or more, or resident memory (which the allocator's fragmentation moves too, by 1.8–6.3 % in
+//! leak-free runs) by 10 % or more; a panic in the server's log; a server that does not stop on SIGTERM.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -39,7 +41,8 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(120);
 const DRAIN_CAP: Duration = Duration::from_secs(150);
 /// Rest before resident memory is read at the end of a round.
 const REST: Duration = Duration::from_secs(3);
-const RSS_GROWTH_LIMIT: f64 = 0.05;
+const HEAP_GROWTH_LIMIT: f64 = 0.05;
+const RSS_GROWTH_LIMIT: f64 = 0.10;
 
 struct Args {
     bin: PathBuf,
@@ -547,6 +550,15 @@ fn free_port() -> u16 {
         .unwrap_or_else(|e| die(&e.to_string()))
 }
 
+/// `layertap_heap_in_use_bytes` from the server's /metrics.
+async fn heap_in_use(client: &reqwest::Client, url: &str) -> Option<u64> {
+    let text = client.get(format!("{url}/metrics")).send().await.ok()?.text().await.ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("layertap_heap_in_use_bytes "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
 fn rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
@@ -703,7 +715,7 @@ async fn main() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         v.sort();
-        at_rest.push(v.get(v.len() / 2).copied());
+        at_rest.push((v.get(v.len() / 2).copied(), heap_in_use(&probe, &url).await));
     }
     let _ = sampler.await;
 
@@ -732,7 +744,7 @@ async fn main() {
     // Report.
     let mut s = stats.lock().unwrap();
     let rss = rss.lock().unwrap().clone();
-    let (at_warmup, at_end) = (at_rest[0], at_rest[1]);
+    let ((at_warmup, heap_warmup), (at_end, heap_end)) = (at_rest[0], at_rest[1]);
     let peak = rss.iter().map(|x| x.1).max();
     if stuck > 0 {
         s.violation(format!("{stuck} clients still waiting on an answer {} s after the soak", DRAIN_CAP.as_secs()));
@@ -747,6 +759,14 @@ async fn main() {
         )),
         (Some(_), Some(_)) => {}
         _ => s.violation("resident memory could not be read".into()),
+    }
+    match (heap_warmup, heap_end) {
+        (Some(w), Some(e)) if w > 0 && (e as f64) >= (w as f64) * (1.0 + HEAP_GROWTH_LIMIT) => s.violation(format!(
+            "heap in use at rest grew {:.1} % after the warm-up ({w} B -> {e} B)",
+            (e as f64 / w as f64 - 1.0) * 100.0
+        )),
+        (Some(_), Some(_)) => {}
+        _ => s.violation("layertap_heap_in_use_bytes could not be read from /metrics".into()),
     }
     for p in panics.iter().take(5) {
         s.violation(format!("the server panicked: {p}"));
@@ -791,6 +811,8 @@ async fn main() {
         mb(peak),
         mb(rss_after_drain)
     );
+    let mib = |b: Option<u64>| b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64));
+    println!("server heap in use at rest: {} after the warm-up, {} after the load", mib(heap_warmup), mib(heap_end));
     println!("server stop on SIGTERM: {:?} in {:.1} s", exit, stop_start.elapsed().as_secs_f64());
     if s.violations.is_empty() {
         println!("\nsoak: PASS");

@@ -26,6 +26,7 @@ pub struct Metrics {
     pub oom_retries: IntCounter,
     pub batch_token_budget: IntGauge,
     pub nonfinite: IntCounterVec,
+    pub heap_in_use: IntGauge,
 }
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: T) -> T {
@@ -189,12 +190,22 @@ impl Metrics {
                 )
                 .unwrap(),
             ),
+            heap_in_use: reg(
+                &r,
+                IntGauge::new(
+                    "layertap_heap_in_use_bytes",
+                    "Host heap memory allocated and not yet freed, as the allocator counts it (glibc; 0 elsewhere); \
+                     resident memory above it is freed memory the allocator has not handed back",
+                )
+                .unwrap(),
+            ),
             registry: r,
         }
     }
 
     /// The text exposition of every collector.
     pub fn render(&self) -> String {
+        self.heap_in_use.set(i64::try_from(heap_in_use()).unwrap_or(i64::MAX));
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
@@ -225,4 +236,20 @@ pub fn host_memory() -> (u64, u64) {
         .map(|kb| kb * 1024)
         .unwrap_or(0);
     (rss, total)
+}
+
+/// Bytes the host allocator has handed out and not had back: its arenas' chunks in use plus its
+/// directly mapped blocks (glibc's `mallinfo2`; 0 with another C library). A leak grows this;
+/// fragmentation grows only resident memory.
+pub fn heap_in_use() -> u64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's statistics.
+        let m = unsafe { libc::mallinfo2() };
+        (m.uordblks + m.hblkhd) as u64
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        0
+    }
 }

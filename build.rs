@@ -17,6 +17,7 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed=kernels/attention.cu");
     println!("cargo::rerun-if-changed=kernels/ops.cu");
+    println!("cargo::rerun-if-changed=kernels/gdn.cu");
     println!("cargo::rerun-if-env-changed=LAYERTAP_CUDA_ARCHS");
     println!("cargo::rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -39,7 +40,7 @@ fn main() {
     let mut gencode: Vec<String> = archs.iter().map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}")).collect();
     gencode.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
-    for name in ["attention", "ops"] {
+    for name in ["attention", "gdn", "ops"] {
         let status = Command::new(&nvcc)
             .args(["--fatbin", "-O3", "-std=c++17", "--use_fast_math"])
             .args(&gencode)

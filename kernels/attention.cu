@@ -1,8 +1,8 @@
 // Causal attention over packed sequences on tensor cores (sm_80 and newer).
 //
 // Each sequence attends only to itself; scores are never written to memory: a block of 64
-// queries of one head walks the sequence's keys in tiles of 64 with an online softmax, keeping
-// the running output in registers (the flash-attention scheme). Inputs and output are packed
+// queries of one head walks the sequence's keys in tiles of BN (64, or 32 for head dim 256) with
+// an online softmax, keeping the running output in registers (the flash-attention scheme). Inputs and output are packed
 // along the token dimension: q and out are [tokens, heads, D], k and v are [tokens, kv_heads, D].
 //
 // A block is one (query tile, head). `tiles` lists the query tiles as (sequence start, sequence
@@ -17,7 +17,6 @@
 #include <stdint.h>
 
 #define BM 64
-#define BN 64
 #define WARPS 4
 #define PAD 8
 
@@ -57,7 +56,7 @@ __device__ __forceinline__ uint32_t load_pair(const T* row, bool valid) {
     return valid ? *reinterpret_cast<const uint32_t*>(row) : 0u;
 }
 
-template <typename T, int D>
+template <typename T, int D, int BN>
 __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads, int kv_heads,
                                float scale_log2, int window) {
@@ -229,14 +228,18 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
     }
 }
 
-#define ATTENTION_KERNEL(NAME, T, D)                                                                          \
+#define ATTENTION_KERNEL(NAME, T, D, BN)                                                                      \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
         NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
              float scale_log2, int window) {                                                                   \
-        attention_tile<T, D>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window);                     \
+        attention_tile<T, D, BN>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window);                 \
     }
 
-ATTENTION_KERNEL(packed_attention_bf16_d64, __nv_bfloat16, 64)
-ATTENTION_KERNEL(packed_attention_bf16_d128, __nv_bfloat16, 128)
-ATTENTION_KERNEL(packed_attention_f16_d64, __half, 64)
-ATTENTION_KERNEL(packed_attention_f16_d128, __half, 128)
+// Keys per tile: 64, and 32 for head dimension 256 (Qwen3.5's full-attention layers), where a
+// 64-key tile of K and V would not fit the 48 KiB of static shared memory.
+ATTENTION_KERNEL(packed_attention_bf16_d64, __nv_bfloat16, 64, 64)
+ATTENTION_KERNEL(packed_attention_bf16_d128, __nv_bfloat16, 128, 64)
+ATTENTION_KERNEL(packed_attention_bf16_d256, __nv_bfloat16, 256, 32)
+ATTENTION_KERNEL(packed_attention_f16_d64, __half, 64, 64)
+ATTENTION_KERNEL(packed_attention_f16_d128, __half, 128, 64)
+ATTENTION_KERNEL(packed_attention_f16_d256, __half, 256, 32)

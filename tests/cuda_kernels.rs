@@ -21,7 +21,7 @@ fn rel(a: &Tensor, b: &Tensor) -> f32 {
 
 /// Kernel output for packed sequences equals, per sequence, the portable path in f32 on the same
 /// (rounded) inputs, within the rounding of the probabilities to 16 bits; with GQA, head
-/// dimensions 64 and 128, bf16 and f16, with and without a sliding window, and lengths that
+/// dimensions 64, 128 and 256, bf16 and f16, with and without a sliding window, and lengths that
 /// straddle the 64-query tiles.
 #[test]
 fn kernel_matches_portable_attention() {
@@ -35,7 +35,7 @@ fn kernel_matches_portable_attention() {
         at += l;
     }
     for dtype in [DType::BF16, DType::F16] {
-        for (heads, kv, d) in [(8, 2, 128), (6, 6, 64), (9, 3, 64)] {
+        for (heads, kv, d) in [(8, 2, 128), (6, 6, 64), (9, 3, 64), (6, 1, 256)] {
             for window in [None, Some(37)] {
                 let q = Tensor::randn(0f32, 1.0, (total, heads, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
@@ -69,34 +69,35 @@ fn kernel_matches_portable_attention() {
 #[test]
 fn kernel_is_batch_invariant() {
     let Some(dev) = device() else { return };
-    let (heads, kv, d) = (8, 2, 128);
-    let lens = [300usize, 77, 1200];
-    let total: usize = lens.iter().sum();
-    let q = Tensor::randn(0f32, 1.0, (total, heads, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-    let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-    let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-    let seqs = [(0, 300), (300, 77), (377, 1200)];
-    let packed = packed_attention(&q, &k, &v, &tiles(&seqs, &dev).unwrap(), 0.1, None).unwrap();
-    for &(s, l) in &seqs {
-        let alone = packed_attention(
-            &q.narrow(0, s, l).unwrap(),
-            &k.narrow(0, s, l).unwrap(),
-            &v.narrow(0, s, l).unwrap(),
-            &tiles(&[(0, l)], &dev).unwrap(),
-            0.1,
-            None,
-        )
-        .unwrap();
-        let diff = (alone.to_dtype(DType::F32).unwrap()
-            - packed.narrow(0, s, l).unwrap().to_dtype(DType::F32).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-        assert_eq!(diff, 0.0, "sequence at {s} (len {l}) differs alone vs packed by {diff}");
+    for (heads, kv, d) in [(8, 2, 128), (6, 1, 256)] {
+        let lens = [300usize, 77, 1200];
+        let total: usize = lens.iter().sum();
+        let q = Tensor::randn(0f32, 1.0, (total, heads, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let seqs = [(0, 300), (300, 77), (377, 1200)];
+        let packed = packed_attention(&q, &k, &v, &tiles(&seqs, &dev).unwrap(), 0.1, None).unwrap();
+        for &(s, l) in &seqs {
+            let alone = packed_attention(
+                &q.narrow(0, s, l).unwrap(),
+                &k.narrow(0, s, l).unwrap(),
+                &v.narrow(0, s, l).unwrap(),
+                &tiles(&[(0, l)], &dev).unwrap(),
+                0.1,
+                None,
+            )
+            .unwrap();
+            let diff = (alone.to_dtype(DType::F32).unwrap()
+                - packed.narrow(0, s, l).unwrap().to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+            assert_eq!(diff, 0.0, "d{d}: sequence at {s} (len {l}) differs alone vs packed by {diff}");
+        }
     }
 }
 
@@ -177,5 +178,148 @@ fn fp8_cast_rounds_like_the_host() {
     for (i, (&x, &g)) in v.iter().zip(&got).enumerate() {
         let want = float8::F8E4M3::from_f32(x).to_bits();
         assert_eq!(g, want, "value {i}: {x} -> device {g:#04x}, host {want:#04x}");
+    }
+}
+
+/// Deterministic noise: `n` values, roughly N(0, 1) (a sum of uniforms), scaled.
+fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut uniform = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32
+    };
+    (0..n).map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 1.732 * scale).collect()
+}
+
+/// One Gated DeltaNet layer's inputs after the projections: qkv `[T, conv_dim]`, b and a
+/// `[T, value_heads]` (rounded to `dtype`), the conv weight `[conv_dim, 4]`, `-exp(A_log)` and
+/// `dt_bias`, on `dev`. The decays are kept mild (g about -0.05 per token) so the recurrent state
+/// carries across many chunks.
+struct GdnCase {
+    qkv: Tensor,
+    b: Tensor,
+    a: Tensor,
+    conv: Tensor,
+    neg_a: Tensor,
+    dt_bias: Tensor,
+}
+
+fn gdn_case(d: &layertap::engine::config::LinearAttentionConfig, t: usize, dtype: DType, seed: u64) -> GdnCase {
+    let cpu = candle_core::Device::Cpu;
+    let c = d.conv_dim();
+    let nv = d.num_value_heads;
+    let mk = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &cpu).unwrap();
+    let neg_a: Vec<f32> = noise(nv, seed + 4, 0.5).into_iter().map(|x| -0.05 * x.exp()).collect();
+    GdnCase {
+        qkv: mk(noise(t * c, seed, 1.0), &[t, c]).to_dtype(dtype).unwrap(),
+        b: mk(noise(t * nv, seed + 1, 1.0), &[t, nv]).to_dtype(dtype).unwrap(),
+        a: mk(noise(t * nv, seed + 2, 1.0), &[t, nv]).to_dtype(dtype).unwrap(),
+        conv: mk(noise(c * d.conv_kernel, seed + 3, 0.5), &[c, d.conv_kernel]),
+        neg_a: mk(neg_a, &[nv]),
+        dt_bias: mk(noise(nv, seed + 5, 1.0), &[nv]),
+    }
+}
+
+fn gdn_on(case: &GdnCase, dev: &candle_core::Device) -> GdnCase {
+    let to = |x: &Tensor| x.to_device(dev).unwrap();
+    GdnCase {
+        qkv: to(&case.qkv),
+        b: to(&case.b),
+        a: to(&case.a),
+        conv: to(&case.conv),
+        neg_a: to(&case.neg_a),
+        dt_bias: to(&case.dt_bias),
+    }
+}
+
+fn gdn_kernel(case: &GdnCase, seqs: &[(usize, usize)], d: &layertap::engine::config::LinearAttentionConfig) -> Tensor {
+    use layertap::engine::cuda_gdn;
+    let dev = case.qkv.device();
+    assert!(cuda_gdn::supported(dev, d));
+    let tables = cuda_gdn::Tables::new(seqs, dev).unwrap();
+    let w = cuda_gdn::GdnWeights { conv: &case.conv, neg_a: &case.neg_a, dt_bias: &case.dt_bias };
+    cuda_gdn::forward(&case.qkv, &case.b, &case.a, &w, &tables, d).unwrap()
+}
+
+fn gdn_dims(nk: usize, nv: usize, dk: usize, dv: usize) -> layertap::engine::config::LinearAttentionConfig {
+    layertap::engine::config::LinearAttentionConfig {
+        num_key_heads: nk,
+        num_value_heads: nv,
+        key_head_dim: dk,
+        value_head_dim: dv,
+        conv_kernel: 4,
+        layout: layertap::engine::config::GdnLayout::Separate,
+    }
+}
+
+const GDN_LENS: [usize; 8] = [1, 3, 63, 64, 65, 130, 300, 700];
+
+fn packed(lens: &[usize]) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    lens.iter()
+        .map(|&l| {
+            at += l;
+            (at - l, l)
+        })
+        .collect()
+}
+
+/// The Gated DeltaNet kernels (conv + SiLU + l2norm + gates, the chunk-local solve, the scan)
+/// equal the portable path on the CPU, sequence by sequence, for packed sequences that straddle
+/// the 64-token chunks: the real head sizes (128, two value heads per key head) and odd ones
+/// (key 32, value 48: a partial value slice), with f32 and bf16 inputs, and inputs that are
+/// views into a wider projection output.
+#[test]
+fn gdn_kernels_match_the_portable_path() {
+    use layertap::engine::batch::GdnPlan;
+    use layertap::engine::layers::gdn::{conv_taps, mix_portable};
+    let Some(dev) = device() else { return };
+    let seqs = packed(&GDN_LENS);
+    let t: usize = GDN_LENS.iter().sum();
+    let cpu_plan = GdnPlan::new(&seqs, 4, &candle_core::Device::Cpu).unwrap();
+    for (i, d) in [gdn_dims(2, 4, 128, 128), gdn_dims(3, 3, 32, 48)].iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16] {
+            let case = gdn_case(d, t, dtype, 17 + i as u64);
+            let taps = conv_taps(&case.conv).unwrap();
+            let want =
+                mix_portable(&case.qkv, &case.b, &case.a, &taps, &case.neg_a, &case.dt_bias, &cpu_plan, d).unwrap();
+            let mut on = gdn_on(&case, &dev);
+            // The kernels read rows of a wider tensor, as the fused projection hands them over.
+            let wide = Tensor::cat(&[&on.qkv, &on.qkv.narrow(1, 0, 8).unwrap()], 1).unwrap();
+            on.qkv = wide.narrow(1, 0, d.conv_dim()).unwrap();
+            let got = gdn_kernel(&on, &seqs, d).to_device(&candle_core::Device::Cpu).unwrap();
+            assert_eq!(got.dims(), want.dims());
+            for &(start, len) in &seqs {
+                let e = rel(&got.narrow(0, start, len).unwrap(), &want.narrow(0, start, len).unwrap());
+                assert!(e < 2e-5, "{d:?} {dtype:?}: sequence of {len} tokens at {start}: rel err {e}");
+            }
+        }
+    }
+}
+
+/// Each sequence's Gated DeltaNet output is bit for bit the same packed with others as alone.
+#[test]
+fn gdn_kernels_are_batch_invariant() {
+    let Some(dev) = device() else { return };
+    let d = gdn_dims(2, 4, 128, 128);
+    let seqs = packed(&GDN_LENS);
+    let t: usize = GDN_LENS.iter().sum();
+    let case = gdn_on(&gdn_case(&d, t, DType::BF16, 5), &dev);
+    let all = gdn_kernel(&case, &seqs, &d);
+    for &(start, len) in &seqs {
+        let part = |x: &Tensor| x.narrow(0, start, len).unwrap();
+        let alone = GdnCase {
+            qkv: part(&case.qkv),
+            b: part(&case.b),
+            a: part(&case.a),
+            conv: case.conv.clone(),
+            neg_a: case.neg_a.clone(),
+            dt_bias: case.dt_bias.clone(),
+        };
+        let one = gdn_kernel(&alone, &[(0, len)], &d);
+        let diff = (part(&all) - one).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff, 0.0, "sequence of {len} tokens differs alone by {diff}");
     }
 }

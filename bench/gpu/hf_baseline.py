@@ -3,13 +3,17 @@
 base model without lm_head and without the layers past the deepest requested one (--no-truncate
 keeps them), forward hooks on the requested layers, sequences sorted by length in right-padded
 batches of at most --max-batch-tokens (padding counted), results copied asynchronously to
-page-locked host buffers allocated once and reused, each batch's copy waited for by its own event. One untimed warm-up batch; the whole workload timed end to end.
+page-locked host buffers allocated once and reused, each batch's copy waited for by its own
+event. One untimed warm-up batch; the whole workload timed end to end. For the Gated DeltaNet
+hybrids, transformers uses fla's kernels when fla imports (the JSON line says whether it did);
+MoE models take --experts-implementation.
 
 Usage: python3 bench/gpu/hf_baseline.py --model-dir DIR --workload bench/out/gpu/workload_gpu.json
            [--max-batch-tokens 16384]
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import time
@@ -31,9 +35,13 @@ def main():
     ap.add_argument("--workload", required=True)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
     ap.add_argument("--no-truncate", action="store_true", help="run every layer, as output_hidden_states would")
+    ap.add_argument("--experts-implementation", default=None,
+                    help="MoE models: transformers' experts kernel (grouped_mm, batched_mm, eager)")
     a = ap.parse_args()
     layers, seqs = load_workload(a.workload)
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    extra = {"experts_implementation": a.experts_implementation} if a.experts_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                 **extra)
     base = model.model.cuda().eval()
     del model.lm_head
     n = base.config.num_hidden_layers
@@ -112,7 +120,8 @@ def main():
         "padded_tokens": sum(len(b) * len(seqs[b[-1]]) for b in batches), "output_bytes": out_bytes,
         "layers_run": len(base.layers),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": transformers.__version__, "experts_implementation": a.experts_implementation,
+        "fla": importlib.util.find_spec("fla") is not None,
     }))
 
 

@@ -16,6 +16,11 @@
 # answers:  the engine on the same workload as served (non-finite screen on), without the screen,
 #           with fp8 answers (quantised on the device), and as served again; each line also reports the
 #           last batch's answer sizes (raw, zstd), the fp8 error per index and the checksum's speed
+# hybrid:   the Gated DeltaNet hybrids (bench/gpu/prepare_hybrid.py: the Qwen3.5/3.6-27B and
+#           35B-A3B MoE widths, fewer layers; HYBRID_ARGS passes its flags): per model, the engine,
+#           the engine with LAYERTAP_PROFILE=1 (where the time goes), HTTP (CONCURRENCY, default
+#           encoding), and transformers + hooks at each budget in HF_BUDGETS (with fla when
+#           PYTHONPATH holds it; grouped_mm experts for the MoE model)
 # Each step appends one JSON line to $OUT_DIR/results.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -92,5 +97,36 @@ if [[ "$step" == zstd ]]; then
       done
     done
     kill -TERM $server; wait $server || true
+  done
+fi
+if [[ "$step" == hybrid ]]; then
+  work="${HYBRID_WORK:-/tmp/layertap-hybrid}"
+  # shellcheck disable=SC2086
+  python3 bench/gpu/prepare_hybrid.py --work "$work" ${HYBRID_ARGS:-} | tee -a "$results"
+  for name in ${HYBRID_MODELS:-27b moe}; do
+    wl="$work/workload_$name.json"
+    tag="s/^{/{\"model\":\"$name\",/"
+    "$BIN" bench --workload "$wl" --model "$work/$name" --device cuda:0 --dtype bf16 \
+      --max-batch-tokens "$MAX_BATCH_TOKENS" | sed "$tag" | tee -a "$results"
+    LAYERTAP_PROFILE=1 "$BIN" bench --workload "$wl" --model "$work/$name" --device cuda:0 --dtype bf16 \
+      --max-batch-tokens "$MAX_BATCH_TOKENS" 2>"$OUT_DIR/profile-$name.log" | sed "s/^{/{\"model\":\"$name\",\"profiled\":true,/" \
+      | tee -a "$results"
+    tail -n 20 "$OUT_DIR/profile-$name.log"
+    "$BIN" serve --model "$work/$name" --device cuda:0 --dtype bf16 --host 127.0.0.1 --port "$PORT" \
+      --max-batch-tokens "$MAX_BATCH_TOKENS" --max-input-tokens 4096 --max-queue-tokens 1000000 \
+      2>"$OUT_DIR/server-$name.log" &
+    server=$!
+    trap 'kill $server 2>/dev/null || true' EXIT
+    for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+    "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$wl" --dtype bfloat16 \
+      --concurrency "${CONCURRENCY:-64}" --encoding "${ENCODING:-zstd}" | sed "$tag" | tee -a "$results"
+    kill -TERM $server; wait $server || true
+    trap - EXIT
+    experts=()
+    [[ "$name" == moe ]] && experts=(--experts-implementation grouped_mm)
+    for budget in ${HF_BUDGETS:-16384}; do
+      python3 bench/gpu/hf_baseline.py --model-dir "$work/$name" --workload "$wl" --max-batch-tokens "$budget" \
+        "${experts[@]}" | sed "$tag" | tee -a "$results"
+    done
   done
 fi

@@ -46,6 +46,9 @@ pub struct GdnPlan {
     /// `[1, 64, 64]` 0/1 masks of a chunk: `j <= i` (the decays) and `j < i` (the UT system).
     pub lower: Tensor,
     pub strict: Tensor,
+    /// The CUDA kernels' tables, on a CUDA device.
+    #[cfg(feature = "cuda")]
+    pub cuda: Option<super::cuda_gdn::Tables>,
 }
 
 impl GdnPlan {
@@ -97,6 +100,8 @@ impl GdnPlan {
             scatter: Tensor::new(scatter.as_slice(), device)?,
             steps,
             chunks: chunk,
+            #[cfg(feature = "cuda")]
+            cuda: if device.is_cuda() { Some(super::cuda_gdn::Tables::new(seqs, device)?) } else { None },
         })
     }
 }

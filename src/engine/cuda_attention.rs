@@ -16,7 +16,7 @@ const TILE: usize = 64;
 pub fn supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_ATTENTION").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128)
+    !off && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128 | 256)
 }
 
 /// The kernel's work list for a batch: one `(sequence start, sequence length, tile index)` triple

@@ -19,6 +19,7 @@ pub struct Module {
 
 pub const ATTENTION: Module =
     Module { name: "attention", image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")) };
+pub const GDN: Module = Module { name: "gdn", image: include_bytes!(concat!(env!("OUT_DIR"), "/gdn.fatbin")) };
 pub const OPS: Module = Module { name: "ops", image: include_bytes!(concat!(env!("OUT_DIR"), "/ops.fatbin")) };
 
 /// The compute capabilities the kernels carry machine code for, and the one whose PTX they
@@ -34,6 +35,12 @@ pub struct Kernel {
 impl Kernel {
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// Lets launches of this kernel use `bytes` of dynamic shared memory (past the default 48 KiB).
+    pub fn max_dynamic_shared(&self, bytes: usize) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as A;
+        self.func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).w()
     }
 }
 

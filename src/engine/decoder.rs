@@ -65,7 +65,12 @@ impl Block {
         let h = self.post_norm.forward(&x)?;
         let y = match &self.ffn {
             Ffn::Dense(m) => m.forward(&h)?,
-            Ffn::Moe(m) => m.forward(&h)?,
+            Ffn::Moe(m) => {
+                profile::mark(x.device(), 3, &mut since);
+                let y = m.forward(&h)?;
+                profile::mark(x.device(), 7, &mut since);
+                y
+            }
         };
         let out = residual(&x, &y)?;
         profile::mark(x.device(), 3, &mut since);

@@ -6,6 +6,8 @@ pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda_attention;
 #[cfg(feature = "cuda")]
+pub mod cuda_gdn;
+#[cfg(feature = "cuda")]
 pub mod cuda_module;
 #[cfg(feature = "cuda")]
 pub mod cuda_ops;

@@ -1,15 +1,20 @@
 //! Optional phase timing (`LAYERTAP_PROFILE=1`): synchronises the device after each phase of
 //! every layer and adds up the seconds, for finding where time goes. Off by default: the
-//! synchronisations cost throughput. In linear-attention layers the whole Gated DeltaNet up to
-//! its output projection counts as "attention" (the token mixer); "o_proj_mlp" is the output
-//! projection and the feed-forward block (dense or experts) of every layer.
+//! synchronisations cost throughput. In linear-attention layers "gdn_proj" is the Gated
+//! DeltaNet's input projections and "gdn_core" everything from there to its output projection
+//! (conv, gates, the delta rule, the gated norm); "o_proj_mlp" is the output projection and the
+//! dense feed-forward block of every layer, "moe" the experts (router, experts, shared expert).
+//! On CUDA, "gdn_kernels" is the Gated DeltaNet kernels' share of what would otherwise be
+//! "gdn_core" (which keeps the gated norm), and "gdn_conv", "gdn_local", "gdn_scan" split
+//! "gdn_kernels" by kernel (they add up to it; they are not extra time).
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-pub const PHASES: [&str; 5] = ["norm_qkv", "rope", "attention", "o_proj_mlp", "host_copy"];
+pub const PHASES: [&str; 8] =
+    ["norm_qkv", "rope", "attention", "o_proj_mlp", "host_copy", "gdn_proj", "gdn_core", "moe"];
 static ON: OnceLock<bool> = OnceLock::new();
-static SECS: Mutex<[f64; 5]> = Mutex::new([0.0; 5]);
+static SECS: Mutex<[f64; 12]> = Mutex::new([0.0; 12]);
 
 pub fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("LAYERTAP_PROFILE").is_ok_and(|v| v == "1"))
@@ -23,6 +28,13 @@ pub fn mark(device: &candle_core::Device, phase: usize, since: &mut Instant) {
             s[phase] += since.elapsed().as_secs_f64();
         }
         *since = Instant::now();
+    }
+}
+
+/// Charges `secs` to `phase` (for timings taken inside an operation).
+pub fn add(phase: usize, secs: f64) {
+    if let Ok(mut s) = SECS.lock() {
+        s[phase] += secs;
     }
 }
 

@@ -296,7 +296,9 @@ impl ModelConfig {
                 let router = 3 * 4 * m.num_experts as u64 + 8 * k;
                 let experts = k * b * (2 * h + 3 * m.expert_intermediate_size as u64);
                 let shared = m.shared_expert_intermediate_size.map_or(0, |s| b * (3 * s as u64 + h));
-                router + experts + shared + 2 * h * b
+                // The rows gathered back per token and slot, then weighted and summed in f32.
+                let gathered = k * h * (b + 8);
+                router + experts + shared + 2 * h * b + gathered
             }
             (FfnKind::Moe, None) => 0,
         };

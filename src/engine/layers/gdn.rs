@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor, D};
 use super::delta_rule;
 use super::linear::{Linear, Projections};
 use super::norm::GatedRmsNorm;
-use crate::engine::batch::BatchCtx;
+use crate::engine::batch::{BatchCtx, GdnPlan};
 use crate::engine::config::{GdnLayout, LinearAttentionConfig, ModelConfig};
 use crate::engine::profile;
 use crate::engine::weights::Weights;
@@ -22,6 +22,9 @@ pub struct GatedDeltaNet {
     proj: Projections,
     /// `taps[s]`: the conv weight applied to the token `s` positions back, `[conv_dim]` f32.
     taps: Vec<Tensor>,
+    /// The conv weight `[conv_dim, kernel]` f32, for the CUDA kernels.
+    #[cfg(feature = "cuda")]
+    conv: Option<Tensor>,
     /// `-exp(A_log)`, f32 `[value_heads]`.
     neg_a: Tensor,
     dt_bias: Tensor,
@@ -58,6 +61,65 @@ fn log1p(y: &Tensor) -> candle_core::Result<Tensor> {
     rounds_to_one.where_cond(y, &exact)
 }
 
+/// `taps[s]`: the conv weight column that multiplies the token `s` positions back (`conv`:
+/// `[conv_dim, kernel]`, tap `j` of the kernel multiplies the token `kernel - 1 - j` back).
+pub fn conv_taps(conv: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+    let kernel = conv.dim(1)?;
+    (0..kernel).map(|s| conv.narrow(1, kernel - 1 - s, 1)?.squeeze(1)?.contiguous()).collect()
+}
+
+/// Causal depthwise conv over each sequence (zeros before its first token), then SiLU.
+fn conv(x: &Tensor, taps: &[Tensor], plan: &GdnPlan) -> candle_core::Result<Tensor> {
+    let padded = Tensor::cat(&[x, &Tensor::zeros((1, x.dim(1)?), DType::F32, x.device())?], 0)?;
+    let mut y = x.broadcast_mul(&taps[0])?;
+    for (s, tap) in taps.iter().enumerate().skip(1) {
+        y = (y + padded.index_select(&plan.shifts[s - 1], 0)?.broadcast_mul(tap)?)?;
+    }
+    candle_nn::ops::silu(&y)
+}
+
+/// The portable path from the projections' outputs (`qkv` `[T, conv_dim]`, `b`, `a`
+/// `[T, value_heads]`, compute dtype) to the delta rule's output `[T, value_heads, dv]` f32:
+/// conv + SiLU, l2norm of q and k, the gates, the chunked delta rule. The CUDA kernels compute
+/// the same and are tested against it.
+#[allow(clippy::too_many_arguments)]
+pub fn mix_portable(
+    qkv: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    taps: &[Tensor],
+    neg_a: &Tensor,
+    dt_bias: &Tensor,
+    plan: &GdnPlan,
+    d: &LinearAttentionConfig,
+) -> candle_core::Result<Tensor> {
+    let t = qkv.dim(0)?;
+    let (nk, nv, dk, dv) = (d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim);
+    let mixed = conv(&qkv.to_dtype(DType::F32)?, taps, plan)?;
+    let l2 = |x: Tensor| -> candle_core::Result<Tensor> {
+        x.broadcast_div(&(x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?)
+    };
+    let q = (l2(mixed.narrow(1, 0, nk * dk)?.reshape((t, nk, dk))?)? * (dk as f64).powf(-0.5))?;
+    let k = l2(mixed.narrow(1, nk * dk, nk * dk)?.reshape((t, nk, dk))?)?;
+    let v = mixed.narrow(1, 2 * nk * dk, nv * dv)?.reshape((t, nv, dv))?;
+    // Value head i reads key head i / (nv / nk).
+    let r = nv / nk;
+    let widen = |x: Tensor| -> candle_core::Result<Tensor> {
+        if r == 1 {
+            return Ok(x);
+        }
+        x.unsqueeze(2)?.broadcast_as((t, nk, r, dk))?.reshape((t, nv, dk))
+    };
+    let (q, k) = (widen(q)?, widen(k)?);
+    let beta = candle_nn::ops::sigmoid(&b)?.to_dtype(DType::F32)?;
+    let x = a.to_dtype(DType::F32)?.broadcast_add(dt_bias)?;
+    // softplus with PyTorch's threshold: x itself above 20, log1p(exp(x)) below.
+    let softplus = x.gt(20.0)?.where_cond(&x, &log1p(&x.clamp(f32::MIN, 20.0)?.exp()?)?)?;
+    let g = softplus.broadcast_mul(neg_a)?;
+    let core = delta_rule::chunked(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &beta, &g, plan)?;
+    Ok(core)
+}
+
 impl GatedDeltaNet {
     pub fn load(w: &Weights, c: &ModelConfig, p: &str) -> Result<Self, EngineError> {
         let d = c
@@ -75,15 +137,16 @@ impl GatedDeltaNet {
                 Linear::load(w, &format!("{p}.in_proj_a"), nv, h, false)?,
             ],
         };
-        let kernel = d.conv_kernel;
-        let conv = w.get_f32(&format!("{p}.conv1d.weight"), &[conv_dim, 1, kernel])?.squeeze(1)?;
-        // Tap j of the kernel multiplies the token kernel - 1 - j positions back.
-        let taps = (0..kernel)
-            .map(|s| conv.narrow(1, kernel - 1 - s, 1)?.squeeze(1)?.contiguous())
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let conv = w.get_f32(&format!("{p}.conv1d.weight"), &[conv_dim, 1, d.conv_kernel])?.squeeze(1)?;
+        let taps = conv_taps(&conv)?;
+        #[cfg(feature = "cuda")]
+        let conv =
+            if crate::engine::cuda_gdn::supported(&w.device, &d) { Some(conv.contiguous()?.copy()?) } else { None };
         Ok(GatedDeltaNet {
             proj: Projections::new(parts, w.device.is_cuda())?,
             taps,
+            #[cfg(feature = "cuda")]
+            conv,
             neg_a: w.get_f32(&format!("{p}.A_log"), &[nv])?.exp()?.neg()?,
             dt_bias: w.get_f32(&format!("{p}.dt_bias"), &[nv])?,
             norm: GatedRmsNorm::load(w, &format!("{p}.norm"), d.value_head_dim, c.rms_norm_eps)?,
@@ -92,52 +155,36 @@ impl GatedDeltaNet {
         })
     }
 
-    /// Causal depthwise conv over each sequence (zeros before its first token), then SiLU.
-    fn conv(&self, x: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
-        let plan = ctx.gdn.as_ref().ok_or_else(|| candle_core::Error::Msg("no linear-attention plan".into()))?;
-        let padded = Tensor::cat(&[x, &Tensor::zeros((1, x.dim(1)?), DType::F32, x.device())?], 0)?;
-        let mut y = x.broadcast_mul(&self.taps[0])?;
-        for (s, tap) in self.taps.iter().enumerate().skip(1) {
-            y = (y + padded.index_select(&plan.shifts[s - 1], 0)?.broadcast_mul(tap)?)?;
-        }
-        candle_nn::ops::silu(&y)
-    }
-
     /// `h`: the normed input `[T, hidden]`; returns the mixer's output `[T, hidden]`.
     /// `since`: the start of the current profile phase.
     pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
         let plan = ctx.gdn.as_ref().ok_or_else(|| candle_core::Error::Msg("no linear-attention plan".into()))?;
         let t = h.dim(0)?;
         let d = &self.dims;
-        let (nk, nv, dk, dv) = (d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim);
+        let (nv, dv) = (d.num_value_heads, d.value_head_dim);
         let mut parts = self.proj.forward(h)?.into_iter();
         let (Some(qkv), Some(z), Some(b), Some(a)) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
             candle_core::bail!("gated deltanet: the projections returned fewer than four parts");
         };
-        let mixed = self.conv(&qkv.to_dtype(DType::F32)?, ctx)?;
-        let l2 = |x: Tensor| -> candle_core::Result<Tensor> {
-            x.broadcast_div(&(x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?)
-        };
-        let q = (l2(mixed.narrow(1, 0, nk * dk)?.reshape((t, nk, dk))?)? * (dk as f64).powf(-0.5))?;
-        let k = l2(mixed.narrow(1, nk * dk, nk * dk)?.reshape((t, nk, dk))?)?;
-        let v = mixed.narrow(1, 2 * nk * dk, nv * dv)?.reshape((t, nv, dv))?;
-        // Value head i reads key head i / (nv / nk).
-        let r = nv / nk;
-        let widen = |x: Tensor| -> candle_core::Result<Tensor> {
-            if r == 1 {
-                return Ok(x);
+        profile::mark(h.device(), 5, since);
+        #[cfg(feature = "cuda")]
+        let kernels = match (&self.conv, &plan.cuda) {
+            (Some(conv), Some(tables)) => {
+                let w = crate::engine::cuda_gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
+                let core = crate::engine::cuda_gdn::forward(&qkv, &b, &a, &w, tables, d)?;
+                profile::mark(h.device(), 8, since);
+                Some(core)
             }
-            x.unsqueeze(2)?.broadcast_as((t, nk, r, dk))?.reshape((t, nv, dk))
+            _ => None,
         };
-        let (q, k) = (widen(q)?, widen(k)?);
-        let beta = candle_nn::ops::sigmoid(&b)?.to_dtype(DType::F32)?;
-        let x = a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?;
-        // softplus with PyTorch's threshold: x itself above 20, log1p(exp(x)) below.
-        let softplus = x.gt(20.0)?.where_cond(&x, &log1p(&x.clamp(f32::MIN, 20.0)?.exp()?)?)?;
-        let g = softplus.broadcast_mul(&self.neg_a)?;
-        let core = delta_rule::chunked(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &beta, &g, plan)?;
+        #[cfg(not(feature = "cuda"))]
+        let kernels = None;
+        let core = match kernels {
+            Some(core) => core,
+            None => mix_portable(&qkv, &b, &a, &self.taps, &self.neg_a, &self.dt_bias, plan, d)?,
+        };
         let normed = self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?;
-        profile::mark(h.device(), 2, since);
+        profile::mark(h.device(), 6, since);
         self.out.forward(&normed.reshape((t, nv * dv))?)
     }
 }

@@ -79,29 +79,47 @@ impl SparseMoe {
     }
 
     /// `x`: the normed input `[T, hidden]`; returns the block's output `[T, hidden]`.
+    ///
+    /// The `(token, slot)` pairs are sorted by expert (stably) and the tokens gathered once in
+    /// that order, so each expert runs one matmul chain over a contiguous block of rows; the
+    /// results are gathered back per token and slot and summed over the slots, best first, in
+    /// f32 (a fixed order: a token's sum does not depend on its batch mates).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (t, hidden) = x.dims2()?;
+        let k = self.top_k;
         let (idx, weights) = self.route(x)?;
-        let weights = weights.flatten_all()?;
-        // Group the (token, slot) pairs by expert: one matmul chain per expert over its rows.
-        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
-        let mut slots: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
-        for (tok, choice) in idx.to_vec2::<u32>()?.into_iter().enumerate() {
-            for (j, e) in choice.into_iter().enumerate() {
-                let list = rows.get_mut(e as usize).ok_or_else(|| candle_core::Error::Msg(format!("expert {e}")))?;
-                list.push(tok as u32);
-                slots[e as usize].push((tok * self.top_k + j) as u32);
+        let choices = idx.to_vec2::<u32>()?;
+        let mut counts = vec![0usize; self.experts.len()];
+        for &e in choices.iter().flatten() {
+            *counts.get_mut(e as usize).ok_or_else(|| candle_core::Error::Msg(format!("expert {e}")))? += 1;
+        }
+        let starts: Vec<usize> = counts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+        let mut next = starts.clone();
+        // tokens[r]: the token of sorted row r; row_of[tok * k + slot]: that pair's sorted row.
+        let mut tokens = vec![0u32; t * k];
+        let mut row_of = vec![0u32; t * k];
+        for (tok, choice) in choices.iter().enumerate() {
+            for (j, &e) in choice.iter().enumerate() {
+                let r = next[e as usize];
+                next[e as usize] += 1;
+                tokens[r] = tok as u32;
+                row_of[tok * k + j] = r as u32;
             }
         }
-        let mut out = x.zeros_like()?;
-        for (e, expert) in self.experts.iter().enumerate() {
-            if rows[e].is_empty() {
-                continue;
-            }
-            let tok = Tensor::new(rows[e].as_slice(), x.device())?;
-            let w = weights.index_select(&Tensor::new(slots[e].as_slice(), x.device())?, 0)?;
-            let y = expert.forward(&x.index_select(&tok, 0)?)?.broadcast_mul(&w.unsqueeze(1)?)?;
-            out = out.index_add(&tok, &y, 0)?;
+        let dev = x.device();
+        let sorted = x.index_select(&Tensor::new(tokens.as_slice(), dev)?, 0)?;
+        let mut outs = Vec::new();
+        for (e, expert) in self.experts.iter().enumerate().filter(|(e, _)| counts[*e] > 0) {
+            outs.push(expert.forward(&sorted.narrow(0, starts[e], counts[e])?)?);
         }
+        let out = if outs.is_empty() {
+            x.zeros_like()?
+        } else {
+            let ys = Tensor::cat(&outs, 0)?;
+            let per_slot = ys.index_select(&Tensor::new(row_of.as_slice(), dev)?, 0)?.reshape((t, k, hidden))?;
+            let w = weights.to_dtype(DType::F32)?.unsqueeze(2)?;
+            per_slot.to_dtype(DType::F32)?.broadcast_mul(&w)?.sum(1)?.to_dtype(x.dtype())?
+        };
         match &self.shared {
             Some((mlp, gate)) => {
                 // A one-column matmul takes a different summation path for different row

@@ -1,0 +1,337 @@
+// The Gated DeltaNet on packed sequences, in f32 (every product, the triangular solve and the
+// recurrent state), in three launches per layer:
+//
+// 1. gdn_conv_*: per token and head, the causal depthwise conv1d (zeros before the sequence's
+//    first token) + SiLU over the q, k, v channels, the l2norm of q and k (q also scaled by
+//    dk^-1/2), and the gates of each value head: beta = sigmoid(b) (rounded to the input type,
+//    as the reference computes it there), g = -exp(A_log) * softplus(a + dt_bias).
+// 2. gdn_chunk_local: per chunk of 64 tokens (chunks never straddle a sequence) and value head,
+//    everything that does not need the recurrent state: the running sum G of g, the UT system
+//    (I + A) with A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i, solved by forward
+//    substitution for W = (I + A)^-1 (beta k exp(G)) and U = (I + A)^-1 (beta v), and the
+//    causal intra-chunk scores P_ij = (q_i . k_j) exp(G_i - G_j), j <= i.
+// 3. gdn_chunk_scan: per sequence, value head and slice of BV value columns, the chunks in
+//    order with the state slice S [dk, BV] in shared memory:
+//    V' = U - W S;  O = (q exp(G)) S + P V';  S = exp(G_last) S + (k exp(G_last - G))^T V'.
+//
+// Every sequence is computed the same whatever else is in the batch, so packed equals alone.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define CHUNK 64
+#define BV 32
+#define SCAN_THREADS 256
+#define LOCAL_THREADS 256
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float round_to(float x, const float*) { return x; }
+__device__ __forceinline__ float round_to(float x, const __nv_bfloat16*) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+__device__ __forceinline__ float round_to(float x, const __half*) { return __half2float(__float2half_rn(x)); }
+
+// ---------------------------------------------------------------------------------------------
+// 1. conv + SiLU + l2norm + gates. Grid (tokens, 2 * nk + nv); block of `hd` threads (>= dk, dv).
+// x: [T, ldx] (q | k | v channels first), w: [conv_dim, K] f32 (w[c][K - 1] multiplies the token
+// itself), pos: [T] position in its sequence, b/a: [T, ldb] / [T, lda] (value heads first).
+// out: [T, conv_dim] f32, beta/g: [T, nv] f32.
+template <typename T>
+__device__ void conv_norm_gates(const T* __restrict__ x, int ldx, const float* __restrict__ w, int kernel,
+                                const uint32_t* __restrict__ pos, const T* __restrict__ b, int ldb,
+                                const T* __restrict__ a, int lda, const float* __restrict__ neg_a,
+                                const float* __restrict__ dt_bias, float* __restrict__ out, float* __restrict__ beta,
+                                float* __restrict__ g, int nk, int nv, int dk, int dv, float q_scale) {
+    __shared__ float red[32];
+    const int t = blockIdx.x;
+    const int slot = blockIdx.y;
+    const int conv_dim = 2 * nk * dk + nv * dv;
+    int c0, width;
+    bool norm = true;
+    if (slot < 2 * nk) {
+        c0 = slot * dk;
+        width = dk;
+    } else {
+        c0 = 2 * nk * dk + (slot - 2 * nk) * dv;
+        width = dv;
+        norm = false;
+    }
+    const int lane = threadIdx.x;
+    const int p = (int)pos[t];
+    float y = 0.f;
+    if (lane < width) {
+        const int c = c0 + lane;
+        const float* wc = w + (size_t)c * kernel;
+        // Same order as the portable path: the token itself, then 1, 2, ... positions back.
+        y = to_f32(x[(size_t)t * ldx + c]) * wc[kernel - 1];
+        for (int s = 1; s < kernel && s <= p; ++s) y += to_f32(x[(size_t)(t - s) * ldx + c]) * wc[kernel - 1 - s];
+        y = y / (1.f + expf(-y));
+    }
+    if (norm) {
+        float sq = lane < width ? y * y : 0.f;
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffff, sq, o);
+        if (lane % 32 == 0) red[lane / 32] = sq;
+        __syncthreads();
+        if (lane < 32) {
+            float v = lane < (int)(blockDim.x / 32) ? red[lane] : 0.f;
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+            if (lane == 0) red[0] = v;
+        }
+        __syncthreads();
+        y = y / sqrtf(red[0] + 1e-6f);
+        if (slot < nk) y *= q_scale;
+    }
+    if (lane < width) out[(size_t)t * conv_dim + c0 + lane] = y;
+    if (!norm && lane == 0) {
+        const int h = slot - 2 * nk;
+        const float bv = to_f32(b[(size_t)t * ldb + h]);
+        beta[(size_t)t * nv + h] = round_to(1.f / (1.f + expf(-bv)), b);
+        const float z = to_f32(a[(size_t)t * lda + h]) + dt_bias[h];
+        const float sp = z > 20.f ? z : log1pf(expf(z));
+        g[(size_t)t * nv + h] = sp * neg_a[h];
+    }
+}
+
+#define CONV_KERNEL(NAME, T)                                                                                 \
+    extern "C" __global__ void NAME(const T* x, int ldx, const float* w, int kernel, const uint32_t* pos,     \
+                                    const T* b, int ldb, const T* a, int lda, const float* neg_a,             \
+                                    const float* dt_bias, float* out, float* beta, float* g, int nk, int nv,  \
+                                    int dk, int dv, float q_scale) {                                          \
+        conv_norm_gates<T>(x, ldx, w, kernel, pos, b, ldb, a, lda, neg_a, dt_bias, out, beta, g, nk, nv, dk,  \
+                           dv, q_scale);                                                                      \
+    }
+
+CONV_KERNEL(gdn_conv_f32, float)
+CONV_KERNEL(gdn_conv_bf16, __nv_bfloat16)
+CONV_KERNEL(gdn_conv_f16, __half)
+
+// ---------------------------------------------------------------------------------------------
+// 2. The chunk-local part. Grid (chunks, nv); LOCAL_THREADS threads; dynamic shared memory
+// (64 * (max(2 dk, dk + dv) + 4) + 64 * 65 + 128) floats; dk a multiple of 4.
+// qkv: [T, conv_dim] f32 from kernel 1; chunks: [chunks][2] (first token, tokens <= 64).
+// Outputs per (chunk, head) = c * nv + h: gcum [.., 64], wk [.., 64, dk], u [.., 64, dv],
+// p [.., 64, 64] (zeros above the diagonal); rows past the chunk's tokens are those of zero
+// inputs.
+extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
+    gdn_chunk_local(const float* __restrict__ qkv, const float* __restrict__ beta, const float* __restrict__ g,
+                    const uint32_t* __restrict__ chunks, float* __restrict__ gcum, float* __restrict__ wk,
+                    float* __restrict__ u, float* __restrict__ p, int nk, int nv, int dk, int dv) {
+    extern __shared__ __align__(16) float sm[];
+    const int xst = max(2 * dk, dk + dv) + 4;
+    float* xs = sm;                   // [64][xst]: q | k first, then the right-hand sides
+    float* as = xs + CHUNK * xst;     // [64][65]
+    float* gs = as + CHUNK * 65;      // [64]
+    float* bs = gs + CHUNK;           // [64]
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int t0 = (int)chunks[2 * c], len = (int)chunks[2 * c + 1];
+    const int r = nv / nk, kh = h / r;
+    const int conv_dim = 2 * nk * dk + nv * dv;
+    const int tid = threadIdx.x;
+    const size_t ch = (size_t)c * nv + h;
+
+    for (int e = tid; e < CHUNK * 2 * dk; e += LOCAL_THREADS) {
+        const int row = e / (2 * dk), col = e % (2 * dk);
+        float v = 0.f;
+        if (row < len) {
+            const float* src = qkv + (size_t)(t0 + row) * conv_dim;
+            v = col < dk ? src[kh * dk + col] : src[nk * dk + kh * dk + col - dk];
+        }
+        xs[row * xst + col] = v;
+    }
+    if (tid < CHUNK) {
+        gs[tid] = tid < len ? g[(size_t)(t0 + tid) * nv + h] : 0.f;
+        bs[tid] = tid < len ? beta[(size_t)(t0 + tid) * nv + h] : 0.f;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float s = 0.f;
+        for (int i = 0; i < CHUNK; ++i) {
+            s += gs[i];
+            gs[i] = s;
+        }
+    }
+    __syncthreads();
+    if (tid < CHUNK) gcum[ch * CHUNK + tid] = gs[tid];
+
+    // A (strictly lower) and P (lower, diagonal included), four dimensions per shared load.
+    float* pc = p + ch * CHUNK * CHUNK;
+    for (int e = tid; e < CHUNK * CHUNK; e += LOCAL_THREADS) {
+        const int i = e / CHUNK, j = e % CHUNK;
+        float akk = 0.f, pqk = 0.f;
+        if (j <= i) {
+            const float4* qi = reinterpret_cast<const float4*>(xs + i * xst);
+            const float4* ki = reinterpret_cast<const float4*>(xs + i * xst + dk);
+            const float4* kj = reinterpret_cast<const float4*>(xs + j * xst + dk);
+#pragma unroll 4
+            for (int d = 0; d < dk / 4; ++d) {
+                const float4 a = ki[d], b = kj[d], q = qi[d];
+                akk += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                pqk += q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
+            }
+            const float decay = expf(gs[i] - gs[j]);
+            pqk *= decay;
+            akk = j < i ? bs[i] * akk * decay : 0.f;
+        }
+        as[i * 65 + j] = akk;
+        pc[e] = pqk;
+    }
+    __syncthreads();
+    // Right-hand sides, from global memory: [beta v | beta exp(G) k].
+    for (int e = tid; e < CHUNK * (dk + dv); e += LOCAL_THREADS) {
+        const int row = e / (dk + dv), col = e % (dk + dv);
+        float val = 0.f;
+        if (row < len) {
+            const float* src = qkv + (size_t)(t0 + row) * conv_dim;
+            val = col < dv ? src[2 * nk * dk + h * dv + col] * bs[row]
+                           : src[nk * dk + kh * dk + col - dv] * bs[row] * expf(gs[row]);
+        }
+        xs[row * xst + col] = val;
+    }
+    __syncthreads();
+    // Forward substitution, row by row: X_i -= sum_{j < i} A_ij X_j.
+    for (int i = 1; i < CHUNK; ++i) {
+        const float* ai = as + i * 65;
+        for (int col = tid; col < dk + dv; col += LOCAL_THREADS) {
+            float acc0 = 0.f, acc1 = 0.f;
+            int j = 0;
+            for (; j + 1 < i; j += 2) {
+                acc0 += ai[j] * xs[j * xst + col];
+                acc1 += ai[j + 1] * xs[(j + 1) * xst + col];
+            }
+            if (j < i) acc0 += ai[j] * xs[j * xst + col];
+            xs[i * xst + col] -= acc0 + acc1;
+        }
+        __syncthreads();
+    }
+    for (int e = tid; e < CHUNK * (dk + dv); e += LOCAL_THREADS) {
+        const int row = e / (dk + dv), col = e % (dk + dv);
+        const float val = xs[row * xst + col];
+        if (col < dv) {
+            u[(ch * CHUNK + row) * dv + col] = val;
+        } else {
+            wk[(ch * CHUNK + row) * dk + col - dv] = val;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. The scan. Grid (ceil(dv / BV), nv, sequences): the slices of one (sequence, head) side by
+// side, so they share the chunk data in L2. SCAN_THREADS threads; dynamic shared memory
+// (max(64 (dk + 4), dk * 68) + 64 (dk + 4) + 64 * 68 + 64 BV + dk BV + 64) floats; dk a
+// multiple of 4. seqs: [sequences][3] (first token, tokens, first chunk); out: [T, nv, dv] f32.
+// Thread (grp, col) owns value column col of the slice: rows grp, grp + 8, ... of V' and O, and
+// rows grp, grp + 8, ... of the state.
+#define GROUPS (SCAN_THREADS / BV)
+#define ROWS (CHUNK / GROUPS)
+#define SROWS 16
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+    gdn_chunk_scan(const float* __restrict__ qkv, const uint32_t* __restrict__ seqs, const float* __restrict__ gcum,
+                   const float* __restrict__ wk, const float* __restrict__ u, const float* __restrict__ p,
+                   float* __restrict__ out, int nk, int nv, int dk, int dv) {
+    extern __shared__ __align__(16) float sm[];
+    const int st = dk + 4, kt = CHUNK + 4;
+    float* ws = sm;                                    // W [64][dk + 4], then K'^T [dk][68]
+    float* qs = ws + max(CHUNK * st, dk * kt);         // q exp(G) [64][dk + 4]
+    float* ps = qs + CHUNK * st;                       // P [64][68]
+    float* vs = ps + CHUNK * kt;                       // U, then V' [64][BV]
+    float* ss = vs + CHUNK * BV;                       // the state slice [dk][BV]
+    float* gs = ss + dk * BV;                          // G [64]
+    const int v0 = blockIdx.x * BV, h = blockIdx.y, sq = blockIdx.z;
+    const int t0 = (int)seqs[3 * sq], len = (int)seqs[3 * sq + 1], c0 = (int)seqs[3 * sq + 2];
+    const int nchunks = (len + CHUNK - 1) / CHUNK;
+    const int r = nv / nk, kh = h / r;
+    const int conv_dim = 2 * nk * dk + nv * dv;
+    const int tid = threadIdx.x;
+    const int col = tid % BV;
+    const int grp = tid / BV;
+    const bool col_ok = v0 + col < dv;
+
+    for (int e = tid; e < dk * BV; e += SCAN_THREADS) ss[e] = 0.f;
+
+    for (int cc = 0; cc < nchunks; ++cc) {
+        const size_t ch = (size_t)(c0 + cc) * nv + h;
+        const int tc = t0 + cc * CHUNK;
+        const int rows = min(CHUNK, len - cc * CHUNK);
+        const float* gc = gcum + ch * CHUNK;
+        __syncthreads();  // the previous chunk's readers are done
+        if (tid < CHUNK) gs[tid] = gc[tid];
+        for (int e = tid; e < CHUNK * dk; e += SCAN_THREADS) {
+            const int i = e / dk, d = e % dk;
+            ws[i * st + d] = wk[(ch * CHUNK + i) * dk + d];
+            const float q = i < rows ? qkv[(size_t)(tc + i) * conv_dim + kh * dk + d] : 0.f;
+            qs[i * st + d] = q * expf(gc[i]);
+        }
+        for (int e = tid; e < CHUNK * CHUNK; e += SCAN_THREADS) ps[(e / CHUNK) * kt + e % CHUNK] = p[ch * CHUNK * CHUNK + e];
+        for (int e = tid; e < CHUNK * BV; e += SCAN_THREADS) {
+            const int i = e / BV, j = e % BV;
+            vs[e] = v0 + j < dv ? u[(ch * CHUNK + i) * dv + v0 + j] : 0.f;
+        }
+        __syncthreads();
+        // V' = U - W S and O = (q exp(G)) S.
+        float vn[ROWS], o[ROWS];
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) vn[k] = o[k] = 0.f;
+        for (int d = 0; d < dk; d += 4) {
+            const float s0 = ss[d * BV + col], s1 = ss[(d + 1) * BV + col];
+            const float s2 = ss[(d + 2) * BV + col], s3 = ss[(d + 3) * BV + col];
+#pragma unroll
+            for (int k = 0; k < ROWS; ++k) {
+                const int i = grp + k * GROUPS;
+                const float4 w4 = *reinterpret_cast<const float4*>(ws + i * st + d);
+                const float4 q4 = *reinterpret_cast<const float4*>(qs + i * st + d);
+                vn[k] += w4.x * s0 + w4.y * s1 + w4.z * s2 + w4.w * s3;
+                o[k] += q4.x * s0 + q4.y * s1 + q4.z * s2 + q4.w * s3;
+            }
+        }
+        __syncthreads();  // W, U and the state have been read
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) vs[(grp + k * GROUPS) * BV + col] -= vn[k];
+        // k exp(G_last - G), transposed, into W's place.
+        const float glast = gs[CHUNK - 1];
+        for (int e = tid; e < CHUNK * dk; e += SCAN_THREADS) {
+            const int i = e / dk, d = e % dk;
+            const float k = i < rows ? qkv[(size_t)(tc + i) * conv_dim + nk * dk + kh * dk + d] : 0.f;
+            ws[d * kt + i] = k * expf(glast - gs[i]);
+        }
+        __syncthreads();
+        // O += P V' (P is zero above the diagonal); store.
+#pragma unroll
+        for (int k = 0; k < ROWS; ++k) {
+            const int i = grp + k * GROUPS;
+            float acc = o[k];
+            for (int j = 0; j <= i; j += 4) {
+                const float4 p4 = *reinterpret_cast<const float4*>(ps + i * kt + j);
+                acc += p4.x * vs[j * BV + col] + p4.y * vs[(j + 1) * BV + col] + p4.z * vs[(j + 2) * BV + col] +
+                       p4.w * vs[(j + 3) * BV + col];
+            }
+            if (i < rows && col_ok) out[((size_t)(tc + i) * nv + h) * dv + v0 + col] = acc;
+        }
+        // S = exp(G_last) S + K'^T V'.
+        const float decay = expf(glast);
+        for (int d0 = 0; d0 < dk; d0 += GROUPS * SROWS) {
+            float acc[SROWS];
+#pragma unroll
+            for (int k = 0; k < SROWS; ++k) acc[k] = 0.f;
+            for (int i = 0; i < CHUNK; i += 4) {
+                const float x0 = vs[i * BV + col], x1 = vs[(i + 1) * BV + col];
+                const float x2 = vs[(i + 2) * BV + col], x3 = vs[(i + 3) * BV + col];
+#pragma unroll
+                for (int k = 0; k < SROWS; ++k) {
+                    const int d = d0 + grp + k * GROUPS;
+                    if (d < dk) {
+                        const float4 k4 = *reinterpret_cast<const float4*>(ws + d * kt + i);
+                        acc[k] += k4.x * x0 + k4.y * x1 + k4.z * x2 + k4.w * x3;
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < SROWS; ++k) {
+                const int d = d0 + grp + k * GROUPS;
+                if (d < dk) ss[d * BV + col] = ss[d * BV + col] * decay + acc[k];
+            }
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! The Gated DeltaNet's CUDA kernels (`kernels/gdn.cu`): the conv + SiLU + l2norm + gates of
+//! every token, the chunk-local UT solve of every chunk, and the recurrent scan of every
+//! sequence, three launches per layer over the whole packed batch. Everything is f32 from the
+//! projections' outputs on, as on the portable path (`layers::delta_rule`), which stays the
+//! definition the kernel tests compare against. `LAYERTAP_CUDA_GDN=0` turns the kernels off.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, Device, Layout, Shape, Storage, Tensor};
+
+use super::config::{LinearAttentionConfig, GDN_CHUNK};
+use super::cuda_module::{kernel, GDN};
+use super::profile;
+
+/// Value columns per scan block (`BV` in the kernel).
+const BV: usize = 32;
+const THREADS: u32 = 256;
+/// The most dynamic shared memory one block may use on sm_80 and newer.
+const MAX_SHARED: usize = 227 * 1024;
+
+fn local_shared(dk: usize, dv: usize) -> usize {
+    4 * (GDN_CHUNK * ((2 * dk).max(dk + dv) + 4) + GDN_CHUNK * 65 + 2 * GDN_CHUNK)
+}
+
+fn scan_shared(dk: usize) -> usize {
+    let (st, kt) = (dk + 4, GDN_CHUNK + 4);
+    4 * ((GDN_CHUNK * st).max(dk * kt) + GDN_CHUNK * st + GDN_CHUNK * kt + GDN_CHUNK * BV + dk * BV + GDN_CHUNK)
+}
+
+/// Whether the kernels serve this layer shape on `device`.
+pub fn supported(device: &Device, d: &LinearAttentionConfig) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_GDN").is_ok_and(|v| v == "0"));
+    let (dk, dv) = (d.key_head_dim, d.value_head_dim);
+    !off && device.is_cuda()
+        && d.num_key_heads > 0
+        && d.num_value_heads % d.num_key_heads == 0
+        && dk.max(dv) <= 1024
+        && dk % 4 == 0
+        && local_shared(dk, dv) <= MAX_SHARED
+        && scan_shared(dk) <= MAX_SHARED
+}
+
+/// The batch's layout for the kernels: each token's position in its sequence, the chunks
+/// (first token, tokens) in sequence order, and the sequences (first token, tokens, first chunk).
+pub struct Tables {
+    pos: Tensor,
+    chunks: Tensor,
+    seqs: Tensor,
+    n_chunks: usize,
+    n_seqs: usize,
+}
+
+impl Tables {
+    pub fn new(seqs: &[(usize, usize)], device: &Device) -> candle_core::Result<Self> {
+        let pos: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
+        let (mut chunks, mut list) = (Vec::new(), Vec::new());
+        for &(start, len) in seqs.iter().filter(|s| s.1 > 0) {
+            list.extend([start as u32, len as u32, (chunks.len() / 2) as u32]);
+            for c in 0..len.div_ceil(GDN_CHUNK) {
+                chunks.extend([(start + c * GDN_CHUNK) as u32, (len - c * GDN_CHUNK).min(GDN_CHUNK) as u32]);
+            }
+        }
+        Ok(Tables {
+            n_chunks: chunks.len() / 2,
+            n_seqs: list.len() / 3,
+            pos: Tensor::new(pos.as_slice(), device)?,
+            chunks: Tensor::new(chunks.as_slice(), device)?,
+            seqs: Tensor::new(list.as_slice(), device)?,
+        })
+    }
+}
+
+/// Weights of one layer the kernels read, on the device, f32.
+pub struct GdnWeights<'a> {
+    /// `[conv_dim, kernel]`: `w[c][kernel - 1]` multiplies the token itself.
+    pub conv: &'a Tensor,
+    /// `-exp(A_log)`, `[value_heads]`.
+    pub neg_a: &'a Tensor,
+    pub dt_bias: &'a Tensor,
+}
+
+/// `qkv`: `[T, >= conv_dim]` (the q, k, v channels first), `b`, `a`: `[T, >= value_heads]`,
+/// all of the compute dtype with unit stride along the last dimension (views of a fused
+/// projection's output are fine). Returns the delta rule's output `[T, value_heads, dv]`, f32.
+pub fn forward(
+    qkv: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    w: &GdnWeights<'_>,
+    tables: &Tables,
+    d: &LinearAttentionConfig,
+) -> candle_core::Result<Tensor> {
+    // Row-major rows, possibly spaced apart (views of a wider tensor); anything else is copied.
+    let rowwise = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let st = t.stride();
+        if t.rank() == 2 && st[1] == 1 && (t.dim(0)? <= 1 || st[0] >= t.dim(1)?) {
+            Ok(t.clone())
+        } else {
+            t.contiguous()
+        }
+    };
+    let (qkv, b, a) = (rowwise(qkv)?, rowwise(b)?, rowwise(a)?);
+    let op = GdnOp {
+        conv: w.conv.contiguous()?,
+        neg_a: w.neg_a.contiguous()?,
+        dt_bias: w.dt_bias.contiguous()?,
+        pos: tables.pos.clone(),
+        chunks: tables.chunks.clone(),
+        seqs: tables.seqs.clone(),
+        n_chunks: tables.n_chunks,
+        n_seqs: tables.n_seqs,
+        d: d.clone(),
+    };
+    qkv.apply_op3_no_bwd(&b, &a, &op)
+}
+
+struct GdnOp {
+    conv: Tensor,
+    neg_a: Tensor,
+    dt_bias: Tensor,
+    pos: Tensor,
+    chunks: Tensor,
+    seqs: Tensor,
+    n_chunks: usize,
+    n_seqs: usize,
+    d: LinearAttentionConfig,
+}
+
+/// A view of a tensor held on the GPU, from its first element.
+fn held<T: CudaDType + DeviceRepr>(t: &Tensor, what: &str) -> candle_core::Result<CudaSlice<T>> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        Storage::Cuda(c) if l.is_contiguous() => {
+            let all = c.as_cuda_slice::<T>()?;
+            let n = l.shape().elem_count();
+            // A copy only for the small per-layer tables and weights with an offset.
+            if l.start_offset() == 0 && all.len() == n {
+                Ok(all.clone())
+            } else {
+                let mut out = unsafe { c.device().alloc::<T>(n)? };
+                c.device()
+                    .cuda_stream()
+                    .memcpy_dtod(&all.slice(l.start_offset()..l.start_offset() + n), &mut out)
+                    .w()?;
+                Ok(out)
+            }
+        }
+        _ => candle_core::bail!("gated deltanet kernels: {what} must be a contiguous tensor on the GPU"),
+    }
+}
+
+/// `(rows, leading dimension, view from the first element)` of a `[rows, cols]` input whose
+/// rows may be spaced apart (a narrow of a wider tensor).
+fn rows<'a, T: DeviceRepr>(
+    s: &'a CudaSlice<T>,
+    l: &Layout,
+    cols: usize,
+    what: &str,
+) -> candle_core::Result<(usize, usize, CudaView<'a, T>)> {
+    let (r, c) = l.shape().dims2()?;
+    let st = l.stride();
+    if c < cols || st[1] != 1 || (r > 1 && st[0] < c) {
+        candle_core::bail!(
+            "gated deltanet kernels: {what} {:?} (strides {st:?}) needs {cols} unit-stride columns",
+            l.shape()
+        );
+    }
+    let ld = if r > 1 { st[0] } else { c };
+    let len = if r == 0 { 0 } else { (r - 1) * ld + c };
+    Ok((r, ld, s.slice(l.start_offset()..l.start_offset() + len)))
+}
+
+/// With `LAYERTAP_PROFILE=1`, the time of one launch (the stream drained before and after).
+struct Timer(Option<std::time::Instant>);
+
+impl Timer {
+    fn start() -> Self {
+        Timer(profile::enabled().then(std::time::Instant::now))
+    }
+
+    fn stop(self, dev: &CudaDevice, phase: usize) -> candle_core::Result<()> {
+        if let Some(t) = self.0 {
+            dev.cuda_stream().synchronize().w()?;
+            profile::add(phase, t.elapsed().as_secs_f64());
+        }
+        Ok(())
+    }
+}
+
+impl GdnOp {
+    fn launch<T: CudaDType + DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        suffix: &str,
+        x: (&CudaSlice<T>, &Layout),
+        b: (&CudaSlice<T>, &Layout),
+        a: (&CudaSlice<T>, &Layout),
+    ) -> candle_core::Result<CudaSlice<f32>> {
+        let d = &self.d;
+        let (nk, nv, dk, dv) = (d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim);
+        let conv_dim = 2 * nk * dk + nv * dv;
+        let (t, ldx, xv) = rows(x.0, x.1, conv_dim, "qkv")?;
+        let (tb, ldb, bv) = rows(b.0, b.1, nv, "b")?;
+        let (ta, lda, av) = rows(a.0, a.1, nv, "a")?;
+        if tb != t || ta != t || self.pos.dim(0)? != t {
+            candle_core::bail!(
+                "gated deltanet kernels: {t} tokens of qkv, {tb} of b, {ta} of a, {} in the batch",
+                self.pos.dim(0)?
+            );
+        }
+        let conv = held::<f32>(&self.conv, "the conv weight")?;
+        let kernel_size = self.conv.dim(1)?;
+        let (neg_a, dt_bias) = (held::<f32>(&self.neg_a, "A")?, held::<f32>(&self.dt_bias, "dt_bias")?);
+        let (pos, chunks, seqs) =
+            (held::<u32>(&self.pos, "pos")?, held::<u32>(&self.chunks, "chunks")?, held::<u32>(&self.seqs, "seqs")?);
+        let out = unsafe { dev.alloc::<f32>(t * nv * dv)? };
+        if t == 0 {
+            return Ok(out);
+        }
+        // SAFETY (all allocations below): every element is written by a kernel before it is read
+        // (the conv kernel writes every channel of every token and every gate; the local kernel
+        // every row of every chunk, zeros past a sequence's end; the scan every token's output).
+        let mixed = unsafe { dev.alloc::<f32>(t * conv_dim)? };
+        let beta = unsafe { dev.alloc::<f32>(t * nv)? };
+        let g = unsafe { dev.alloc::<f32>(t * nv)? };
+        let ch = self.n_chunks * nv;
+        let gcum = unsafe { dev.alloc::<f32>(ch * GDN_CHUNK)? };
+        let wk = unsafe { dev.alloc::<f32>(ch * GDN_CHUNK * dk)? };
+        let u = unsafe { dev.alloc::<f32>(ch * GDN_CHUNK * dv)? };
+        let p = unsafe { dev.alloc::<f32>(ch * GDN_CHUNK * GDN_CHUNK)? };
+        let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
+
+        let f = kernel(dev, GDN, &format!("gdn_conv_{suffix}"))?;
+        let mut l = f.builder();
+        let (ldx_i, k_i, ldb_i, lda_i) = (ldx as i32, kernel_size as i32, ldb as i32, lda as i32);
+        let q_scale = (dk as f64).powf(-0.5) as f32;
+        l.arg(&xv);
+        l.arg(&ldx_i);
+        l.arg(&conv);
+        l.arg(&k_i);
+        l.arg(&pos);
+        l.arg(&bv);
+        l.arg(&ldb_i);
+        l.arg(&av);
+        l.arg(&lda_i);
+        l.arg(&neg_a);
+        l.arg(&dt_bias);
+        l.arg(&mixed);
+        l.arg(&beta);
+        l.arg(&g);
+        l.arg(&nk_i);
+        l.arg(&nv_i);
+        l.arg(&dk_i);
+        l.arg(&dv_i);
+        l.arg(&q_scale);
+        let hd = dk.max(dv).div_ceil(32) * 32;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, (2 * nk + nv) as u32, 1),
+            block_dim: (hd as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let timed = Timer::start();
+        // SAFETY: arguments match the kernel's signature; every index it forms is below t rows
+        // of the views, conv_dim channels and nv heads.
+        unsafe { l.launch(cfg) }.w()?;
+        timed.stop(dev, 9)?;
+
+        let f = kernel(dev, GDN, "gdn_chunk_local")?;
+        let bytes = local_shared(dk, dv);
+        f.max_dynamic_shared(bytes)?;
+        let mut l = f.builder();
+        l.arg(&mixed);
+        l.arg(&beta);
+        l.arg(&g);
+        l.arg(&chunks);
+        l.arg(&gcum);
+        l.arg(&wk);
+        l.arg(&u);
+        l.arg(&p);
+        l.arg(&nk_i);
+        l.arg(&nv_i);
+        l.arg(&dk_i);
+        l.arg(&dv_i);
+        let cfg = LaunchConfig {
+            grid_dim: (self.n_chunks as u32, nv as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: bytes as u32,
+        };
+        let timed = Timer::start();
+        // SAFETY: as above; the chunk table lists chunks inside the batch.
+        unsafe { l.launch(cfg) }.w()?;
+        timed.stop(dev, 10)?;
+
+        let f = kernel(dev, GDN, "gdn_chunk_scan")?;
+        let bytes = scan_shared(dk);
+        f.max_dynamic_shared(bytes)?;
+        let mut l = f.builder();
+        l.arg(&mixed);
+        l.arg(&seqs);
+        l.arg(&gcum);
+        l.arg(&wk);
+        l.arg(&u);
+        l.arg(&p);
+        l.arg(&out);
+        l.arg(&nk_i);
+        l.arg(&nv_i);
+        l.arg(&dk_i);
+        l.arg(&dv_i);
+        let cfg = LaunchConfig {
+            grid_dim: (dv.div_ceil(BV) as u32, nv as u32, self.n_seqs as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: bytes as u32,
+        };
+        let timed = Timer::start();
+        // SAFETY: as above; the sequence table's chunks are those of the chunk table.
+        unsafe { l.launch(cfg) }.w()?;
+        timed.stop(dev, 11)?;
+        Ok(out)
+    }
+}
+
+impl candle_core::CustomOp3 for GdnOp {
+    fn name(&self) -> &'static str {
+        "gated-deltanet"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("the gated deltanet kernels run on CUDA devices only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+        a: &CudaStorage,
+        al: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = x.device();
+        let out = match (&x.slice, &b.slice, &a.slice) {
+            (CudaStorageSlice::F32(xs), CudaStorageSlice::F32(bs), CudaStorageSlice::F32(as_)) => {
+                self.launch(dev, "f32", (xs, xl), (bs, bl), (as_, al))?
+            }
+            (CudaStorageSlice::BF16(xs), CudaStorageSlice::BF16(bs), CudaStorageSlice::BF16(as_)) => {
+                self.launch(dev, "bf16", (xs, xl), (bs, bl), (as_, al))?
+            }
+            (CudaStorageSlice::F16(xs), CudaStorageSlice::F16(bs), CudaStorageSlice::F16(as_)) => {
+                self.launch(dev, "f16", (xs, xl), (bs, bl), (as_, al))?
+            }
+            _ => candle_core::bail!(
+                "gated deltanet kernels: qkv, b, a must share one of f32, bf16, f16, got {:?}, {:?}, {:?}",
+                x.dtype(),
+                b.dtype(),
+                a.dtype()
+            ),
+        };
+        let t = xl.shape().dims2()?.0;
+        let d = &self.d;
+        Ok((
+            CudaStorage { slice: CudaStorageSlice::F32(out), device: dev.clone() },
+            Shape::from((t, d.num_value_heads, d.value_head_dim)),
+        ))
+    }
+}

@@ -1,4 +1,5 @@
-//! With the `cuda` feature, compiles `kernels/*.cu` (attention, fused element-wise ops) with nvcc
+//! With the `cuda` feature, compiles `kernels/*.cu` (attention, the Gated DeltaNet, the experts'
+//! grouped matmul, fused element-wise ops) with nvcc
 //! into fat binaries: machine code for every compute capability in `LAYERTAP_CUDA_ARCHS` and PTX
 //! for the newest of them, which the driver compiles for GPUs newer still. Without the feature,
 //! does nothing.
@@ -18,6 +19,7 @@ fn main() {
     println!("cargo::rerun-if-changed=kernels/attention.cu");
     println!("cargo::rerun-if-changed=kernels/ops.cu");
     println!("cargo::rerun-if-changed=kernels/gdn.cu");
+    println!("cargo::rerun-if-changed=kernels/moe.cu");
     println!("cargo::rerun-if-env-changed=LAYERTAP_CUDA_ARCHS");
     println!("cargo::rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -40,7 +42,7 @@ fn main() {
     let mut gencode: Vec<String> = archs.iter().map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}")).collect();
     gencode.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
-    for name in ["attention", "gdn", "ops"] {
+    for name in ["attention", "gdn", "moe", "ops"] {
         let status = Command::new(&nvcc)
             .args(["--fatbin", "-O3", "-std=c++17", "--use_fast_math"])
             .args(&gencode)

@@ -1,5 +1,5 @@
 // The Gated DeltaNet on packed sequences, in f32 (every product, the triangular solve and the
-// recurrent state), in three launches per layer:
+// recurrent state), in three launches per layer, and its gated RMSNorm in a fourth:
 //
 // 1. gdn_conv_*: per token and head, the causal depthwise conv1d (zeros before the sequence's
 //    first token) + SiLU over the q, k, v channels, the l2norm of q and k (q also scaled by
@@ -335,3 +335,44 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// 4. The gated RMSNorm of the delta rule's output, in f32, rounded once:
+// y = x * rsqrt(mean(x^2) + eps) * w * silu(z). Grid (tokens * nv); block dv rounded up to 32.
+// x: [T * nv, dv] f32; z: token t, head h at z[t * ldz + h * dv ..]; w: [dv] f32; out [T * nv, dv].
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+
+template <typename T>
+__device__ void gated_norm(const float* __restrict__ x, const T* __restrict__ z, int ldz, const float* __restrict__ w,
+                           T* __restrict__ out, int nv, int dv, float eps) {
+    __shared__ float red[32];
+    const int row = blockIdx.x, t = row / nv, h = row % nv, d = threadIdx.x;
+    const float v = d < dv ? x[(size_t)row * dv + d] : 0.f;
+    float sq = v * v;
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffff, sq, o);
+    if (d % 32 == 0) red[d / 32] = sq;
+    __syncthreads();
+    if (d < 32) {
+        float s = d < (int)(blockDim.x / 32) ? red[d] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (d == 0) red[0] = s;
+    }
+    __syncthreads();
+    if (d < dv) {
+        const float scale = 1.f / sqrtf(red[0] / dv + eps);
+        const float zf = to_f32(z[(size_t)t * ldz + h * dv + d]);
+        store(out + (size_t)row * dv + d, v * scale * w[d] * (zf / (1.f + expf(-zf))));
+    }
+}
+
+#define GATED_NORM_KERNEL(NAME, T)                                                                           \
+    extern "C" __global__ void NAME(const float* x, const T* z, int ldz, const float* w, T* out, int nv, int dv, \
+                                    float eps) {                                                             \
+        gated_norm<T>(x, z, ldz, w, out, nv, dv, eps);                                                       \
+    }
+
+GATED_NORM_KERNEL(gdn_gated_norm_f32, float)
+GATED_NORM_KERNEL(gdn_gated_norm_bf16, __nv_bfloat16)
+GATED_NORM_KERNEL(gdn_gated_norm_f16, __half)

@@ -323,3 +323,66 @@ fn gdn_kernels_are_batch_invariant() {
         assert_eq!(diff, 0.0, "sequence of {len} tokens differs alone by {diff}");
     }
 }
+
+/// The fused gated RMSNorm equals the separate f32 ops (`rms_norm(x) * w * silu(z)`), to the
+/// output's rounding, with `z` a view into a wider projection output.
+#[test]
+fn gdn_gated_norm_matches_separate_ops() {
+    let Some(dev) = device() else { return };
+    let (t, nv, dv) = (37, 6, 128);
+    let x = Tensor::randn(0f32, 1.5, (t, nv, dv), &dev).unwrap();
+    let w = Tensor::randn(1f32, 0.3, dv, &dev).unwrap();
+    for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3)] {
+        let wide = Tensor::randn(0f32, 2.0, (t, nv * dv + 24), &dev).unwrap().to_dtype(dtype).unwrap();
+        let z = wide.narrow(1, 0, nv * dv).unwrap();
+        let got = layertap::engine::cuda_gdn::gated_norm(&x, &z, &w, 1e-6).unwrap();
+        assert_eq!((got.dims(), got.dtype()), (&[t, nv, dv][..], dtype));
+        let zf = z.to_dtype(DType::F32).unwrap().reshape((t, nv, dv)).unwrap();
+        let want = (candle_nn::ops::rms_norm(&x, &w, 1e-6).unwrap() * candle_nn::ops::silu(&zf).unwrap()).unwrap();
+        let e = rel(&got, &want);
+        assert!(e < tol, "{dtype:?}: rel err {e}");
+    }
+}
+
+/// The experts' grouped matmul equals one matmul per expert over its rows, for experts with
+/// no rows, one row, and counts that do not fill the 64-row tiles, in bf16 and f16; and a row's
+/// result is the same bits whatever the other rows of its expert are.
+#[test]
+fn grouped_matmul_matches_a_matmul_per_expert() {
+    use layertap::engine::cuda_moe::{grouped_matmul, tiles};
+    let Some(dev) = device() else { return };
+    let counts = [0usize, 1, 64, 65, 0, 200, 7, 130];
+    let starts: Vec<usize> = counts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let rows: usize = counts.iter().sum();
+    let (e, n, k) = (counts.len(), 384, 256);
+    for dtype in [DType::BF16, DType::F16] {
+        let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap().to_dtype(dtype).unwrap();
+        let w = (Tensor::randn(0f32, 1.0, (e, n, k), &dev).unwrap() * 0.1).unwrap().to_dtype(dtype).unwrap();
+        let list = tiles(&starts, &counts, &dev).unwrap();
+        let y = grouped_matmul(&x, &w, &list).unwrap();
+        assert_eq!(y.dims(), &[rows, n]);
+        let (xf, wf) = (x.to_dtype(DType::F32).unwrap(), w.to_dtype(DType::F32).unwrap());
+        for (ex, (&s, &c)) in starts.iter().zip(&counts).enumerate().filter(|(_, (_, &c))| c > 0) {
+            let want = xf.narrow(0, s, c).unwrap().matmul(&wf.get(ex).unwrap().t().unwrap()).unwrap();
+            let err = rel(&y.narrow(0, s, c).unwrap(), &want);
+            assert!(err < 4e-3, "{dtype:?} expert {ex} ({c} rows): rel err {err}");
+        }
+        // Expert 5's rows alone, as a one-expert batch: the same bits.
+        let alone = grouped_matmul(
+            &x.narrow(0, starts[5], counts[5]).unwrap(),
+            &w.narrow(0, 5, 1).unwrap(),
+            &tiles(&[0], &[counts[5]], &dev).unwrap(),
+        )
+        .unwrap();
+        let d = (alone.to_dtype(DType::F32).unwrap()
+            - y.narrow(0, starts[5], counts[5]).unwrap().to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+        assert_eq!(d, 0.0, "{dtype:?}: a row's result depends on its batch mates ({d})");
+    }
+}

@@ -4,7 +4,8 @@ base model without lm_head and without the layers past the deepest requested one
 keeps them), forward hooks on the requested layers, sequences sorted by length in right-padded
 batches of at most --max-batch-tokens (padding counted), results copied asynchronously to
 page-locked host buffers allocated once and reused, each batch's copy waited for by its own
-event. One untimed warm-up batch; the whole workload timed end to end. For the Gated DeltaNet
+event. An untimed warm-up pass over every batch (--warmup first: the first batch only), then the
+whole workload timed end to end. For the Gated DeltaNet
 hybrids, transformers uses fla's kernels when fla imports (the JSON line says whether it did);
 MoE models take --experts-implementation.
 
@@ -35,6 +36,9 @@ def main():
     ap.add_argument("--workload", required=True)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
     ap.add_argument("--no-truncate", action="store_true", help="run every layer, as output_hidden_states would")
+    ap.add_argument("--warmup", choices=["first", "all"], default="all",
+                    help="untimed warm-up: the first batch, or every batch once (Triton kernels, such as fla's, "
+                         "compile and autotune per shape on first use)")
     ap.add_argument("--experts-implementation", default=None,
                     help="MoE models: transformers' experts kernel (grouped_mm, batched_mm, eager)")
     a = ap.parse_args()
@@ -97,7 +101,11 @@ def main():
         return host, lens, done
 
     with torch.inference_mode():
-        run(batches[0], 0)
+        warm = time.perf_counter()
+        for n_b, b in enumerate(batches if a.warmup == "all" else batches[:1]):
+            run(b, n_b % len(pool))
+            torch.cuda.synchronize()
+        warmup_s = time.perf_counter() - warm
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         pending, out_bytes = [], 0
@@ -114,14 +122,22 @@ def main():
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
     tokens = sum(len(s) for s in seqs)
+    # Which implementation of the Gated DeltaNet's chunked delta rule transformers resolved at import
+    # (hybrids): fla's when fla imports and exports it (transformers' use_kernel_func_from_hub_with_fallback),
+    # else its torch reference (it warns on stderr then, as it does for causal_conv1d_fn).
+    try:
+        import fla
+        fla_rule = getattr(fla, "chunk_gated_delta_rule", None) is not None
+    except Exception:
+        fla_rule = False
     print(json.dumps({
         "contender": "hf-transformers-hooks", "tokens": tokens, "seconds": round(secs, 3),
         "tokens_per_s": round(tokens / secs, 1), "max_batch_tokens": a.max_batch_tokens, "batches": len(batches),
         "padded_tokens": sum(len(b) * len(seqs[b[-1]]) for b in batches), "output_bytes": out_bytes,
-        "layers_run": len(base.layers),
+        "layers_run": len(base.layers), "warmup": a.warmup, "warmup_seconds": round(warmup_s, 3),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
         "transformers": transformers.__version__, "experts_implementation": a.experts_implementation,
-        "fla": importlib.util.find_spec("fla") is not None,
+        "fla": importlib.util.find_spec("fla") is not None, "fla_chunk_gated_delta_rule": fla_rule,
     }))
 
 

@@ -373,3 +373,105 @@ impl candle_core::CustomOp3 for GdnOp {
         ))
     }
 }
+
+/// `rms_norm(x) * w * silu(z)` over the value dimension, in f32, rounded once to `z`'s dtype:
+/// `x` the delta rule's output `[T, value_heads, dv]` f32, `z` `[T, >= value_heads * dv]` (unit
+/// stride along the last dimension), `w` `[dv]` f32. One launch; the same values as
+/// `layers::norm::GatedRmsNorm` computes with separate ops.
+pub fn gated_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    let st = z.stride();
+    let z =
+        if z.rank() == 2 && st[1] == 1 && (z.dim(0)? <= 1 || st[0] >= z.dim(1)?) { z.clone() } else { z.contiguous()? };
+    x.contiguous()?.apply_op2_no_bwd(&z, &GatedNorm { w: w.contiguous()?, eps })
+}
+
+struct GatedNorm {
+    w: Tensor,
+    eps: f32,
+}
+
+impl GatedNorm {
+    fn launch<T: CudaDType + DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        suffix: &str,
+        x: (&CudaSlice<f32>, &Layout),
+        z: (&CudaSlice<T>, &Layout),
+    ) -> candle_core::Result<CudaSlice<T>> {
+        let (t, nv, dv) = x.1.shape().dims3()?;
+        let xv = match x.1.contiguous_offsets() {
+            Some((a, b)) => x.0.slice(a..b),
+            None => candle_core::bail!("gated norm: x must be contiguous"),
+        };
+        let (tz, ldz, zv) = rows(z.0, z.1, nv * dv, "z")?;
+        if tz != t || self.w.dims() != [dv] || dv > 1024 {
+            candle_core::bail!(
+                "gated norm: x {:?}, z {:?}, w {:?} do not fit",
+                x.1.shape(),
+                z.1.shape(),
+                self.w.dims()
+            );
+        }
+        let w = held::<f32>(&self.w, "the gated norm weight")?;
+        // SAFETY: the kernel writes every element (one block per row, a thread per column).
+        let out = unsafe { dev.alloc::<T>(t * nv * dv)? };
+        if t * nv == 0 {
+            return Ok(out);
+        }
+        let f = kernel(dev, GDN, &format!("gdn_gated_norm_{suffix}"))?;
+        let mut l = f.builder();
+        let (ldz_i, nv_i, dv_i) = (ldz as i32, nv as i32, dv as i32);
+        l.arg(&xv);
+        l.arg(&zv);
+        l.arg(&ldz_i);
+        l.arg(&w);
+        l.arg(&out);
+        l.arg(&nv_i);
+        l.arg(&dv_i);
+        l.arg(&self.eps);
+        let cfg = LaunchConfig {
+            grid_dim: ((t * nv) as u32, 1, 1),
+            block_dim: (dv.div_ceil(32) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; indices stay below t rows of z and x.
+        unsafe { l.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}
+
+impl candle_core::CustomOp2 for GatedNorm {
+    fn name(&self) -> &'static str {
+        "gated-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("the gated norm kernel runs on CUDA devices only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        z: &CudaStorage,
+        zl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = x.device();
+        let CudaStorageSlice::F32(xs) = &x.slice else {
+            candle_core::bail!("gated norm: x must be f32, got {:?}", x.dtype())
+        };
+        let slice = match &z.slice {
+            CudaStorageSlice::F32(zs) => CudaStorageSlice::F32(self.launch(dev, "f32", (xs, xl), (zs, zl))?),
+            CudaStorageSlice::BF16(zs) => CudaStorageSlice::BF16(self.launch(dev, "bf16", (xs, xl), (zs, zl))?),
+            CudaStorageSlice::F16(zs) => CudaStorageSlice::F16(self.launch(dev, "f16", (xs, xl), (zs, zl))?),
+            _ => candle_core::bail!("gated norm: z must be f32, bf16 or f16, got {:?}", z.dtype()),
+        };
+        Ok((CudaStorage { slice, device: dev.clone() }, xl.shape().clone()))
+    }
+}

@@ -20,6 +20,7 @@ pub struct Module {
 pub const ATTENTION: Module =
     Module { name: "attention", image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")) };
 pub const GDN: Module = Module { name: "gdn", image: include_bytes!(concat!(env!("OUT_DIR"), "/gdn.fatbin")) };
+pub const MOE: Module = Module { name: "moe", image: include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin")) };
 pub const OPS: Module = Module { name: "ops", image: include_bytes!(concat!(env!("OUT_DIR"), "/ops.fatbin")) };
 
 /// The compute capabilities the kernels carry machine code for, and the one whose PTX they

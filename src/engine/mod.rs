@@ -10,6 +10,8 @@ pub mod cuda_gdn;
 #[cfg(feature = "cuda")]
 pub mod cuda_module;
 #[cfg(feature = "cuda")]
+pub mod cuda_moe;
+#[cfg(feature = "cuda")]
 pub mod cuda_ops;
 pub mod decoder;
 pub mod gguf;

@@ -11,10 +11,22 @@
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-pub const PHASES: [&str; 8] =
-    ["norm_qkv", "rope", "attention", "o_proj_mlp", "host_copy", "gdn_proj", "gdn_core", "moe"];
+pub const PHASES: [&str; 12] = [
+    "norm_qkv",
+    "rope",
+    "attention",
+    "o_proj_mlp",
+    "host_copy",
+    "gdn_proj",
+    "gdn_core",
+    "moe",
+    "gdn_kernels",
+    "gdn_conv",
+    "gdn_local",
+    "gdn_scan",
+];
 static ON: OnceLock<bool> = OnceLock::new();
-static SECS: Mutex<[f64; 12]> = Mutex::new([0.0; 12]);
+static SECS: Mutex<[f64; PHASES.len()]> = Mutex::new([0.0; PHASES.len()]);
 
 pub fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("LAYERTAP_PROFILE").is_ok_and(|v| v == "1"))

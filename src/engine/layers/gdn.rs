@@ -111,7 +111,8 @@ pub fn mix_portable(
         x.unsqueeze(2)?.broadcast_as((t, nk, r, dk))?.reshape((t, nv, dk))
     };
     let (q, k) = (widen(q)?, widen(k)?);
-    let beta = candle_nn::ops::sigmoid(&b)?.to_dtype(DType::F32)?;
+    // sigmoid in f32, rounded once to the compute dtype (as PyTorch computes it there).
+    let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?)?.to_dtype(b.dtype())?.to_dtype(DType::F32)?;
     let x = a.to_dtype(DType::F32)?.broadcast_add(dt_bias)?;
     // softplus with PyTorch's threshold: x itself above 20, log1p(exp(x)) below.
     let softplus = x.gt(20.0)?.where_cond(&x, &log1p(&x.clamp(f32::MIN, 20.0)?.exp()?)?)?;
@@ -173,17 +174,20 @@ impl GatedDeltaNet {
                 let w = crate::engine::cuda_gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
                 let core = crate::engine::cuda_gdn::forward(&qkv, &b, &a, &w, tables, d)?;
                 profile::mark(h.device(), 8, since);
-                Some(core)
+                let (weight, eps) = self.norm.parts();
+                Some(crate::engine::cuda_gdn::gated_norm(&core, &z, weight, eps)?)
             }
             _ => None,
         };
         #[cfg(not(feature = "cuda"))]
         let kernels = None;
-        let core = match kernels {
-            Some(core) => core,
-            None => mix_portable(&qkv, &b, &a, &self.taps, &self.neg_a, &self.dt_bias, plan, d)?,
+        let normed = match kernels {
+            Some(normed) => normed,
+            None => {
+                let core = mix_portable(&qkv, &b, &a, &self.taps, &self.neg_a, &self.dt_bias, plan, d)?;
+                self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?
+            }
         };
-        let normed = self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?;
         profile::mark(h.device(), 6, since);
         self.out.forward(&normed.reshape((t, nv * dv))?)
     }

@@ -10,9 +10,20 @@ use crate::engine::config::MoeConfig;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
+/// The experts: one MLP each, or (CUDA, 16-bit) their weights stacked for the grouped kernel.
+enum Experts {
+    PerExpert(Vec<GatedMlp>),
+    /// `gate_up` `[E, 2I, H]` (each expert's gate rows, then its up rows), `down` `[E, H, I]`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Stacked {
+        gate_up: Tensor,
+        down: Tensor,
+    },
+}
+
 pub struct SparseMoe {
     router: Linear,
-    experts: Vec<GatedMlp>,
+    experts: Experts,
     /// The shared expert and its gate's weight row `[1, hidden]`.
     shared: Option<(GatedMlp, Tensor)>,
     top_k: usize,
@@ -21,7 +32,31 @@ pub struct SparseMoe {
 
 /// The experts of `{prefix}.experts`, stored either fused (`gate_up_proj` [E, 2I, H] with the
 /// gate rows first, `down_proj` [E, H, I]) or one module per expert.
-fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Vec<GatedMlp>, EngineError> {
+fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Experts, EngineError> {
+    #[cfg(feature = "cuda")]
+    if crate::engine::cuda_moe::supported(&w.device, w.dtype, hidden, m.expert_intermediate_size) {
+        let (e, i) = (m.num_experts, m.expert_intermediate_size);
+        let fused = format!("{prefix}.experts.gate_up_proj");
+        if w.has(&fused) {
+            let gate_up = w.get(&fused, &[e, 2 * i, hidden])?;
+            let down = w.get(&format!("{prefix}.experts.down_proj"), &[e, hidden, i])?;
+            return Ok(Experts::Stacked { gate_up, down });
+        }
+        if w.has(&format!("{prefix}.experts.0.gate_proj.weight")) {
+            let one = |x: usize, n: &str, shape: &[usize]| w.get(&format!("{prefix}.experts.{x}.{n}.weight"), shape);
+            let mut gate_up = Vec::with_capacity(e);
+            let mut down = Vec::with_capacity(e);
+            for x in 0..e {
+                gate_up.push(Tensor::cat(&[one(x, "gate_proj", &[i, hidden])?, one(x, "up_proj", &[i, hidden])?], 0)?);
+                down.push(one(x, "down_proj", &[hidden, i])?);
+            }
+            return Ok(Experts::Stacked { gate_up: Tensor::stack(&gate_up, 0)?, down: Tensor::stack(&down, 0)? });
+        }
+    }
+    Ok(Experts::PerExpert(load_per_expert(w, prefix, m, hidden)?))
+}
+
+fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Vec<GatedMlp>, EngineError> {
     let (e, i) = (m.num_experts, m.expert_intermediate_size);
     let fuse = w.device.is_cuda();
     let fused = format!("{prefix}.experts.gate_up_proj");
@@ -89,7 +124,11 @@ impl SparseMoe {
         let k = self.top_k;
         let (idx, weights) = self.route(x)?;
         let choices = idx.to_vec2::<u32>()?;
-        let mut counts = vec![0usize; self.experts.len()];
+        let n_experts = match &self.experts {
+            Experts::PerExpert(v) => v.len(),
+            Experts::Stacked { down, .. } => down.dim(0)?,
+        };
+        let mut counts = vec![0usize; n_experts];
         for &e in choices.iter().flatten() {
             *counts.get_mut(e as usize).ok_or_else(|| candle_core::Error::Msg(format!("expert {e}")))? += 1;
         }
@@ -108,17 +147,35 @@ impl SparseMoe {
         }
         let dev = x.device();
         let sorted = x.index_select(&Tensor::new(tokens.as_slice(), dev)?, 0)?;
-        let mut outs = Vec::new();
-        for (e, expert) in self.experts.iter().enumerate().filter(|(e, _)| counts[*e] > 0) {
-            outs.push(expert.forward(&sorted.narrow(0, starts[e], counts[e])?)?);
-        }
-        let out = if outs.is_empty() {
-            x.zeros_like()?
-        } else {
-            let ys = Tensor::cat(&outs, 0)?;
-            let per_slot = ys.index_select(&Tensor::new(row_of.as_slice(), dev)?, 0)?.reshape((t, k, hidden))?;
-            let w = weights.to_dtype(DType::F32)?.unsqueeze(2)?;
-            per_slot.to_dtype(DType::F32)?.broadcast_mul(&w)?.sum(1)?.to_dtype(x.dtype())?
+        let ys = match &self.experts {
+            #[cfg(feature = "cuda")]
+            Experts::Stacked { gate_up, down } => {
+                use crate::engine::cuda_moe::{grouped_matmul, tiles};
+                let tiles = tiles(&starts, &counts, dev)?;
+                let act = crate::engine::cuda_ops::silu_mul(&grouped_matmul(&sorted, gate_up, &tiles)?)?;
+                Some(grouped_matmul(&act, down, &tiles)?)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Experts::Stacked { .. } => candle_core::bail!("stacked experts need the cuda feature"),
+            Experts::PerExpert(experts) => {
+                let mut outs = Vec::new();
+                for (e, expert) in experts.iter().enumerate().filter(|(e, _)| counts[*e] > 0) {
+                    outs.push(expert.forward(&sorted.narrow(0, starts[e], counts[e])?)?);
+                }
+                if outs.is_empty() {
+                    None
+                } else {
+                    Some(Tensor::cat(&outs, 0)?)
+                }
+            }
+        };
+        let out = match ys {
+            None => x.zeros_like()?,
+            Some(ys) => {
+                let per_slot = ys.index_select(&Tensor::new(row_of.as_slice(), dev)?, 0)?.reshape((t, k, hidden))?;
+                let w = weights.to_dtype(DType::F32)?.unsqueeze(2)?;
+                per_slot.to_dtype(DType::F32)?.broadcast_mul(&w)?.sum(1)?.to_dtype(x.dtype())?
+            }
         };
         match &self.shared {
             Some((mlp, gate)) => {

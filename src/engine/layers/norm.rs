@@ -50,6 +50,11 @@ impl GatedRmsNorm {
         Ok(GatedRmsNorm { weight: w.get_f32(&format!("{name}.weight"), &[size])?, eps: eps as f32 })
     }
 
+    /// The weight (f32) and epsilon, for the fused CUDA kernel.
+    pub fn parts(&self) -> (&Tensor, f32) {
+        (&self.weight, self.eps)
+    }
+
     /// `x`, `z`: `[.., size]`; returns `out`-typed values of the same shape.
     pub fn forward(&self, x: &Tensor, z: &Tensor, out: DType) -> candle_core::Result<Tensor> {
         let normed = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &self.weight, self.eps)?;

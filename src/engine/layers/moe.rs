@@ -117,10 +117,10 @@ impl SparseMoe {
     ///
     /// The `(token, slot)` pairs are sorted by expert (stably) and the tokens gathered once in
     /// that order, so each expert runs one matmul chain over a contiguous block of rows; the
-    /// results are gathered back per token and slot and summed over the slots, best first, in
-    /// f32 (a fixed order: a token's sum does not depend on its batch mates).
+    /// results are gathered back slot by slot and summed over the slots, best first, in f32 (a
+    /// fixed order: a token's sum does not depend on its batch mates).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (t, hidden) = x.dims2()?;
+        let t = x.dim(0)?;
         let k = self.top_k;
         let (idx, weights) = self.route(x)?;
         let choices = idx.to_vec2::<u32>()?;
@@ -134,7 +134,8 @@ impl SparseMoe {
         }
         let starts: Vec<usize> = counts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
         let mut next = starts.clone();
-        // tokens[r]: the token of sorted row r; row_of[tok * k + slot]: that pair's sorted row.
+        // tokens[r]: the token of sorted row r; row_of[slot * T + tok]: that pair's sorted row
+        // (slot-major, so each slot's rows come back as one contiguous block).
         let mut tokens = vec![0u32; t * k];
         let mut row_of = vec![0u32; t * k];
         for (tok, choice) in choices.iter().enumerate() {
@@ -142,7 +143,7 @@ impl SparseMoe {
                 let r = next[e as usize];
                 next[e as usize] += 1;
                 tokens[r] = tok as u32;
-                row_of[tok * k + j] = r as u32;
+                row_of[j * t + tok] = r as u32;
             }
         }
         let dev = x.device();
@@ -172,9 +173,17 @@ impl SparseMoe {
         let out = match ys {
             None => x.zeros_like()?,
             Some(ys) => {
-                let per_slot = ys.index_select(&Tensor::new(row_of.as_slice(), dev)?, 0)?.reshape((t, k, hidden))?;
-                let w = weights.to_dtype(DType::F32)?.unsqueeze(2)?;
-                per_slot.to_dtype(DType::F32)?.broadcast_mul(&w)?.sum(1)?.to_dtype(x.dtype())?
+                let back = ys.index_select(&Tensor::new(row_of.as_slice(), dev)?, 0)?; // [k * T, H]
+                let w = weights.to_dtype(DType::F32)?;
+                let mut acc: Option<Tensor> = None;
+                for j in 0..k {
+                    let term = back.narrow(0, j * t, t)?.to_dtype(DType::F32)?.broadcast_mul(&w.narrow(1, j, 1)?)?;
+                    acc = Some(match acc {
+                        None => term,
+                        Some(a) => (a + term)?,
+                    });
+                }
+                acc.ok_or_else(|| candle_core::Error::Msg("no experts per token".into()))?.to_dtype(x.dtype())?
             }
         };
         match &self.shared {

@@ -16,39 +16,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "mma.cuh"
+
 #define BM 64
 #define WARPS 4
 #define PAD 8
-
-template <typename T> struct Ops;
-
-template <> struct Ops<__nv_bfloat16> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-template <> struct Ops<__half> {
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-    static __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
 
 // Loads two consecutive 16-bit values as one register, zero past `valid`.
 template <typename T>
@@ -140,7 +112,7 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
                 const T* kr = &ks[n * 8 + g][kk * 16 + 2 * t];
                 const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-                Ops<T>::mma(s[n], qf[kk], b0, b1);
+                Mma<T>::mma(s[n], qf[kk], b0, b1);
             }
         }
 
@@ -194,8 +166,8 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
             l_a += p0 + p1;
             l_b += p2 + p3;
             const int kk = n / 2, hi = (n % 2) * 2;
-            pf[kk][hi] = Ops<T>::pack(p0, p1);
-            pf[kk][hi + 1] = Ops<T>::pack(p2, p3);
+            pf[kk][hi] = Mma<T>::pack(p0, p1);
+            pf[kk][hi + 1] = Mma<T>::pack(p2, p3);
         }
 
         // O += P V.
@@ -206,7 +178,7 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
                 const T* vr = &vt[n * 8 + g][kk * 16 + 2 * t];
                 const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
-                Ops<T>::mma(o[n], pf[kk], b0, b1);
+                Mma<T>::mma(o[n], pf[kk], b0, b1);
             }
         }
     }
@@ -223,8 +195,8 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         const int c = n * 8 + 2 * t;
-        if (row_a < seq_len) *reinterpret_cast<uint32_t*>(oa + c) = Ops<T>::pack(o[n][0] * inv_a, o[n][1] * inv_a);
-        if (row_b < seq_len) *reinterpret_cast<uint32_t*>(ob + c) = Ops<T>::pack(o[n][2] * inv_b, o[n][3] * inv_b);
+        if (row_a < seq_len) *reinterpret_cast<uint32_t*>(oa + c) = Mma<T>::pack(o[n][0] * inv_a, o[n][1] * inv_a);
+        if (row_b < seq_len) *reinterpret_cast<uint32_t*>(ob + c) = Mma<T>::pack(o[n][2] * inv_b, o[n][3] * inv_b);
     }
 }
 

@@ -34,6 +34,21 @@ __device__ __forceinline__ float round_to(float x, const __nv_bfloat16*) {
 }
 __device__ __forceinline__ float round_to(float x, const __half*) { return __half2float(__float2half_rn(x)); }
 
+// The sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), for every thread.
+__device__ float block_sum(float v) {
+    __shared__ float red[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float s = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (threadIdx.x == 0) red[0] = s;
+    }
+    __syncthreads();
+    return red[0];
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. conv + SiLU + l2norm + gates. Grid (tokens, 2 * nk + nv); block of `hd` threads (>= dk, dv).
 // x: [T, ldx] (q | k | v channels first), w: [conv_dim, K] f32 (w[c][K - 1] multiplies the token
@@ -45,7 +60,6 @@ __device__ void conv_norm_gates(const T* __restrict__ x, int ldx, const float* _
                                 const T* __restrict__ a, int lda, const float* __restrict__ neg_a,
                                 const float* __restrict__ dt_bias, float* __restrict__ out, float* __restrict__ beta,
                                 float* __restrict__ g, int nk, int nv, int dk, int dv, float q_scale) {
-    __shared__ float red[32];
     const int t = blockIdx.x;
     const int slot = blockIdx.y;
     const int conv_dim = 2 * nk * dk + nv * dv;
@@ -71,17 +85,7 @@ __device__ void conv_norm_gates(const T* __restrict__ x, int ldx, const float* _
         y = y / (1.f + expf(-y));
     }
     if (norm) {
-        float sq = lane < width ? y * y : 0.f;
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffff, sq, o);
-        if (lane % 32 == 0) red[lane / 32] = sq;
-        __syncthreads();
-        if (lane < 32) {
-            float v = lane < (int)(blockDim.x / 32) ? red[lane] : 0.f;
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-            if (lane == 0) red[0] = v;
-        }
-        __syncthreads();
-        y = y / sqrtf(red[0] + 1e-6f);
+        y = y / sqrtf(block_sum(lane < width ? y * y : 0.f) + 1e-6f);
         if (slot < nk) y *= q_scale;
     }
     if (lane < width) out[(size_t)t * conv_dim + c0 + lane] = y;
@@ -347,21 +351,11 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 template <typename T>
 __device__ void gated_norm(const float* __restrict__ x, const T* __restrict__ z, int ldz, const float* __restrict__ w,
                            T* __restrict__ out, int nv, int dv, float eps) {
-    __shared__ float red[32];
     const int row = blockIdx.x, t = row / nv, h = row % nv, d = threadIdx.x;
     const float v = d < dv ? x[(size_t)row * dv + d] : 0.f;
-    float sq = v * v;
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffff, sq, o);
-    if (d % 32 == 0) red[d / 32] = sq;
-    __syncthreads();
-    if (d < 32) {
-        float s = d < (int)(blockDim.x / 32) ? red[d] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (d == 0) red[0] = s;
-    }
-    __syncthreads();
+    const float total = block_sum(v * v);
     if (d < dv) {
-        const float scale = 1.f / sqrtf(red[0] / dv + eps);
+        const float scale = 1.f / sqrtf(total / dv + eps);
         const float zf = to_f32(z[(size_t)t * ldz + h * dv + d]);
         store(out + (size_t)row * dv + d, v * scale * w[d] * (zf / (1.f + expf(-zf))));
     }

@@ -11,6 +11,12 @@ mod common;
 
 use common::cuda_device as device;
 
+/// The largest absolute difference, in f32.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let (a, b) = (a.to_dtype(DType::F32).unwrap(), b.to_dtype(DType::F32).unwrap());
+    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
 fn rel(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap();
     let b = b.to_dtype(DType::F32).unwrap();
@@ -87,15 +93,7 @@ fn kernel_is_batch_invariant() {
                 None,
             )
             .unwrap();
-            let diff = (alone.to_dtype(DType::F32).unwrap()
-                - packed.narrow(0, s, l).unwrap().to_dtype(DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+            let diff = max_abs_diff(&alone, &packed.narrow(0, s, l).unwrap());
             assert_eq!(diff, 0.0, "d{d}: sequence at {s} (len {l}) differs alone vs packed by {diff}");
         }
     }
@@ -134,7 +132,7 @@ fn residual_kernels_match_f32_ops() {
         let sum = layertap::engine::cuda_ops::add_f32(&x, &y).unwrap();
         assert_eq!(sum.dtype(), DType::F32);
         let want = (&x + y.to_dtype(DType::F32).unwrap()).unwrap();
-        let d = (&sum - &want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let d = max_abs_diff(&sum, &want);
         assert_eq!(d, 0.0, "{dtype:?} add differs by {d}");
         let wd = w.to_dtype(dtype).unwrap();
         let normed = layertap::engine::cuda_ops::rms_norm_f32(&sum, &wd, 1e-6).unwrap();
@@ -319,7 +317,7 @@ fn gdn_kernels_are_batch_invariant() {
             dt_bias: case.dt_bias.clone(),
         };
         let one = gdn_kernel(&alone, &[(0, len)], &d);
-        let diff = (part(&all) - one).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let diff = max_abs_diff(&part(&all), &one);
         assert_eq!(diff, 0.0, "sequence of {len} tokens differs alone by {diff}");
     }
 }
@@ -374,15 +372,7 @@ fn grouped_matmul_matches_a_matmul_per_expert() {
             &tiles(&[0], &[counts[5]], &dev).unwrap(),
         )
         .unwrap();
-        let d = (alone.to_dtype(DType::F32).unwrap()
-            - y.narrow(0, starts[5], counts[5]).unwrap().to_dtype(DType::F32).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+        let d = max_abs_diff(&alone, &y.narrow(0, starts[5], counts[5]).unwrap());
         assert_eq!(d, 0.0, "{dtype:?}: a row's result depends on its batch mates ({d})");
     }
 }

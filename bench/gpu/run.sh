@@ -36,6 +36,18 @@ results="$OUT_DIR/results.jsonl"
 step="${1:-all}"
 workload="${WORKLOAD:-$WORK_DIR/workload_gpu.json}"
 
+# start_server MODEL DEVICES LOG [FLAGS...]: serves MODEL in the background ($server is its pid,
+# killed on exit) and waits until it is ready.
+start_server() {
+  local model="$1" devices="$2" log="$3"
+  shift 3
+  "$BIN" serve --model "$model" --device "$devices" --dtype bf16 --host 127.0.0.1 --port "$PORT" \
+    --max-batch-tokens "$MAX_BATCH_TOKENS" --max-input-tokens 4096 --max-queue-tokens 1000000 "$@" 2>"$log" &
+  server=$!
+  trap 'kill $server 2>/dev/null || true' EXIT
+  for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+}
+
 if [[ "$step" == prepare || "$step" == all ]]; then
   python3 bench/gpu/prepare.py --model-dir "$MODEL_DIR" --out-dir "$WORK_DIR" | tee -a "$results"
 fi
@@ -45,12 +57,7 @@ if [[ "$step" == engine || "$step" == all ]]; then
 fi
 if [[ "$step" == http || "$step" == all ]]; then
   devices="${DEVICES:-cuda:0}"
-  "$BIN" serve --model "$MODEL_DIR" --device "$devices" --dtype bf16 --host 127.0.0.1 --port "$PORT" \
-    --max-batch-tokens "$MAX_BATCH_TOKENS" --max-input-tokens 4096 --max-queue-tokens 1000000 \
-    2>"$OUT_DIR/server-${devices//[:,]/_}.log" &
-  server=$!
-  trap 'kill $server 2>/dev/null || true' EXIT
-  for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+  start_server "$MODEL_DIR" "$devices" "$OUT_DIR/server-${devices//[:,]/_}.log"
   "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$workload" --dtype bfloat16 \
     --concurrency "${CONCURRENCY:-64}" --encoding "${ENCODING:-zstd}" | sed "s/^{/{\"devices\":\"$devices\",/" | tee -a "$results"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^layertap_(device_memory|batch_tokens_(sum|count)|tokens_total)' \
@@ -78,11 +85,7 @@ if [[ "$step" == zstd ]]; then
   cpu_of() { awk -v t="$tick" '{print ($14 + $15) / t}' "/proc/$1/stat"; }
   levels="${LEVELS:-3 1 -1 -3}"
   for level in $levels; do
-    "$BIN" serve --model "$MODEL_DIR" --device cuda:0 --dtype bf16 --host 127.0.0.1 --port "$PORT" \
-      --max-batch-tokens "$MAX_BATCH_TOKENS" --max-input-tokens 4096 --max-queue-tokens 1000000 \
-      --zstd-level "$level" 2>"$OUT_DIR/server-zstd$level.log" &
-    server=$!
-    for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+    start_server "$MODEL_DIR" cuda:0 "$OUT_DIR/server-zstd$level.log" --zstd-level "$level"
     encodings="zstd"
     [[ "$level" == "${levels##* }" ]] && encodings="zstd identity"
     for enc in $encodings; do
@@ -112,12 +115,7 @@ if [[ "$step" == hybrid ]]; then
       --max-batch-tokens "$MAX_BATCH_TOKENS" 2>"$OUT_DIR/profile-$name.log" | sed "s/^{/{\"model\":\"$name\",\"profiled\":true,/" \
       | tee -a "$results"
     tail -n 20 "$OUT_DIR/profile-$name.log"
-    "$BIN" serve --model "$work/$name" --device cuda:0 --dtype bf16 --host 127.0.0.1 --port "$PORT" \
-      --max-batch-tokens "$MAX_BATCH_TOKENS" --max-input-tokens 4096 --max-queue-tokens 1000000 \
-      2>"$OUT_DIR/server-$name.log" &
-    server=$!
-    trap 'kill $server 2>/dev/null || true' EXIT
-    for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+    start_server "$work/$name" cuda:0 "$OUT_DIR/server-$name.log"
     "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$wl" --dtype bfloat16 \
       --concurrency "${CONCURRENCY:-64}" --encoding "${ENCODING:-zstd}" | sed "$tag" | tee -a "$results"
     kill -TERM $server; wait $server || true

@@ -16,6 +16,8 @@ use super::profile;
 /// Value columns per scan block (`BV` in the kernel).
 const BV: usize = 32;
 const THREADS: u32 = 256;
+/// The most sequences one batch may hold for the kernels (the scan's grid z dimension).
+pub const MAX_SEQUENCES: usize = 65535;
 /// The most dynamic shared memory one block may use on sm_80 and newer.
 const MAX_SHARED: usize = 227 * 1024;
 

@@ -2,11 +2,11 @@
 //! scores kept on chip, each sequence attending only to itself. Used for bf16 and f16 with head
 //! dimensions 64 and 128; other cases take the portable path in `attention.rs`.
 
-use super::cuda_module::{kernel, ATTENTION};
+use super::cuda_module::{cuda_view, kernel, ATTENTION};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
 /// Queries per kernel block (`BM` in the kernel).
 const TILE: usize = 64;
@@ -75,7 +75,7 @@ impl PackedAttention {
         q: (&CudaSlice<T>, &Layout),
         k: (&CudaSlice<T>, &Layout),
         v: (&CudaSlice<T>, &Layout),
-        tiles: &CudaSlice<u32>,
+        tiles: &CudaView<'_, u32>,
     ) -> candle_core::Result<CudaSlice<T>> {
         let (t, heads, d) = q.1.shape().dims3()?;
         let (tk, kv_heads, dk) = k.1.shape().dims3()?;
@@ -147,10 +147,7 @@ impl candle_core::CustomOp3 for PackedAttention {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = q.device();
         let (tiles_storage, tiles_layout) = self.tiles.storage_and_layout();
-        let tiles = match &*tiles_storage {
-            Storage::Cuda(s) if tiles_layout.start_offset() == 0 => s.as_cuda_slice::<u32>()?,
-            _ => candle_core::bail!("packed attention: the tile list must be a u32 tensor on the GPU"),
-        };
+        let tiles = cuda_view::<u32>(&tiles_storage, tiles_layout, "packed attention: the tile list")?;
         let d = ql.shape().dims3()?.2;
         let slice = match (&q.slice, &k.slice, &v.slice) {
             (CudaStorageSlice::BF16(qs), CudaStorageSlice::BF16(ks), CudaStorageSlice::BF16(vs)) => {
@@ -160,11 +157,11 @@ impl candle_core::CustomOp3 for PackedAttention {
                     (qs, ql),
                     (ks, kl),
                     (vs, vl),
-                    tiles,
+                    &tiles,
                 )?)
             }
             (CudaStorageSlice::F16(qs), CudaStorageSlice::F16(ks), CudaStorageSlice::F16(vs)) => CudaStorageSlice::F16(
-                self.launch(dev, &format!("packed_attention_f16_d{d}"), (qs, ql), (ks, kl), (vs, vl), tiles)?,
+                self.launch(dev, &format!("packed_attention_f16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?,
             ),
             _ => candle_core::bail!("packed attention: q, k, v must all be bf16 or all f16, got {:?}", q.dtype()),
         };

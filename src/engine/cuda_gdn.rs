@@ -7,10 +7,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, Device, Layout, Shape, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, Device, Layout, Shape, Tensor};
 
 use super::config::{LinearAttentionConfig, GDN_CHUNK};
-use super::cuda_module::{kernel, GDN};
+use super::cuda_module::{cuda_view, kernel, GDN};
 use super::profile;
 
 /// Value columns per scan block (`BV` in the kernel).
@@ -130,29 +130,6 @@ struct GdnOp {
     d: LinearAttentionConfig,
 }
 
-/// A view of a tensor held on the GPU, from its first element.
-fn held<T: CudaDType + DeviceRepr>(t: &Tensor, what: &str) -> candle_core::Result<CudaSlice<T>> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cuda(c) if l.is_contiguous() => {
-            let all = c.as_cuda_slice::<T>()?;
-            let n = l.shape().elem_count();
-            // A copy only for the small per-layer tables and weights with an offset.
-            if l.start_offset() == 0 && all.len() == n {
-                Ok(all.clone())
-            } else {
-                let mut out = unsafe { c.device().alloc::<T>(n)? };
-                c.device()
-                    .cuda_stream()
-                    .memcpy_dtod(&all.slice(l.start_offset()..l.start_offset() + n), &mut out)
-                    .w()?;
-                Ok(out)
-            }
-        }
-        _ => candle_core::bail!("gated deltanet kernels: {what} must be a contiguous tensor on the GPU"),
-    }
-}
-
 /// `(rows, leading dimension, view from the first element)` of a `[rows, cols]` input whose
 /// rows may be spaced apart (a narrow of a wider tensor).
 fn rows<'a, T: DeviceRepr>(
@@ -212,11 +189,19 @@ impl GdnOp {
                 self.pos.dim(0)?
             );
         }
-        let conv = held::<f32>(&self.conv, "the conv weight")?;
+        let (conv_s, conv_l) = self.conv.storage_and_layout();
+        let conv = cuda_view::<f32>(&conv_s, conv_l, "the conv weight")?;
         let kernel_size = self.conv.dim(1)?;
-        let (neg_a, dt_bias) = (held::<f32>(&self.neg_a, "A")?, held::<f32>(&self.dt_bias, "dt_bias")?);
-        let (pos, chunks, seqs) =
-            (held::<u32>(&self.pos, "pos")?, held::<u32>(&self.chunks, "chunks")?, held::<u32>(&self.seqs, "seqs")?);
+        let (a_s, a_l) = self.neg_a.storage_and_layout();
+        let neg_a = cuda_view::<f32>(&a_s, a_l, "A")?;
+        let (dt_s, dt_l) = self.dt_bias.storage_and_layout();
+        let dt_bias = cuda_view::<f32>(&dt_s, dt_l, "dt_bias")?;
+        let (pos_s, pos_l) = self.pos.storage_and_layout();
+        let pos = cuda_view::<u32>(&pos_s, pos_l, "the positions")?;
+        let (ch_s, ch_l) = self.chunks.storage_and_layout();
+        let chunks = cuda_view::<u32>(&ch_s, ch_l, "the chunk table")?;
+        let (sq_s, sq_l) = self.seqs.storage_and_layout();
+        let seqs = cuda_view::<u32>(&sq_s, sq_l, "the sequence table")?;
         let out = unsafe { dev.alloc::<f32>(t * nv * dv)? };
         if t == 0 {
             return Ok(out);
@@ -414,7 +399,8 @@ impl GatedNorm {
                 self.w.dims()
             );
         }
-        let w = held::<f32>(&self.w, "the gated norm weight")?;
+        let (w_s, w_l) = self.w.storage_and_layout();
+        let w = cuda_view::<f32>(&w_s, w_l, "the gated norm weight")?;
         // SAFETY: the kernel writes every element (one block per row, a thread per column).
         let out = unsafe { dev.alloc::<T>(t * nv * dv)? };
         if t * nv == 0 {

@@ -3,11 +3,11 @@
 //! `LAYERTAP_CUDA_MOE=0` turns the kernel off (one matmul chain per expert instead).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
-use super::cuda_module::{kernel, MOE};
+use super::cuda_module::{cuda_view, kernel, MOE};
 
 /// Rows and columns of the kernel's block tile, and its step along the reduction.
 const BM: usize = 64;
@@ -52,7 +52,7 @@ impl Grouped {
         name: &str,
         x: (&CudaSlice<T>, &Layout),
         w: (&CudaSlice<T>, &Layout),
-        tiles: &CudaSlice<u32>,
+        tiles: &CudaView<'_, u32>,
     ) -> candle_core::Result<CudaSlice<T>> {
         let (r, k) = x.1.shape().dims2()?;
         let (_, n, kw) = w.1.shape().dims3()?;
@@ -115,16 +115,13 @@ impl candle_core::CustomOp2 for Grouped {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = x.device();
         let (ts, tl) = self.tiles.storage_and_layout();
-        let tiles = match &*ts {
-            Storage::Cuda(s) if tl.start_offset() == 0 => s.as_cuda_slice::<u32>()?,
-            _ => candle_core::bail!("grouped matmul: the tile list must be a u32 tensor on the GPU"),
-        };
+        let tiles = cuda_view::<u32>(&ts, tl, "grouped matmul: the tile list")?;
         let slice = match (&x.slice, &w.slice) {
             (CudaStorageSlice::BF16(xs), CudaStorageSlice::BF16(ws)) => {
-                CudaStorageSlice::BF16(self.launch(dev, "grouped_mm_bf16", (xs, xl), (ws, wl), tiles)?)
+                CudaStorageSlice::BF16(self.launch(dev, "grouped_mm_bf16", (xs, xl), (ws, wl), &tiles)?)
             }
             (CudaStorageSlice::F16(xs), CudaStorageSlice::F16(ws)) => {
-                CudaStorageSlice::F16(self.launch(dev, "grouped_mm_f16", (xs, xl), (ws, wl), tiles)?)
+                CudaStorageSlice::F16(self.launch(dev, "grouped_mm_f16", (xs, xl), (ws, wl), &tiles)?)
             }
             _ => candle_core::bail!("grouped matmul: x and w must both be bf16 or f16, got {:?}", x.dtype()),
         };

@@ -131,10 +131,12 @@ impl BatchCtx {
         } else {
             None
         };
+        // The fused CPU kernel (f32 on the CPU) needs no masks either.
+        let fused_cpu = device.is_cpu() && dtype == DType::F32;
         #[cfg(feature = "cuda")]
-        let need_masks = tiles.is_none() && has(MixerKind::FullAttention);
+        let need_masks = tiles.is_none() && !fused_cpu && has(MixerKind::FullAttention);
         #[cfg(not(feature = "cuda"))]
-        let need_masks = has(MixerKind::FullAttention);
+        let need_masks = !fused_cpu && has(MixerKind::FullAttention);
         for &(_, len) in seqs.iter().filter(|_| need_masks) {
             if let std::collections::hash_map::Entry::Vacant(e) = masks.entry(len) {
                 e.insert(chunk_masks(len, cfg.sliding_window, QUERY_CHUNK, device)?);

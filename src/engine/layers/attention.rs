@@ -100,14 +100,17 @@ impl Attention {
         self.o.forward(&attn)
     }
 
-    /// `[T, heads * head_dim]`: the CUDA kernel over the whole batch where it serves, otherwise
-    /// one portable pass per sequence.
+    /// `[T, heads * head_dim]`: the CUDA kernel over the whole batch where it serves, the fused
+    /// CPU kernel for f32 on the CPU, otherwise one portable pass per sequence.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
         let t = q.dim(0)?;
         #[cfg(feature = "cuda")]
         if let Some(tiles) = &ctx.tiles {
             return crate::engine::cuda_attention::packed_attention(q, k, v, tiles, scale, ctx.window)?
                 .reshape((t, self.heads * self.head_dim));
+        }
+        if super::cpu_attention::supported(q) {
+            return super::cpu_attention::packed_attention(q, k, v, &ctx.seqs, scale as f32, ctx.window);
         }
         let mut outs = Vec::with_capacity(ctx.seqs.len());
         for &(start, len) in &ctx.seqs {

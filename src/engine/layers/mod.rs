@@ -2,6 +2,7 @@
 //! a choice of these per layer ([`crate::engine::config::LayerSpec`]).
 
 pub mod attention;
+pub mod cpu_attention;
 pub mod delta_rule;
 pub mod gdn;
 pub mod linear;

@@ -74,6 +74,17 @@ impl Tables {
     }
 }
 
+/// `t` as the kernels read it: row-major rows, possibly spaced apart (a view of a wider tensor,
+/// kept as is); any other layout is copied.
+fn rowwise(t: &Tensor) -> candle_core::Result<Tensor> {
+    let st = t.stride();
+    if t.rank() == 2 && st[1] == 1 && (t.dim(0)? <= 1 || st[0] >= t.dim(1)?) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
 /// Weights of one layer the kernels read, on the device, f32.
 pub struct GdnWeights<'a> {
     /// `[conv_dim, kernel]`: `w[c][kernel - 1]` multiplies the token itself.
@@ -94,15 +105,6 @@ pub fn forward(
     tables: &Tables,
     d: &LinearAttentionConfig,
 ) -> candle_core::Result<Tensor> {
-    // Row-major rows, possibly spaced apart (views of a wider tensor); anything else is copied.
-    let rowwise = |t: &Tensor| -> candle_core::Result<Tensor> {
-        let st = t.stride();
-        if t.rank() == 2 && st[1] == 1 && (t.dim(0)? <= 1 || st[0] >= t.dim(1)?) {
-            Ok(t.clone())
-        } else {
-            t.contiguous()
-        }
-    };
     let (qkv, b, a) = (rowwise(qkv)?, rowwise(b)?, rowwise(a)?);
     let op = GdnOp {
         conv: w.conv.contiguous()?,
@@ -366,10 +368,7 @@ impl candle_core::CustomOp3 for GdnOp {
 /// stride along the last dimension), `w` `[dv]` f32. One launch; the same values as
 /// `layers::norm::GatedRmsNorm` computes with separate ops.
 pub fn gated_norm(x: &Tensor, z: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
-    let st = z.stride();
-    let z =
-        if z.rank() == 2 && st[1] == 1 && (z.dim(0)? <= 1 || st[0] >= z.dim(1)?) { z.clone() } else { z.contiguous()? };
-    x.contiguous()?.apply_op2_no_bwd(&z, &GatedNorm { w: w.contiguous()?, eps })
+    x.contiguous()?.apply_op2_no_bwd(&rowwise(z)?, &GatedNorm { w: w.contiguous()?, eps })
 }
 
 struct GatedNorm {

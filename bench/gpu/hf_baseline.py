@@ -30,6 +30,26 @@ def load_workload(path):
     return meta["layers"], seqs
 
 
+def delta_rule_implementation(base):
+    """The module of the chunked gated delta rule transformers resolved at import for this model
+    (hybrids; None for other models): fla's when it imports, else transformers' torch reference.
+    transformers wraps its reference function and keeps the resolved implementation in the
+    wrapper's closure."""
+    import importlib
+
+    mod = importlib.import_module(type(base).__module__)
+    fn = getattr(mod, "torch_chunk_gated_delta_rule", None)
+    if fn is None:
+        return None
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        v = cell.cell_contents
+        if callable(v) and getattr(v, "__module__", None):
+            found.append(v.__module__)
+    fla = [m for m in found if m.split(".")[0] == "fla"]
+    return fla[0] if fla else (found[0] if found else fn.__module__)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -122,14 +142,7 @@ def main():
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
     tokens = sum(len(s) for s in seqs)
-    # Which implementation of the Gated DeltaNet's chunked delta rule transformers resolved at import
-    # (hybrids): fla's when fla imports and exports it (transformers' use_kernel_func_from_hub_with_fallback),
-    # else its torch reference (it warns on stderr then, as it does for causal_conv1d_fn).
-    try:
-        import fla
-        fla_rule = getattr(fla, "chunk_gated_delta_rule", None) is not None
-    except Exception:
-        fla_rule = False
+    rule = delta_rule_implementation(base)
     print(json.dumps({
         "contender": "hf-transformers-hooks", "tokens": tokens, "seconds": round(secs, 3),
         "tokens_per_s": round(tokens / secs, 1), "max_batch_tokens": a.max_batch_tokens, "batches": len(batches),
@@ -137,7 +150,7 @@ def main():
         "layers_run": len(base.layers), "warmup": a.warmup, "warmup_seconds": round(warmup_s, 3),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
         "transformers": transformers.__version__, "experts_implementation": a.experts_implementation,
-        "fla": importlib.util.find_spec("fla") is not None, "fla_chunk_gated_delta_rule": fla_rule,
+        "fla": importlib.util.find_spec("fla") is not None, "chunk_gated_delta_rule": rule,
     }))
 
 

@@ -253,3 +253,24 @@ pub fn heap_in_use() -> u64 {
         0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scrape carries the allocator's count of heap in use, non-zero where glibc reports it.
+    #[test]
+    fn heap_in_use_is_scraped() {
+        let text = Metrics::new().render();
+        let value: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("layertap_heap_in_use_bytes "))
+            .expect("layertap_heap_in_use_bytes in the scrape")
+            .trim()
+            .parse()
+            .unwrap();
+        if cfg!(all(target_os = "linux", target_env = "gnu")) {
+            assert!(value > 0.0, "glibc reports no heap in use: {value}");
+        }
+    }
+}

@@ -1,5 +1,6 @@
-// The Gated DeltaNet on packed sequences, in f32 (every product, the triangular solve and the
-// recurrent state), in three launches per layer, and its gated RMSNorm in a fourth:
+// The Gated DeltaNet on packed sequences, in f32 (the triangular solve and the recurrent state
+// always; the chunk products too, or on tensor cores in TF32 for bf16/f16 models: 2b and 3b),
+// in three launches per layer, and its gated RMSNorm in a fourth:
 //
 // 1. gdn_conv_*: per token and head, the causal depthwise conv1d (zeros before the sequence's
 //    first token) + SiLU over the q, k, v channels, the l2norm of q and k (q also scaled by
@@ -19,6 +20,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "mma.cuh"
 
 #define CHUNK 64
 #define BV 32
@@ -335,6 +338,285 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
             for (int k = 0; k < SROWS; ++k) {
                 const int d = d0 + grp + k * GROUPS;
                 if (d < dk) ss[d * BV + col] = ss[d * BV + col] * decay + acc[k];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2b and 3b. The same two steps with the chunk products on tensor cores (TF32 operands, f32
+// accumulation), for models computed in bf16 or f16, whose q, k and v carry 8 or 11 mantissa
+// bits already: rounding them to TF32's 11 bits adds less error than the layer's output rounding.
+// The recurrent state, the decays and the triangular inverse stay f32. Same inputs, outputs and
+// grids as 2 and 3; dk a multiple of 16, dv a multiple of 8.
+
+// 2b. Per (chunk, value head), 8 warps: A and P from K K^T and Q K^T on tensor cores, the
+// inverse T = (I + A)^-1 by forward substitution (4 lanes per column, f32), then
+// [W | U] = T [beta exp(G) k | beta v] on tensor cores.
+// Dynamic shared memory: (64 (max(dk, dv) + 4) + 64 (dk + 4) + 2 * 64 * 68 + 128) floats.
+#define TS 68
+extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
+    gdn_chunk_local_tc(const float* __restrict__ qkv, const float* __restrict__ beta, const float* __restrict__ g,
+                       const uint32_t* __restrict__ chunks, float* __restrict__ gcum, float* __restrict__ wk,
+                       float* __restrict__ u, float* __restrict__ p, int nk, int nv, int dk, int dv) {
+    extern __shared__ __align__(16) float sm[];
+    const int qst = max(dk, dv) + 4, kst = dk + 4;
+    float* qs = sm;                  // [64][qst]: q, then beta v
+    float* ks = qs + CHUNK * qst;    // [64][kst]: k, then beta exp(G) k
+    float* as = ks + CHUNK * kst;    // [64][TS]: A
+    float* ts = as + CHUNK * TS;     // [64][TS]: T = (I + A)^-1
+    float* gs = ts + CHUNK * TS;     // [64]
+    float* bs = gs + CHUNK;          // [64]
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int t0 = (int)chunks[2 * c], len = (int)chunks[2 * c + 1];
+    const int r = nv / nk, kh = h / r;
+    const int conv_dim = 2 * nk * dk + nv * dv;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gi = lane >> 2, ti = lane & 3;
+    const size_t ch = (size_t)c * nv + h;
+
+    const int dk4 = dk / 4;
+    for (int e = tid; e < CHUNK * dk4; e += LOCAL_THREADS) {
+        const int row = e / dk4, col = 4 * (e % dk4);
+        float4 q = make_float4(0.f, 0.f, 0.f, 0.f), k = q;
+        if (row < len) {
+            const float* src = qkv + (size_t)(t0 + row) * conv_dim + kh * dk + col;
+            q = *reinterpret_cast<const float4*>(src);
+            k = *reinterpret_cast<const float4*>(src + nk * dk);
+        }
+        *reinterpret_cast<float4*>(qs + row * qst + col) = q;
+        *reinterpret_cast<float4*>(ks + row * kst + col) = k;
+    }
+    if (tid < CHUNK) {
+        gs[tid] = tid < len ? g[(size_t)(t0 + tid) * nv + h] : 0.f;
+        bs[tid] = tid < len ? beta[(size_t)(t0 + tid) * nv + h] : 0.f;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float s = 0.f;
+        for (int i = 0; i < CHUNK; ++i) {
+            s += gs[i];
+            gs[i] = s;
+        }
+    }
+    __syncthreads();
+    if (tid < CHUNK) gcum[ch * CHUNK + tid] = gs[tid];
+
+    // K K^T and Q K^T: warp w takes rows 16 (w / 2).., columns 32 (w % 2)...
+    {
+        const int m0 = 16 * (warp >> 1), n0 = 32 * (warp & 1);
+        float akk[4][4], pqk[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) akk[n][q] = pqk[n][q] = 0.f;
+        if (n0 <= m0 + 15) {
+            for (int k0 = 0; k0 < dk; k0 += 8) {
+                uint32_t ak[4], aq[4];
+                frag_a_tf32(ak, ks, kst, m0, k0, lane);
+                frag_a_tf32(aq, qs, qst, m0, k0, lane);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const float* kb = ks + (n0 + 8 * n + gi) * kst + k0 + ti;
+                    const uint32_t b0 = tf32(kb[0]), b1 = tf32(kb[4]);
+                    mma_tf32(akk[n], ak, b0, b1);
+                    mma_tf32(pqk[n], aq, b0, b1);
+                }
+            }
+        }
+        float* pc = p + ch * CHUNK * CHUNK;
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = m0 + gi + 8 * (q >> 1), j = n0 + 8 * n + 2 * ti + (q & 1);
+                const float decay = j <= i ? expf(gs[i] - gs[j]) : 0.f;
+                as[i * TS + j] = j < i ? bs[i] * (akk[n][q] * decay) : 0.f;
+                pc[i * CHUNK + j] = j <= i ? pqk[n][q] * decay : 0.f;
+            }
+    }
+    __syncthreads();
+    // The right-hand sides in place of q and k: beta v and beta exp(G) k (zeros past the end).
+    for (int e = tid; e < CHUNK * dk; e += LOCAL_THREADS) {
+        const int row = e / dk, col = e % dk;
+        ks[row * kst + col] *= bs[row] * expf(gs[row]);
+    }
+    for (int e = tid; e < CHUNK * dv; e += LOCAL_THREADS) {
+        const int row = e / dv, col = e % dv;
+        qs[row * qst + col] = row < len ? qkv[(size_t)(t0 + row) * conv_dim + 2 * nk * dk + h * dv + col] * bs[row] : 0.f;
+    }
+    // T = (I + A)^-1, column by column: T[i][col] = [i == col] - sum_{col <= j < i} A[i][j] T[j][col].
+    {
+        const int col = tid >> 2, part = tid & 3;
+        for (int i = part; i < CHUNK; i += 4) ts[i * TS + col] = i == col ? 1.f : 0.f;
+        __syncwarp();
+        for (int i = 1; i < CHUNK; ++i) {
+            float s = 0.f;
+            if (i > col)
+                for (int j = col + part; j < i; j += 4) s += as[i * TS + j] * ts[j * TS + col];
+            s += __shfl_xor_sync(0xffffffff, s, 1);
+            s += __shfl_xor_sync(0xffffffff, s, 2);
+            if (i > col && part == 0) ts[i * TS + col] = -s;
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    // [W | U] = T [beta exp(G) k | beta v]; T is lower triangular, so rows 16 m.. need only the
+    // first 16 (m + 1) columns of T. Warp w: rows 16 (w % 4).., every other 8-column tile.
+    {
+        const int mt = warp & 3, m0 = 16 * mt, steps = 2 * mt + 2;
+        uint32_t a[8][4];
+#pragma unroll
+        for (int s = 0; s < 8; ++s)
+            if (s < steps) frag_a_tf32(a[s], ts, TS, m0, 8 * s, lane);
+        const int tiles = (dk + dv) / 8;
+        for (int nt = warp >> 2; nt < tiles; nt += 2) {
+            const int c0 = 8 * nt;
+            const bool is_k = c0 < dk;
+            const float* x = is_k ? ks + c0 : qs + (c0 - dk);
+            const int ld = is_k ? kst : qst;
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int s = 0; s < 8; ++s)
+                if (s < steps) {
+                    const float* xb = x + (8 * s + ti) * ld + gi;
+                    mma_tf32(acc, a[s], tf32(xb[0]), tf32(xb[4 * ld]));
+                }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = m0 + gi + 8 * (q >> 1), col = c0 + 2 * ti + (q & 1);
+                if (is_k) {
+                    wk[(ch * CHUNK + i) * dk + col] = acc[q];
+                } else {
+                    u[(ch * CHUNK + i) * dv + col - dk] = acc[q];
+                }
+            }
+        }
+    }
+}
+
+// 3b. Per (slice of BV value columns, value head, sequence), 8 warps, the chunks in order; the
+// state slice S [dk][BV] stays f32 in shared memory and enters the products as TF32. Warp w
+// takes rows 16 (w / 2).. and value columns 16 (w % 2).. of V' and O, and every eighth of the
+// 16 x 8 tiles of S. Dynamic shared memory:
+// (2 * 64 (dk + 4) + 64 (dk + 8) + 64 * 68 + 64 (BV + 8) + dk (BV + 8)) floats.
+#define VST (BV + 8)
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+    gdn_chunk_scan_tc(const float* __restrict__ qkv, const uint32_t* __restrict__ seqs,
+                      const float* __restrict__ gcum, const float* __restrict__ wk, const float* __restrict__ u,
+                      const float* __restrict__ p, float* __restrict__ out, int nk, int nv, int dk, int dv) {
+    extern __shared__ __align__(16) float sm[];
+    const int st = dk + 4, kst = dk + 8;
+    float* ws = sm;                  // W [64][st]
+    float* qs = ws + CHUNK * st;     // q exp(G) [64][st]
+    float* ks = qs + CHUNK * st;     // k exp(G_last - G) [64][kst]
+    float* ps = ks + CHUNK * kst;    // P [64][TS]
+    float* vs = ps + CHUNK * TS;     // V' [64][VST]
+    float* ss = vs + CHUNK * VST;    // S [dk][VST]
+    const int v0 = blockIdx.x * BV, h = blockIdx.y, sq = blockIdx.z;
+    const int t0 = (int)seqs[3 * sq], len = (int)seqs[3 * sq + 1], c0 = (int)seqs[3 * sq + 2];
+    const int nchunks = (len + CHUNK - 1) / CHUNK;
+    const int r = nv / nk, kh = h / r;
+    const int conv_dim = 2 * nk * dk + nv * dv;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gi = lane >> 2, ti = lane & 3;
+    const int m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
+    const int dk4 = dk / 4;
+    const int s_tiles = (dk / 16) * (BV / 8);
+
+    for (int e = tid; e < dk * VST; e += SCAN_THREADS) ss[e] = 0.f;
+
+    for (int cc = 0; cc < nchunks; ++cc) {
+        const size_t ch = (size_t)(c0 + cc) * nv + h;
+        const int tc = t0 + cc * CHUNK;
+        const int rows = min(CHUNK, len - cc * CHUNK);
+        const float* gc = gcum + ch * CHUNK;
+        const float glast = gc[CHUNK - 1];
+        __syncthreads();  // the previous chunk's readers are done
+        for (int e = tid; e < CHUNK * dk4; e += SCAN_THREADS) {
+            const int i = e / dk4, d = 4 * (e % dk4);
+            *reinterpret_cast<float4*>(ws + i * st + d) =
+                *reinterpret_cast<const float4*>(wk + (ch * CHUNK + i) * dk + d);
+            float4 q = make_float4(0.f, 0.f, 0.f, 0.f), k = q;
+            if (i < rows) {
+                const float* src = qkv + (size_t)(tc + i) * conv_dim + kh * dk + d;
+                q = *reinterpret_cast<const float4*>(src);
+                k = *reinterpret_cast<const float4*>(src + nk * dk);
+                const float eq = expf(gc[i]), ek = expf(glast - gc[i]);
+                q = make_float4(q.x * eq, q.y * eq, q.z * eq, q.w * eq);
+                k = make_float4(k.x * ek, k.y * ek, k.z * ek, k.w * ek);
+            }
+            *reinterpret_cast<float4*>(qs + i * st + d) = q;
+            *reinterpret_cast<float4*>(ks + i * kst + d) = k;
+        }
+        for (int e = tid; e < CHUNK * CHUNK / 4; e += SCAN_THREADS) {
+            const int i = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
+            *reinterpret_cast<float4*>(ps + i * TS + j) =
+                *reinterpret_cast<const float4*>(p + ch * CHUNK * CHUNK + i * CHUNK + j);
+        }
+        // V' starts as U (in the accumulators' layout), O as zero.
+        float vacc[2][4], oacc[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = m0 + gi + 8 * (q >> 1), col = v0 + n0 + 8 * n + 2 * ti + (q & 1);
+                vacc[n][q] = col < dv ? u[(ch * CHUNK + i) * dv + col] : 0.f;
+                oacc[n][q] = 0.f;
+            }
+        __syncthreads();
+        // V' = U - W S and O = (q exp(G)) S.
+        for (int k0 = 0; k0 < dk; k0 += 8) {
+            uint32_t aw[4], aq[4];
+            frag_a_tf32(aw, ws, st, m0, k0, lane);
+            frag_a_tf32(aq, qs, st, m0, k0, lane);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) aw[q] ^= 0x80000000u;  // -W
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const float* sb = ss + (k0 + ti) * VST + n0 + 8 * n + gi;
+                const uint32_t b0 = tf32(sb[0]), b1 = tf32(sb[4 * VST]);
+                mma_tf32(vacc[n], aw, b0, b1);
+                mma_tf32(oacc[n], aq, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                vs[(m0 + gi + 8 * (q >> 1)) * VST + n0 + 8 * n + 2 * ti + (q & 1)] = vacc[n][q];
+        __syncthreads();
+        // O += P V' (P is zero right of the diagonal: rows 16 m.. need 16 (m + 1) columns); store.
+        for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+            uint32_t a[4];
+            frag_a_tf32(a, ps, TS, m0, k0, lane);
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const float* vb = vs + (k0 + ti) * VST + n0 + 8 * n + gi;
+                mma_tf32(oacc[n], a, tf32(vb[0]), tf32(vb[4 * VST]));
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = m0 + gi + 8 * (q >> 1), col = v0 + n0 + 8 * n + 2 * ti + (q & 1);
+                if (i < rows && col < dv) out[((size_t)(tc + i) * nv + h) * dv + col] = oacc[n][q];
+            }
+        // S = exp(G_last) S + K'^T V'.
+        const float decay = expf(glast);
+        for (int e = warp; e < s_tiles; e += SCAN_THREADS / 32) {
+            const int d0 = 16 * (e / (BV / 8)), j0 = 8 * (e % (BV / 8));
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int k0 = 0; k0 < CHUNK; k0 += 8) {
+                const float* ka = ks + (k0 + ti) * kst + d0 + gi;  // A[d][i] = K'[i][d]
+                const uint32_t a[4] = {tf32(ka[0]), tf32(ka[8]), tf32(ka[4 * kst]), tf32(ka[4 * kst + 8])};
+                const float* vb = vs + (k0 + ti) * VST + j0 + gi;
+                mma_tf32(acc, a, tf32(vb[0]), tf32(vb[4 * VST]));
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                float* sp = ss + (d0 + gi + 8 * (q >> 1)) * VST + j0 + 2 * ti + (q & 1);
+                *sp = *sp * decay + acc[q];
             }
         }
     }

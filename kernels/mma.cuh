@@ -35,3 +35,30 @@ template <> struct Mma<__half> {
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 };
+
+// mma.sync.m16n8k8 on TF32 operands (f32 rounded to 10 mantissa bits) with f32 accumulation.
+// Fragments, g = lane / 4, t = lane % 4: a = A[g][t], A[g + 8][t], A[g][t + 4], A[g + 8][t + 4];
+// b = B[t][g], B[t + 4][g]; c = C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1].
+__device__ __forceinline__ uint32_t tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A fragment of rows r0.., columns k0.. of a row-major f32 matrix in shared memory.
+__device__ __forceinline__ void frag_a_tf32(uint32_t* a, const float* m, int ld, int r0, int k0, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const float* p = m + (r0 + g) * ld + k0 + t;
+    a[0] = tf32(p[0]);
+    a[1] = tf32(p[8 * ld]);
+    a[2] = tf32(p[4]);
+    a[3] = tf32(p[8 * ld + 4]);
+}

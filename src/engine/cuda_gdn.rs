@@ -2,12 +2,14 @@
 //! every token, the chunk-local UT solve of every chunk, and the recurrent scan of every
 //! sequence, three launches per layer over the whole packed batch. Everything is f32 from the
 //! projections' outputs on, as on the portable path (`layers::delta_rule`), which stays the
-//! definition the kernel tests compare against. `LAYERTAP_CUDA_GDN=0` turns the kernels off.
+//! definition the kernel tests compare against; for bf16 and f16 models the chunk products run
+//! on tensor cores with TF32 operands ([`Products`]). `LAYERTAP_CUDA_GDN=0` turns the kernels
+//! off, `LAYERTAP_GDN_TF32=0` keeps every product in f32.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, Device, Layout, Shape, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
 use super::config::{LinearAttentionConfig, GDN_CHUNK};
 use super::cuda_module::{cuda_view, kernel, GDN};
@@ -28,6 +30,46 @@ fn local_shared(dk: usize, dv: usize) -> usize {
 fn scan_shared(dk: usize) -> usize {
     let (st, kt) = (dk + 4, GDN_CHUNK + 4);
     4 * ((GDN_CHUNK * st).max(dk * kt) + GDN_CHUNK * st + GDN_CHUNK * kt + GDN_CHUNK * BV + dk * BV + GDN_CHUNK)
+}
+
+/// The tensor-core kernels' shared memory: `gdn_chunk_local_tc` and `gdn_chunk_scan_tc`.
+fn local_tc_shared(dk: usize, dv: usize) -> usize {
+    4 * (GDN_CHUNK * (dk.max(dv) + 4) + GDN_CHUNK * (dk + 4) + 2 * GDN_CHUNK * 68 + 2 * GDN_CHUNK)
+}
+
+fn scan_tc_shared(dk: usize) -> usize {
+    4 * (2 * GDN_CHUNK * (dk + 4) + GDN_CHUNK * (dk + 8) + GDN_CHUNK * 68 + (GDN_CHUNK + dk) * (BV + 8))
+}
+
+/// How the chunk products (K K^T, Q K^T, the solve's right-hand sides, and the scan's products
+/// with the state) are computed. The triangular inverse, the decays and the state are f32 either
+/// way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Products {
+    /// f32 on the CUDA cores: the portable path's arithmetic.
+    F32,
+    /// Tensor cores, operands rounded to TF32 (11 significant bits), f32 accumulation. For models
+    /// computed in bf16 (8 bits) or f16 (11 bits), whose q, k and v were rounded to fewer or as
+    /// many bits by their projections.
+    Tf32,
+}
+
+impl Products {
+    /// [`Products::Tf32`] for bf16 and f16 models, unless `LAYERTAP_GDN_TF32=0`; f32 otherwise.
+    pub fn for_dtype(dtype: DType) -> Self {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_GDN_TF32").is_ok_and(|v| v == "0"));
+        match dtype {
+            DType::BF16 | DType::F16 if !off => Products::Tf32,
+            _ => Products::F32,
+        }
+    }
+}
+
+/// Whether the tensor-core kernels serve this layer shape (the f32 ones serve it otherwise).
+pub fn tensor_cores_fit(d: &LinearAttentionConfig) -> bool {
+    let (dk, dv) = (d.key_head_dim, d.value_head_dim);
+    dk % 16 == 0 && dv % 8 == 0 && local_tc_shared(dk, dv) <= MAX_SHARED && scan_tc_shared(dk) <= MAX_SHARED
 }
 
 /// Whether the kernels serve this layer shape on `device`.
@@ -97,6 +139,7 @@ pub struct GdnWeights<'a> {
 /// `qkv`: `[T, >= conv_dim]` (the q, k, v channels first), `b`, `a`: `[T, >= value_heads]`,
 /// all of the compute dtype with unit stride along the last dimension (views of a fused
 /// projection's output are fine). Returns the delta rule's output `[T, value_heads, dv]`, f32.
+/// `products`: see [`Products`]; shapes the tensor-core kernels do not serve use f32.
 pub fn forward(
     qkv: &Tensor,
     b: &Tensor,
@@ -104,6 +147,7 @@ pub fn forward(
     w: &GdnWeights<'_>,
     tables: &Tables,
     d: &LinearAttentionConfig,
+    products: Products,
 ) -> candle_core::Result<Tensor> {
     let (qkv, b, a) = (rowwise(qkv)?, rowwise(b)?, rowwise(a)?);
     let op = GdnOp {
@@ -115,6 +159,7 @@ pub fn forward(
         seqs: tables.seqs.clone(),
         n_chunks: tables.n_chunks,
         n_seqs: tables.n_seqs,
+        tensor_cores: products == Products::Tf32 && tensor_cores_fit(d),
         d: d.clone(),
     };
     qkv.apply_op3_no_bwd(&b, &a, &op)
@@ -129,6 +174,7 @@ struct GdnOp {
     seqs: Tensor,
     n_chunks: usize,
     n_seqs: usize,
+    tensor_cores: bool,
     d: LinearAttentionConfig,
 }
 
@@ -256,8 +302,9 @@ impl GdnOp {
         unsafe { l.launch(cfg) }.w()?;
         timed.stop(dev, 9)?;
 
-        let f = kernel(dev, GDN, "gdn_chunk_local")?;
-        let bytes = local_shared(dk, dv);
+        let tc = if self.tensor_cores { "_tc" } else { "" };
+        let f = kernel(dev, GDN, &format!("gdn_chunk_local{tc}"))?;
+        let bytes = if self.tensor_cores { local_tc_shared(dk, dv) } else { local_shared(dk, dv) };
         f.max_dynamic_shared(bytes)?;
         let mut l = f.builder();
         l.arg(&mixed);
@@ -282,8 +329,8 @@ impl GdnOp {
         unsafe { l.launch(cfg) }.w()?;
         timed.stop(dev, 10)?;
 
-        let f = kernel(dev, GDN, "gdn_chunk_scan")?;
-        let bytes = scan_shared(dk);
+        let f = kernel(dev, GDN, &format!("gdn_chunk_scan{tc}"))?;
+        let bytes = if self.tensor_cores { scan_tc_shared(dk) } else { scan_shared(dk) };
         f.max_dynamic_shared(bytes)?;
         let mut l = f.builder();
         l.arg(&mixed);

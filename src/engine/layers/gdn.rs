@@ -172,7 +172,8 @@ impl GatedDeltaNet {
         let kernels = match (&self.conv, &plan.cuda) {
             (Some(conv), Some(tables)) => {
                 let w = crate::engine::cuda_gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
-                let core = crate::engine::cuda_gdn::forward(&qkv, &b, &a, &w, tables, d)?;
+                let products = crate::engine::cuda_gdn::Products::for_dtype(qkv.dtype());
+                let core = crate::engine::cuda_gdn::forward(&qkv, &b, &a, &w, tables, d, products)?;
                 profile::mark(h.device(), 8, since);
                 let (weight, eps) = self.norm.parts();
                 Some(crate::engine::cuda_gdn::gated_norm(&core, &z, weight, eps)?)

@@ -347,13 +347,35 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 // 2b and 3b. The same two steps with the chunk products on tensor cores (TF32 operands, f32
 // accumulation), for models computed in bf16 or f16, whose q, k and v carry 8 or 11 mantissa
 // bits already: rounding them to TF32's 11 bits adds less error than the layer's output rounding.
-// The recurrent state, the decays and the triangular inverse stay f32. Same inputs, outputs and
-// grids as 2 and 3; dk a multiple of 16, dv a multiple of 8.
+// The recurrent state, the decays and the triangular inverse stay f32. Same inputs and outputs
+// as 2 and 3; dk a multiple of 16, dv a multiple of 8. Tiles come in with cp.async (every copy
+// of a chunk in flight at once), rows past a sequence's end zero-filled.
 
-// 2b. Per (chunk, value head), 8 warps: A and P from K K^T and Q K^T on tensor cores, the
-// inverse T = (I + A)^-1 by forward substitution (4 lanes per column, f32), then
-// [W | U] = T [beta exp(G) k | beta v] on tensor cores.
-// Dynamic shared memory: (64 (max(dk, dv) + 4) + 64 (dk + 4) + 2 * 64 * 68 + 128) floats.
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+}
+
+// Rows [0, 64) x columns [0, cols) of a row-major f32 matrix (row stride ld floats, cols a
+// multiple of 4) into shared memory (row stride sst); rows >= valid become zeros.
+__device__ __forceinline__ void tile_async(float* dst, int sst, const float* src, size_t ld, int cols, int valid) {
+    const int c4 = cols / 4;
+    for (int e = threadIdx.x; e < CHUNK * c4; e += blockDim.x) {
+        const int row = e / c4, col = 4 * (e % c4);
+        const bool ok = row < valid;
+        cp_async16(dst + row * sst + col, src + (ok ? row : 0) * ld + col, ok);
+    }
+}
+
+// 2b. Per (chunk, value head), 8 warps: A and P from K K^T and Q K^T on tensor cores; the
+// inverse T = (I + A)^-1 by forward substitution in f32 (4 lanes per column, the column in
+// registers), its columns scaled by beta; then [W | U] = T diag(beta) [exp(G) k | v] on tensor
+// cores. Dynamic shared memory: (64 (max(dk, dv) + 4) + 64 (dk + 4) + 2 * 64 * 68 + 192) floats.
 #define TS 68
 extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
     gdn_chunk_local_tc(const float* __restrict__ qkv, const float* __restrict__ beta, const float* __restrict__ g,
@@ -361,45 +383,47 @@ extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
                        float* __restrict__ u, float* __restrict__ p, int nk, int nv, int dk, int dv) {
     extern __shared__ __align__(16) float sm[];
     const int qst = max(dk, dv) + 4, kst = dk + 4;
-    float* qs = sm;                  // [64][qst]: q, then beta v
-    float* ks = qs + CHUNK * qst;    // [64][kst]: k, then beta exp(G) k
+    float* qs = sm;                  // [64][qst]: q, then v
+    float* ks = qs + CHUNK * qst;    // [64][kst]: k
     float* as = ks + CHUNK * kst;    // [64][TS]: A
-    float* ts = as + CHUNK * TS;     // [64][TS]: T = (I + A)^-1
-    float* gs = ts + CHUNK * TS;     // [64]
-    float* bs = gs + CHUNK;          // [64]
+    float* ts = as + CHUNK * TS;     // [64][TS]: T diag(beta)
+    float* gs = ts + CHUNK * TS;     // [64]: G
+    float* es = gs + CHUNK;          // [64]: exp(G)
+    float* bs = es + CHUNK;          // [64]: beta
     const int c = blockIdx.x, h = blockIdx.y;
     const int t0 = (int)chunks[2 * c], len = (int)chunks[2 * c + 1];
     const int r = nv / nk, kh = h / r;
     const int conv_dim = 2 * nk * dk + nv * dv;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gi = lane >> 2, ti = lane & 3;
     const size_t ch = (size_t)c * nv + h;
+    const float* rows0 = qkv + (size_t)t0 * conv_dim;
 
-    const int dk4 = dk / 4;
-    for (int e = tid; e < CHUNK * dk4; e += LOCAL_THREADS) {
-        const int row = e / dk4, col = 4 * (e % dk4);
-        float4 q = make_float4(0.f, 0.f, 0.f, 0.f), k = q;
-        if (row < len) {
-            const float* src = qkv + (size_t)(t0 + row) * conv_dim + kh * dk + col;
-            q = *reinterpret_cast<const float4*>(src);
-            k = *reinterpret_cast<const float4*>(src + nk * dk);
+    tile_async(qs, qst, rows0 + kh * dk, conv_dim, dk, len);
+    tile_async(ks, kst, rows0 + nk * dk + kh * dk, conv_dim, dk, len);
+    if (warp == 0) {
+        // The running sum of g over the chunk, two tokens per lane.
+        const int i0 = 2 * lane, i1 = i0 + 1;
+        const float g0 = i0 < len ? g[(size_t)(t0 + i0) * nv + h] : 0.f;
+        const float g1 = i1 < len ? g[(size_t)(t0 + i1) * nv + h] : 0.f;
+        float sum = g0 + g1;
+        for (int o = 1; o < 32; o <<= 1) {
+            const float n = __shfl_up_sync(0xffffffff, sum, o);
+            if (lane >= o) sum += n;
         }
-        *reinterpret_cast<float4*>(qs + row * qst + col) = q;
-        *reinterpret_cast<float4*>(ks + row * kst + col) = k;
+        float before = __shfl_up_sync(0xffffffff, sum, 1);
+        if (lane == 0) before = 0.f;
+        const float G0 = before + g0, G1 = G0 + g1;
+        gs[i0] = G0;
+        gs[i1] = G1;
+        es[i0] = expf(G0);
+        es[i1] = expf(G1);
+        bs[i0] = i0 < len ? beta[(size_t)(t0 + i0) * nv + h] : 0.f;
+        bs[i1] = i1 < len ? beta[(size_t)(t0 + i1) * nv + h] : 0.f;
+        gcum[ch * CHUNK + i0] = G0;
+        gcum[ch * CHUNK + i1] = G1;
     }
-    if (tid < CHUNK) {
-        gs[tid] = tid < len ? g[(size_t)(t0 + tid) * nv + h] : 0.f;
-        bs[tid] = tid < len ? beta[(size_t)(t0 + tid) * nv + h] : 0.f;
-    }
+    cp_async_wait_all();
     __syncthreads();
-    if (tid == 0) {
-        float s = 0.f;
-        for (int i = 0; i < CHUNK; ++i) {
-            s += gs[i];
-            gs[i] = s;
-        }
-    }
-    __syncthreads();
-    if (tid < CHUNK) gcum[ch * CHUNK + tid] = gs[tid];
 
     // K K^T and Q K^T: warp w takes rows 16 (w / 2).., columns 32 (w % 2)...
     {
@@ -427,40 +451,49 @@ extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int i = m0 + gi + 8 * (q >> 1), j = n0 + 8 * n + 2 * ti + (q & 1);
-                const float decay = j <= i ? expf(gs[i] - gs[j]) : 0.f;
-                as[i * TS + j] = j < i ? bs[i] * (akk[n][q] * decay) : 0.f;
-                pc[i * CHUNK + j] = j <= i ? pqk[n][q] * decay : 0.f;
+            for (int q = 0; q < 4; q += 2) {
+                const int i = m0 + gi + 4 * q, j = n0 + 8 * n + 2 * ti;
+                float2 pv, av;
+                const float d0 = j <= i ? expf(gs[i] - gs[j]) : 0.f, d1 = j + 1 <= i ? expf(gs[i] - gs[j + 1]) : 0.f;
+                av.x = j < i ? bs[i] * (akk[n][q] * d0) : 0.f;
+                av.y = j + 1 < i ? bs[i] * (akk[n][q + 1] * d1) : 0.f;
+                pv.x = j <= i ? pqk[n][q] * d0 : 0.f;
+                pv.y = j + 1 <= i ? pqk[n][q + 1] * d1 : 0.f;
+                *reinterpret_cast<float2*>(as + i * TS + j) = av;
+                *reinterpret_cast<float2*>(pc + i * CHUNK + j) = pv;
             }
     }
     __syncthreads();
-    // The right-hand sides in place of q and k: beta v and beta exp(G) k (zeros past the end).
-    for (int e = tid; e < CHUNK * dk; e += LOCAL_THREADS) {
-        const int row = e / dk, col = e % dk;
-        ks[row * kst + col] *= bs[row] * expf(gs[row]);
-    }
-    for (int e = tid; e < CHUNK * dv; e += LOCAL_THREADS) {
-        const int row = e / dv, col = e % dv;
-        qs[row * qst + col] = row < len ? qkv[(size_t)(t0 + row) * conv_dim + 2 * nk * dk + h * dv + col] * bs[row] : 0.f;
-    }
+    // v into q's place, in flight while the inverse is computed.
+    tile_async(qs, qst, rows0 + 2 * nk * dk + h * dv, conv_dim, dv, len);
     // T = (I + A)^-1, column by column: T[i][col] = [i == col] - sum_{col <= j < i} A[i][j] T[j][col].
+    // Lane `part` of a column's four holds T[4 k + part][col] in tc[k].
     {
         const int col = tid >> 2, part = tid & 3;
-        for (int i = part; i < CHUNK; i += 4) ts[i * TS + col] = i == col ? 1.f : 0.f;
-        __syncwarp();
+        float tc[CHUNK / 4];
+#pragma unroll
+        for (int k = 0; k < CHUNK / 4; ++k) tc[k] = 4 * k + part == col ? 1.f : 0.f;
+#pragma unroll
         for (int i = 1; i < CHUNK; ++i) {
-            float s = 0.f;
-            if (i > col)
-                for (int j = col + part; j < i; j += 4) s += as[i * TS + j] * ts[j * TS + col];
+            const float* ai = as + i * TS + part;
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int k = 0; 4 * k < i; k += 2) {
+                if (4 * k + part < i) s0 += ai[4 * k] * tc[k];
+                if (4 * (k + 1) + part < i) s1 += ai[4 * (k + 1)] * tc[k + 1];
+            }
+            float s = s0 + s1;
             s += __shfl_xor_sync(0xffffffff, s, 1);
             s += __shfl_xor_sync(0xffffffff, s, 2);
-            if (i > col && part == 0) ts[i * TS + col] = -s;
-            __syncwarp();
+            if (part == (i & 3) && i > col) tc[i >> 2] = -s;
         }
+        const float bc = bs[col];
+#pragma unroll
+        for (int k = 0; k < CHUNK / 4; ++k) ts[(4 * k + part) * TS + col] = tc[k] * bc;
     }
+    cp_async_wait_all();
     __syncthreads();
-    // [W | U] = T [beta exp(G) k | beta v]; T is lower triangular, so rows 16 m.. need only the
+    // [W | U] = T diag(beta) [exp(G) k | v]; T is lower triangular, so rows 16 m.. need only the
     // first 16 (m + 1) columns of T. Warp w: rows 16 (w % 4).., every other 8-column tile.
     {
         const int mt = warp & 3, m0 = 16 * mt, steps = 2 * mt + 2;
@@ -478,28 +511,28 @@ extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
 #pragma unroll
             for (int s = 0; s < 8; ++s)
                 if (s < steps) {
-                    const float* xb = x + (8 * s + ti) * ld + gi;
-                    mma_tf32(acc, a[s], tf32(xb[0]), tf32(xb[4 * ld]));
+                    const int j = 8 * s + ti;
+                    const float* xb = x + j * ld + gi;
+                    const float e0 = is_k ? es[j] : 1.f, e1 = is_k ? es[j + 4] : 1.f;
+                    mma_tf32(acc, a[s], tf32(xb[0] * e0), tf32(xb[4 * ld] * e1));
                 }
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int i = m0 + gi + 8 * (q >> 1), col = c0 + 2 * ti + (q & 1);
-                if (is_k) {
-                    wk[(ch * CHUNK + i) * dk + col] = acc[q];
-                } else {
-                    u[(ch * CHUNK + i) * dv + col - dk] = acc[q];
-                }
+            for (int q = 0; q < 4; q += 2) {
+                const int i = m0 + gi + 4 * q, col = c0 + 2 * ti;
+                float* dst = is_k ? wk + (ch * CHUNK + i) * dk + col : u + (ch * CHUNK + i) * dv + col - dk;
+                *reinterpret_cast<float2*>(dst) = make_float2(acc[q], acc[q + 1]);
             }
         }
     }
 }
 
-// 3b. Per (slice of BV value columns, value head, sequence), 8 warps, the chunks in order; the
-// state slice S [dk][BV] stays f32 in shared memory and enters the products as TF32. Warp w
-// takes rows 16 (w / 2).. and value columns 16 (w % 2).. of V' and O, and every eighth of the
-// 16 x 8 tiles of S. Dynamic shared memory:
-// (2 * 64 (dk + 4) + 64 (dk + 8) + 64 * 68 + 64 (BV + 8) + dk (BV + 8)) floats.
-#define VST (BV + 8)
+// 3b. Per (slice of BVT value columns, value head, sequence), 8 warps, the chunks in order; the
+// state slice S [dk][BVT] stays f32 in shared memory and enters the products as TF32; exp(G)
+// and exp(G_last - G) scale q and k as they enter the products. Warp w takes rows 16 (w / 2)..
+// and value columns 32 (w % 2).. of V' and O, and every eighth 16 x 8 tile of S. Dynamic shared
+// memory: (2 * 64 (dk + 4) + 64 (dk + 8) + 64 * 68 + (64 + dk) (BVT + 8) + 128) floats.
+#define BVT 64
+#define VST (BVT + 8)
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     gdn_chunk_scan_tc(const float* __restrict__ qkv, const uint32_t* __restrict__ seqs,
                       const float* __restrict__ gcum, const float* __restrict__ wk, const float* __restrict__ u,
@@ -507,20 +540,21 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     extern __shared__ __align__(16) float sm[];
     const int st = dk + 4, kst = dk + 8;
     float* ws = sm;                  // W [64][st]
-    float* qs = ws + CHUNK * st;     // q exp(G) [64][st]
-    float* ks = qs + CHUNK * st;     // k exp(G_last - G) [64][kst]
+    float* qs = ws + CHUNK * st;     // q [64][st]
+    float* ks = qs + CHUNK * st;     // k [64][kst]
     float* ps = ks + CHUNK * kst;    // P [64][TS]
     float* vs = ps + CHUNK * TS;     // V' [64][VST]
     float* ss = vs + CHUNK * VST;    // S [dk][VST]
-    const int v0 = blockIdx.x * BV, h = blockIdx.y, sq = blockIdx.z;
+    float* fq = ss + dk * VST;       // exp(G) [64]
+    float* fk = fq + CHUNK;          // exp(G_last - G) [64]
+    const int v0 = blockIdx.x * BVT, h = blockIdx.y, sq = blockIdx.z;
     const int t0 = (int)seqs[3 * sq], len = (int)seqs[3 * sq + 1], c0 = (int)seqs[3 * sq + 2];
     const int nchunks = (len + CHUNK - 1) / CHUNK;
     const int r = nv / nk, kh = h / r;
     const int conv_dim = 2 * nk * dk + nv * dv;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gi = lane >> 2, ti = lane & 3;
-    const int m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
-    const int dk4 = dk / 4;
-    const int s_tiles = (dk / 16) * (BV / 8);
+    const int m0 = 16 * (warp >> 1), n0 = 32 * (warp & 1);
+    const int s_tiles = (dk / 16) * (BVT / 8);
 
     for (int e = tid; e < dk * VST; e += SCAN_THREADS) ss[e] = 0.f;
 
@@ -529,49 +563,49 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
         const int tc = t0 + cc * CHUNK;
         const int rows = min(CHUNK, len - cc * CHUNK);
         const float* gc = gcum + ch * CHUNK;
-        const float glast = gc[CHUNK - 1];
         __syncthreads();  // the previous chunk's readers are done
-        for (int e = tid; e < CHUNK * dk4; e += SCAN_THREADS) {
-            const int i = e / dk4, d = 4 * (e % dk4);
-            *reinterpret_cast<float4*>(ws + i * st + d) =
-                *reinterpret_cast<const float4*>(wk + (ch * CHUNK + i) * dk + d);
-            float4 q = make_float4(0.f, 0.f, 0.f, 0.f), k = q;
-            if (i < rows) {
-                const float* src = qkv + (size_t)(tc + i) * conv_dim + kh * dk + d;
-                q = *reinterpret_cast<const float4*>(src);
-                k = *reinterpret_cast<const float4*>(src + nk * dk);
-                const float eq = expf(gc[i]), ek = expf(glast - gc[i]);
-                q = make_float4(q.x * eq, q.y * eq, q.z * eq, q.w * eq);
-                k = make_float4(k.x * ek, k.y * ek, k.z * ek, k.w * ek);
-            }
-            *reinterpret_cast<float4*>(qs + i * st + d) = q;
-            *reinterpret_cast<float4*>(ks + i * kst + d) = k;
-        }
-        for (int e = tid; e < CHUNK * CHUNK / 4; e += SCAN_THREADS) {
-            const int i = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
-            *reinterpret_cast<float4*>(ps + i * TS + j) =
-                *reinterpret_cast<const float4*>(p + ch * CHUNK * CHUNK + i * CHUNK + j);
+        const float* rows0 = qkv + (size_t)tc * conv_dim;
+        tile_async(ws, st, wk + ch * CHUNK * dk, dk, dk, CHUNK);
+        tile_async(qs, st, rows0 + kh * dk, conv_dim, dk, rows);
+        tile_async(ks, kst, rows0 + nk * dk + kh * dk, conv_dim, dk, rows);
+        tile_async(ps, TS, p + ch * CHUNK * CHUNK, CHUNK, CHUNK, CHUNK);
+        if (tid < CHUNK) {
+            const float gl = gc[CHUNK - 1], gt = gc[tid];
+            fq[tid] = expf(gt);
+            fk[tid] = expf(gl - gt);
         }
         // V' starts as U (in the accumulators' layout), O as zero.
-        float vacc[2][4], oacc[2][4];
+        float vacc[4][4], oacc[4][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int i = m0 + gi + 8 * (q >> 1), col = v0 + n0 + 8 * n + 2 * ti + (q & 1);
-                vacc[n][q] = col < dv ? u[(ch * CHUNK + i) * dv + col] : 0.f;
-                oacc[n][q] = 0.f;
+            for (int q = 0; q < 4; q += 2) {
+                const int i = m0 + gi + 4 * q, col = v0 + n0 + 8 * n + 2 * ti;
+                const float2 uv = col < dv ? *reinterpret_cast<const float2*>(u + (ch * CHUNK + i) * dv + col)
+                                           : make_float2(0.f, 0.f);
+                vacc[n][q] = uv.x;
+                vacc[n][q + 1] = uv.y;
+                oacc[n][q] = oacc[n][q + 1] = 0.f;
             }
+        const float decay = expf(gc[CHUNK - 1]);
+        cp_async_wait_all();
         __syncthreads();
         // V' = U - W S and O = (q exp(G)) S.
+        const float fq0 = fq[m0 + gi], fq1 = fq[m0 + gi + 8];
         for (int k0 = 0; k0 < dk; k0 += 8) {
             uint32_t aw[4], aq[4];
-            frag_a_tf32(aw, ws, st, m0, k0, lane);
-            frag_a_tf32(aq, qs, st, m0, k0, lane);
+            const float* wa = ws + (m0 + gi) * st + k0 + ti;
+            aw[0] = tf32(-wa[0]);
+            aw[1] = tf32(-wa[8 * st]);
+            aw[2] = tf32(-wa[4]);
+            aw[3] = tf32(-wa[8 * st + 4]);
+            const float* qa = qs + (m0 + gi) * st + k0 + ti;
+            aq[0] = tf32(qa[0] * fq0);
+            aq[1] = tf32(qa[8 * st] * fq1);
+            aq[2] = tf32(qa[4] * fq0);
+            aq[3] = tf32(qa[8 * st + 4] * fq1);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) aw[q] ^= 0x80000000u;  // -W
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 const float* sb = ss + (k0 + ti) * VST + n0 + 8 * n + gi;
                 const uint32_t b0 = tf32(sb[0]), b1 = tf32(sb[4 * VST]);
                 mma_tf32(vacc[n], aw, b0, b1);
@@ -579,37 +613,41 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
             }
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                vs[(m0 + gi + 8 * (q >> 1)) * VST + n0 + 8 * n + 2 * ti + (q & 1)] = vacc[n][q];
+            for (int q = 0; q < 4; q += 2)
+                *reinterpret_cast<float2*>(vs + (m0 + gi + 4 * q) * VST + n0 + 8 * n + 2 * ti) =
+                    make_float2(vacc[n][q], vacc[n][q + 1]);
         __syncthreads();
         // O += P V' (P is zero right of the diagonal: rows 16 m.. need 16 (m + 1) columns); store.
         for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
             uint32_t a[4];
             frag_a_tf32(a, ps, TS, m0, k0, lane);
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
+            for (int n = 0; n < 4; ++n) {
                 const float* vb = vs + (k0 + ti) * VST + n0 + 8 * n + gi;
                 mma_tf32(oacc[n], a, tf32(vb[0]), tf32(vb[4 * VST]));
             }
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int i = m0 + gi + 8 * (q >> 1), col = v0 + n0 + 8 * n + 2 * ti + (q & 1);
-                if (i < rows && col < dv) out[((size_t)(tc + i) * nv + h) * dv + col] = oacc[n][q];
+            for (int q = 0; q < 4; q += 2) {
+                const int i = m0 + gi + 4 * q, col = v0 + n0 + 8 * n + 2 * ti;
+                if (i < rows && col < dv)
+                    *reinterpret_cast<float2*>(out + ((size_t)(tc + i) * nv + h) * dv + col) =
+                        make_float2(oacc[n][q], oacc[n][q + 1]);
             }
-        // S = exp(G_last) S + K'^T V'.
-        const float decay = expf(glast);
+        // S = exp(G_last) S + K'^T V', K' = k exp(G_last - G).
         for (int e = warp; e < s_tiles; e += SCAN_THREADS / 32) {
-            const int d0 = 16 * (e / (BV / 8)), j0 = 8 * (e % (BV / 8));
+            const int d0 = 16 * (e / (BVT / 8)), j0 = 8 * (e % (BVT / 8));
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int k0 = 0; k0 < CHUNK; k0 += 8) {
                 const float* ka = ks + (k0 + ti) * kst + d0 + gi;  // A[d][i] = K'[i][d]
-                const uint32_t a[4] = {tf32(ka[0]), tf32(ka[8]), tf32(ka[4 * kst]), tf32(ka[4 * kst + 8])};
+                const float f0 = fk[k0 + ti], f1 = fk[k0 + ti + 4];
+                const uint32_t a[4] = {tf32(ka[0] * f0), tf32(ka[8] * f0), tf32(ka[4 * kst] * f1),
+                                       tf32(ka[4 * kst + 8] * f1)};
                 const float* vb = vs + (k0 + ti) * VST + j0 + gi;
                 mma_tf32(acc, a, tf32(vb[0]), tf32(vb[4 * VST]));
             }

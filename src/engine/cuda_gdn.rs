@@ -15,8 +15,9 @@ use super::config::{LinearAttentionConfig, GDN_CHUNK};
 use super::cuda_module::{cuda_view, kernel, GDN};
 use super::profile;
 
-/// Value columns per scan block (`BV` in the kernel).
+/// Value columns per scan block (`BV` in the kernel; `BVT` in the tensor-core one).
 const BV: usize = 32;
+const BVT: usize = 64;
 const THREADS: u32 = 256;
 /// The most sequences one batch may hold for the kernels (the scan's grid z dimension).
 pub const MAX_SEQUENCES: usize = 65535;
@@ -34,11 +35,11 @@ fn scan_shared(dk: usize) -> usize {
 
 /// The tensor-core kernels' shared memory: `gdn_chunk_local_tc` and `gdn_chunk_scan_tc`.
 fn local_tc_shared(dk: usize, dv: usize) -> usize {
-    4 * (GDN_CHUNK * (dk.max(dv) + 4) + GDN_CHUNK * (dk + 4) + 2 * GDN_CHUNK * 68 + 2 * GDN_CHUNK)
+    4 * (GDN_CHUNK * (dk.max(dv) + 4) + GDN_CHUNK * (dk + 4) + 2 * GDN_CHUNK * 68 + 3 * GDN_CHUNK)
 }
 
 fn scan_tc_shared(dk: usize) -> usize {
-    4 * (2 * GDN_CHUNK * (dk + 4) + GDN_CHUNK * (dk + 8) + GDN_CHUNK * 68 + (GDN_CHUNK + dk) * (BV + 8))
+    4 * (2 * GDN_CHUNK * (dk + 4) + GDN_CHUNK * (dk + 8) + GDN_CHUNK * 68 + (GDN_CHUNK + dk) * (BVT + 8) + 2 * GDN_CHUNK)
 }
 
 /// How the chunk products (K K^T, Q K^T, the solve's right-hand sides, and the scan's products
@@ -345,7 +346,7 @@ impl GdnOp {
         l.arg(&dk_i);
         l.arg(&dv_i);
         let cfg = LaunchConfig {
-            grid_dim: (dv.div_ceil(BV) as u32, nv as u32, self.n_seqs as u32),
+            grid_dim: (dv.div_ceil(if self.tensor_cores { BVT } else { BV }) as u32, nv as u32, self.n_seqs as u32),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: bytes as u32,
         };

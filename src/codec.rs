@@ -196,10 +196,62 @@ pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::i
     Ok(())
 }
 
-/// The answer's bytes: safetensors, zstd-compressed at `zstd_level` when given (several threads
-/// for large answers), written straight from the pieces.
+/// The most threads answers compress on at once, over all answers: every core but two (the
+/// device threads, which launch kernels and copy the states to the host, and the runtime's
+/// connections keep theirs), at least one. Without a bound, hundreds of answers in flight each
+/// started its own zstd workers, and the device threads waited for a core: with 256 requests in
+/// flight the server delivered fewer tokens per second than with 64.
+pub fn encode_threads() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(2).max(1))
+}
+
+/// The zstd threads one answer of `raw_bytes` uses: several (at most 8) for answers over 8 MiB.
+pub fn zstd_threads(raw_bytes: usize) -> usize {
+    if raw_bytes > 8 << 20 {
+        encode_threads().min(8)
+    } else {
+        1
+    }
+}
+
+/// A count of threads for encoding answers, shared by the answers in flight.
+pub struct EncodeSlots {
+    sem: tokio::sync::Semaphore,
+    max: usize,
+}
+
+impl EncodeSlots {
+    pub fn new(max: usize) -> Self {
+        let max = max.max(1);
+        EncodeSlots { sem: tokio::sync::Semaphore::new(max), max }
+    }
+
+    /// Waits until `threads` (at most all of them) are free and holds them while the permit
+    /// lives. Waiters are served in arrival order.
+    pub async fn acquire(&self, threads: usize) -> tokio::sync::SemaphorePermit<'_> {
+        let n = threads.clamp(1, self.max) as u32;
+        // The semaphore is never closed, so acquiring only waits.
+        self.sem.acquire_many(n).await.expect("the encoding semaphore is never closed")
+    }
+}
+
+/// [`EncodeSlots::acquire`] on the process's [`encode_threads`].
+pub async fn encode_permit(threads: usize) -> tokio::sync::SemaphorePermit<'static> {
+    static SLOTS: std::sync::OnceLock<EncodeSlots> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| EncodeSlots::new(encode_threads())).acquire(threads).await
+}
+
+/// The raw size of an answer's safetensors, about (the states and a bound on the header and token
+/// columns).
+pub fn answer_size(a: &AnswerParts) -> usize {
+    a.chunks.iter().map(|c| c.len()).sum::<usize>() + 4096 + a.input_ids.len() * 9
+}
+
+/// The answer's bytes: safetensors, zstd-compressed at `zstd_level` when given (on
+/// [`zstd_threads`] threads), written straight from the pieces.
 pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Result<Vec<u8>> {
-    let size: usize = a.chunks.iter().map(|c| c.len()).sum::<usize>() + 4096 + a.input_ids.len() * 9;
+    let size = answer_size(a);
     match zstd_level {
         None => {
             let mut out = Vec::with_capacity(size);
@@ -208,9 +260,9 @@ pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Resul
         }
         Some(level) => {
             let mut enc = zstd::stream::Encoder::new(Vec::with_capacity(size / 2), level)?;
-            if size > 8 << 20 {
-                let threads = std::thread::available_parallelism().map(|n| n.get().min(8)).unwrap_or(1) as u32;
-                enc.multithread(threads)?;
+            let threads = zstd_threads(size);
+            if threads > 1 {
+                enc.multithread(threads as u32)?;
             }
             write_safetensors(&mut enc, a)?;
             enc.finish()
@@ -232,6 +284,27 @@ pub fn compress(bytes: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Encoding never uses more threads than the slots hold: a request for more takes all of
+    /// them, and the next waits until they are given back.
+    #[tokio::test]
+    async fn encode_slots_bound_the_threads() {
+        use std::time::Duration;
+        let slots = EncodeSlots::new(3);
+        let big = slots.acquire(8).await;
+        assert_eq!(slots.sem.available_permits(), 0, "a request for 8 of 3 threads takes the 3");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), slots.acquire(1)).await.is_err(),
+            "no thread is free while the first answer encodes"
+        );
+        drop(big);
+        let one = tokio::time::timeout(Duration::from_secs(5), slots.acquire(1)).await.expect("a thread is free again");
+        let two = tokio::time::timeout(Duration::from_secs(5), slots.acquire(2)).await.expect("two more are free");
+        assert_eq!(slots.sem.available_permits(), 0);
+        drop((one, two));
+        assert_eq!(slots.sem.available_permits(), 3);
+        assert!(zstd_threads(1 << 20) == 1 && zstd_threads(64 << 20) == encode_threads().min(8));
+    }
     use safetensors::tensor::TensorView;
 
     fn parts(chunks: Vec<&[u8]>) -> AnswerParts<'_> {

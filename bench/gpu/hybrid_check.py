@@ -13,7 +13,8 @@ Vocabulary 32,000 instead of 248,320 (only the embedding table's size changes).
 
 Sequences of 1, 100, 810 and 4,096 tokens. transformers runs each sequence alone in f32 (TF32
 off, eager attention, eager experts) and in bf16 (its own rounding, the yardstick); layertap runs
-them packed in one batch (`layertap extract --device cuda:0`) in f32 and in bf16. Prints, per
+them packed in one batch (`layertap extract --device cuda:0`) in f32, in bf16, and in bf16 with
+the Gated DeltaNet's chunk products kept f32 (`LAYERTAP_GDN_TF32=0`). Prints, per
 model and compute dtype, the worst relative error ||ours - ref|| / ||ref|| over the sequences at
 each index, with transformers' bf16 beside it; one JSON line per model at the end.
 
@@ -113,13 +114,16 @@ def main():
         row = {"model": name, "layer_types": cfg.layer_types, "tokens": sum(LENGTHS)}
         hf16 = [max(rel(theirs16[s][i], ref[s][i]) for s in range(len(seqs))) for i in range(n + 1)]
         row["transformers_bf16"] = hf16
-        for dtype in ["f32", "bf16"]:
+        # bf16 runs the Gated DeltaNet's chunk products on tensor cores (TF32); the last variant
+        # keeps them f32 (LAYERTAP_GDN_TF32=0) to show what that rounding costs.
+        for dtype, compute, env in [("f32", "f32", {}), ("bf16", "bf16", {}),
+                                    ("bf16_f32_products", "bf16", {"LAYERTAP_GDN_TF32": "0"})]:
             out = os.path.join(args.work, f"{name}-{dtype}.safetensors")
             ids = ";".join(",".join(str(int(x)) for x in s) for s in seqs)
             t0 = time.perf_counter()
-            subprocess.run([args.bin, "extract", "--model", path, "--device", "cuda:0", "--dtype", dtype,
+            subprocess.run([args.bin, "extract", "--model", path, "--device", "cuda:0", "--dtype", compute,
                             "--out-dtype", "f32", "--layers", ",".join(str(i) for i in range(n + 1)),
-                            "--input-ids", ids, "--out", out], check=True)
+                            "--input-ids", ids, "--out", out], check=True, env={**os.environ, **env})
             wall = time.perf_counter() - t0
             got = load_file(out)
             hs, cu = got["hidden_states"], got["cu_seqlens"].tolist()

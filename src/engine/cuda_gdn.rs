@@ -39,7 +39,11 @@ fn local_tc_shared(dk: usize, dv: usize) -> usize {
 }
 
 fn scan_tc_shared(dk: usize) -> usize {
-    4 * (2 * GDN_CHUNK * (dk + 4) + GDN_CHUNK * (dk + 8) + GDN_CHUNK * 68 + (GDN_CHUNK + dk) * (BVT + 8) + 2 * GDN_CHUNK)
+    4 * (2 * GDN_CHUNK * (dk + 4)
+        + GDN_CHUNK * (dk + 8)
+        + GDN_CHUNK * 68
+        + (GDN_CHUNK + dk) * (BVT + 8)
+        + 2 * GDN_CHUNK)
 }
 
 /// How the chunk products (K K^T, Q K^T, the solve's right-hand sides, and the scan's products

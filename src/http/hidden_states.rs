@@ -426,7 +426,11 @@ pub async fn hidden_states(
     let zstd = wants_zstd(&headers) && !json;
     let level = s.limits.zstd_level;
     let metrics = s.metrics.clone();
+    // Encoding waits for its share of the cores that answers may use (see codec::encode_threads).
+    let raw = total * layers.len() * hidden * dtype.size_in_bytes();
+    let permit = codec::encode_permit(if zstd { codec::zstd_threads(raw) } else { 1 }).await;
     let body = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, bool), ApiError> {
+        let _permit = permit;
         let pos = positions.as_deref().map(|p| &p[..]);
         let scale = if fp8 {
             let mut all = Vec::with_capacity(total * layers.len());

@@ -196,11 +196,11 @@ pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::i
     Ok(())
 }
 
-/// The most threads answers compress on at once, over all answers: every core but two (the
-/// device threads, which launch kernels and copy the states to the host, and the runtime's
-/// connections keep theirs), at least one. Without a bound, hundreds of answers in flight each
-/// started its own zstd workers, and the device threads waited for a core: with 256 requests in
-/// flight the server delivered fewer tokens per second than with 64.
+/// The most threads answers compress on at once, over all answers: every core but two (left to
+/// the device threads, which launch kernels and copy the states to the host, and to the
+/// runtime's connections), at least one. Before the bound each answer over 8 MiB started its own
+/// 8 zstd workers, and with 256 requests in flight the server delivered fewer tokens per second
+/// than with 64 (bench/RESULTS.md, "HTTP for the hybrids").
 pub fn encode_threads() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(2).max(1))
@@ -247,16 +247,17 @@ pub async fn encode_permit(threads: usize) -> tokio::sync::SemaphorePermit<'stat
     SLOTS.get_or_init(|| EncodeSlots::new(encode_threads())).acquire(threads).await
 }
 
-/// The raw size of an answer's safetensors, about (the states and a bound on the header and token
-/// columns).
-pub fn answer_size(a: &AnswerParts) -> usize {
-    a.chunks.iter().map(|c| c.len()).sum::<usize>() + 4096 + a.input_ids.len() * 9
+/// The answer's bytes: safetensors, zstd-compressed at `zstd_level` when given (on
+/// [`zstd_threads`] of its states' size), written straight from the pieces.
+pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Result<Vec<u8>> {
+    let states: usize = a.chunks.iter().map(|c| c.len()).sum();
+    encode_answer_on(a, zstd_level, zstd_threads(states))
 }
 
-/// The answer's bytes: safetensors, zstd-compressed at `zstd_level` when given (on
-/// [`zstd_threads`] threads), written straight from the pieces.
-pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Result<Vec<u8>> {
-    let size = answer_size(a);
+/// [`encode_answer`] on `threads` zstd threads (for a caller that holds them, see
+/// [`encode_permit`]).
+pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize) -> std::io::Result<Vec<u8>> {
+    let size: usize = a.chunks.iter().map(|c| c.len()).sum::<usize>() + 4096 + a.input_ids.len() * 9;
     match zstd_level {
         None => {
             let mut out = Vec::with_capacity(size);
@@ -265,7 +266,6 @@ pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Resul
         }
         Some(level) => {
             let mut enc = zstd::stream::Encoder::new(Vec::with_capacity(size / 2), level)?;
-            let threads = zstd_threads(size);
             if threads > 1 {
                 enc.multithread(threads as u32)?;
             }
@@ -275,20 +275,10 @@ pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Resul
     }
 }
 
-/// zstd-compresses `bytes`; large payloads use several threads.
-pub fn compress(bytes: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
-    let mut enc = zstd::stream::Encoder::new(Vec::with_capacity(bytes.len() / 2), level)?;
-    if bytes.len() > 8 << 20 {
-        let threads = std::thread::available_parallelism().map(|n| n.get().min(8)).unwrap_or(1) as u32;
-        enc.multithread(threads)?;
-    }
-    std::io::Write::write_all(&mut enc, bytes)?;
-    enc.finish()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::tensor::TensorView;
 
     /// Encoding never uses more threads than the slots hold: a request for more takes all of
     /// them, and the next waits until they are given back.
@@ -310,7 +300,6 @@ mod tests {
         assert_eq!(slots.sem.available_permits(), 3);
         assert_eq!(zstd_threads(1 << 20), 1);
     }
-    use safetensors::tensor::TensorView;
 
     fn parts(chunks: Vec<&[u8]>) -> AnswerParts<'_> {
         AnswerParts {

@@ -427,8 +427,8 @@ pub async fn hidden_states(
     let level = s.limits.zstd_level;
     let metrics = s.metrics.clone();
     // Encoding waits for its share of the cores that answers may use (see codec::encode_threads).
-    let raw = total * layers.len() * hidden * dtype.size_in_bytes();
-    let permit = codec::encode_permit(if zstd { codec::zstd_threads(raw) } else { 1 }).await;
+    let threads = if zstd { codec::zstd_threads(total * layers.len() * hidden * dtype.size_in_bytes()) } else { 1 };
+    let permit = codec::encode_permit(threads).await;
     let body = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, bool), ApiError> {
         let _permit = permit;
         let pos = positions.as_deref().map(|p| &p[..]);
@@ -477,7 +477,7 @@ pub async fn hidden_states(
             .hidden_state_bytes
             .with_label_values(&["raw"])
             .inc_by(parts.chunks.iter().map(|c| c.len() as u64).sum());
-        let bytes = codec::encode_answer(&parts, zstd.then_some(level))
+        let bytes = codec::encode_answer_on(&parts, zstd.then_some(level), threads)
             .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
         Ok((bytes, zstd))
     })

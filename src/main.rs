@@ -70,6 +70,7 @@ fn init_logging(format: LogFormat) {
 }
 
 fn main() -> ExitCode {
+    layertap::server::reuse_large_allocations();
     let cli = Cli::parse();
     let format = match &cli.command {
         Command::Serve(a) => a.log_format,

@@ -123,6 +123,24 @@ fn return_free_memory_periodically() {
     }
 }
 
+/// glibc serves allocations over its mmap threshold with fresh pages from the kernel, and hands
+/// free memory at a heap's top back once it exceeds the trim threshold: each batch's
+/// activations (megabytes to tens of megabytes per layer) then come back as page faults that the
+/// kernel zero-fills. Setting the mmap threshold to its largest value (32 MiB) and the trim
+/// threshold far above it keeps freed blocks for the next batch; the server's periodic
+/// `malloc_trim` still hands free pages back at rest. Call once, at start-up.
+/// `LAYERTAP_MALLOC_DEFAULTS=1` leaves glibc's thresholds as they are, for comparison.
+pub fn reuse_large_allocations() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var("LAYERTAP_MALLOC_DEFAULTS").map_or(true, |v| v != "1") {
+        // SAFETY: mallopt only changes glibc's allocation thresholds.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        }
+    }
+}
+
 /// Resolves when SIGTERM or SIGINT arrives.
 pub async fn termination_signal() {
     let ctrl_c = async {

@@ -4,7 +4,9 @@
 //! mask and skips the causal upper triangle. Blocks of queries run in parallel; each query's
 //! result is computed the same way whatever else is in the batch.
 
-use candle_core::{CpuStorage, DType, Storage, Tensor};
+use candle_core::{DType, Tensor};
+
+use super::cpu_ops::f32s;
 use rayon::prelude::*;
 
 /// Queries per work item.
@@ -98,14 +100,6 @@ impl Ctx<'_> {
                 o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a / sum);
             }
         }
-    }
-}
-
-/// The `n` elements from `start` of an f32 CPU storage.
-fn f32s(s: &Storage, start: usize, n: usize) -> candle_core::Result<&[f32]> {
-    match s {
-        Storage::Cpu(CpuStorage::F32(x)) if x.len() >= start + n => Ok(&x[start..start + n]),
-        _ => candle_core::bail!("cpu attention: f32 tensors on the CPU expected"),
     }
 }
 

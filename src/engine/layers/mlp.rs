@@ -48,7 +48,13 @@ impl GatedMlp {
 
     pub fn forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
         let act = match &self.gate_up {
-            GateUp::Separate { gate, up } => (candle_nn::ops::silu(&gate.forward(h)?)? * up.forward(h)?)?,
+            GateUp::Separate { gate, up } => {
+                let (g, u) = (gate.forward(h)?, up.forward(h)?);
+                match super::cpu_ops::silu_mul(&g, &u)? {
+                    Some(act) => act,
+                    None => (candle_nn::ops::silu(&g)? * u)?,
+                }
+            }
             #[cfg(feature = "cuda")]
             GateUp::Fused(l) => crate::engine::cuda_ops::silu_mul(&l.forward(h)?)?,
             #[cfg(not(feature = "cuda"))]

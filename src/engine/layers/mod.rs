@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod cpu_attention;
+pub mod cpu_ops;
 pub mod delta_rule;
 pub mod gdn;
 pub mod linear;

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "mma.cuh"
+#include "reduce.cuh"
 
 #define CHUNK 64
 #define BV 32
@@ -37,20 +38,6 @@ __device__ __forceinline__ float round_to(float x, const __nv_bfloat16*) {
 }
 __device__ __forceinline__ float round_to(float x, const __half*) { return __half2float(__float2half_rn(x)); }
 
-// The sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), for every thread.
-__device__ float block_sum(float v) {
-    __shared__ float red[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float s = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (threadIdx.x == 0) red[0] = s;
-    }
-    __syncthreads();
-    return red[0];
-}
 
 // ---------------------------------------------------------------------------------------------
 // 1. conv + SiLU + l2norm + gates. Grid (tokens, 2 * nk + nv); block of `hd` threads (>= dk, dv).

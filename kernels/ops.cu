@@ -8,6 +8,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "reduce.cuh"
+
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(float x) { return x; }
@@ -71,17 +73,7 @@ __device__ void rms_norm_f32(const float* __restrict__ x, const T* __restrict__ 
     T* orow = out + (size_t)blockIdx.x * cols;
     float ss = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
-    __shared__ float part[32];
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-        if (threadIdx.x == 0) part[0] = v;
-    }
-    __syncthreads();
-    const float inv = rsqrtf(part[0] / cols + eps);
+    const float inv = rsqrtf(block_sum(ss) / cols + eps);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f32<T>(xr[c] * inv * to_f32(w[c]));
 }
 

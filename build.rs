@@ -22,6 +22,7 @@ fn main() {
     println!("cargo::rerun-if-changed=kernels/moe.cu");
     println!("cargo::rerun-if-changed=kernels/mma.cuh");
     println!("cargo::rerun-if-changed=kernels/reduce.cuh");
+    println!("cargo::rerun-if-changed=kernels/convert.cuh");
     println!("cargo::rerun-if-env-changed=LAYERTAP_CUDA_ARCHS");
     println!("cargo::rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

@@ -21,6 +21,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "convert.cuh"
 #include "mma.cuh"
 #include "reduce.cuh"
 
@@ -29,14 +30,6 @@
 #define SCAN_THREADS 256
 #define LOCAL_THREADS 256
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float round_to(float x, const float*) { return x; }
-__device__ __forceinline__ float round_to(float x, const __nv_bfloat16*) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-}
-__device__ __forceinline__ float round_to(float x, const __half*) { return __half2float(__float2half_rn(x)); }
 
 
 // ---------------------------------------------------------------------------------------------

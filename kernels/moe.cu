@@ -1,39 +1,216 @@
-// Grouped matrix product for the experts of a mixture-of-experts layer (sm_80 and newer): the
-// rows of x are sorted by expert, and each block of rows is multiplied by its own expert's
-// weight, all experts in one launch:  y[r, :] = x[r, :] W_e^T  for the rows r of expert e.
+// The experts of a mixture-of-experts layer on the GPU (sm_80 and newer), with no round trip to
+// the host: every size the launches need is an upper bound the host knows from the batch, and
+// the exact counts stay on the device.
 //
-// x: [R, K] row-major; w: [E, N, K] (each expert's weight as stored, [out, in]); y: [R, N].
-// tiles: [n_tiles][3] = (expert, first row, rows <= BM), made by the host from the per-expert
-// counts. Grid (n_tiles, N / BN); 4 warps, 2 x 2, each warp a 32 x 64 piece of the 64 x 128
-// block tile, mma.sync.m16n8k16 with f32 accumulation, rounded once to the output type. The
+//   moe_route      per token: softmax of the router's logits in f32, the top k experts (best
+//                  first, ties to the lower index), their weights renormalised when asked.
+//   moe_count      how many (token, slot) pairs each expert has.
+//   moe_offsets    each expert's first row, and the tile list: one (expert, first row, rows <= BM)
+//                  triple per block of rows, with the number of tiles.
+//   moe_place      every pair's row in expert order: tokens[row] = token, row_of[slot * T + token]
+//                  = row (slot-major). The order of rows within an expert is whatever the atomics
+//                  give; no result depends on it (below).
+//   grouped_mm     y[r, :] = x[src(r), :] W_e^T for the rows r of expert e, all experts in one
+//                  launch; src(r) = tokens[r] when the rows are gathered from the tokens. The
+//                  SwiGLU form multiplies by the expert's gate rows and up rows in one block and
+//                  writes silu(gate) * up, each rounded to the output type first (the bits of
+//                  grouped_mm followed by silu_mul).
+//   moe_combine    out[t] = the sum over slots, best first, of weight * y[row] in f32, plus the
+//                  shared expert's output times sigmoid(x . gate) when there is one, rounded once.
+//
+// grouped_mm: x [R, K] row-major (or the tokens' rows, gathered); w [E, N, K] (each expert's
+// weight as stored, [out, in]; [E, 2N, K] with the gate rows first for SwiGLU); y [R, N]. Grid
+// (tiles bound, column blocks); blocks past the device's tile count return at once. 4 warps, 2 x 2,
+// each a 32 x 64 piece of the 64 x 128 block tile, mma.sync.m16n8k16 with f32 accumulation. The
 // reduction over K runs in the same order for every row, so a row's result does not depend on
-// which other rows share its tile.
+// which rows share its tile or where in its expert's block it lands.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "convert.cuh"
 #include "mma.cuh"
+#include "reduce.cuh"
 
 #define BM 64
 #define BN 128
 #define BK 32
 #define PADK 8
 #define THREADS 128
+#define MAX_EXPERTS 1024
+#define ROUTE_WARPS 8
+#define PLACE_THREADS 256
+#define PLACE_PER_THREAD 8
+#define COMBINE_THREADS 256
+
+// ---------------------------------------------------------------------------------------------
+// Routing: one warp per token.
 
 template <typename T>
-__device__ void grouped_mm(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                           const uint32_t* __restrict__ tiles, int n, int k) {
+__device__ void moe_route(const T* __restrict__ logits, uint32_t* __restrict__ idx, float* __restrict__ weight,
+                          int tokens, int e, int k, int norm) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int tok = blockIdx.x * ROUTE_WARPS + warp;
+    if (tok >= tokens) return;
+    const T* row = logits + (size_t)tok * e;
+    float v[MAX_EXPERTS / 32];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
+        const int c = lane + 32 * i;
+        float l = c < e ? to_f32(row[c]) : -INFINITY;
+        if (!(l >= -INFINITY)) l = -INFINITY;  // NaN
+        v[i] = l;
+        m = fmaxf(m, l);
+    }
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_EXPERTS / 32; ++i)
+        if (lane + 32 * i < e) s += __expf(v[i] - m);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+
+    uint32_t taken = 0;  // bit i: expert lane + 32 i is chosen
+    float mine = 0.f;    // lane j keeps slot j's probability and expert
+    int mine_idx = 0;
+    for (int j = 0; j < k; ++j) {
+        float bv = -INFINITY;
+        int bi = -1;
+#pragma unroll
+        for (int i = 0; i < MAX_EXPERTS / 32; ++i) {
+            const int c = lane + 32 * i;
+            if (c < e && !((taken >> i) & 1) && (bi < 0 || v[i] > bv)) {
+                bv = v[i];
+                bi = c;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffff, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffff, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (bi % 32 == lane) taken |= 1u << (bi / 32);
+        if (lane == j) {
+            mine = __expf(bv - m) / s;
+            mine_idx = bi;
+        }
+    }
+    float total = lane < k ? mine : 0.f;
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+    if (lane < k) {
+        idx[(size_t)tok * k + lane] = mine_idx;
+        weight[(size_t)tok * k + lane] = norm ? mine / total : mine;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    moe_route_bf16(const __nv_bfloat16* logits, uint32_t* idx, float* weight, int tokens, int e, int k, int norm) {
+    moe_route(logits, idx, weight, tokens, e, k, norm);
+}
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    moe_route_f16(const __half* logits, uint32_t* idx, float* weight, int tokens, int e, int k, int norm) {
+    moe_route(logits, idx, weight, tokens, e, k, norm);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pairs in expert order. `counts` and `cursor` start at zero.
+
+extern "C" __global__ void moe_count(const uint32_t* __restrict__ idx, uint32_t* __restrict__ counts, int pairs,
+                                     int e) {
+    __shared__ uint32_t hist[MAX_EXPERTS];
+    for (int x = threadIdx.x; x < e; x += blockDim.x) hist[x] = 0;
+    __syncthreads();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x)
+        atomicAdd(&hist[idx[i]], 1u);
+    __syncthreads();
+    for (int x = threadIdx.x; x < e; x += blockDim.x)
+        if (hist[x]) atomicAdd(&counts[x], hist[x]);
+}
+
+// One block.
+extern "C" __global__ void moe_offsets(const uint32_t* __restrict__ counts, uint32_t* __restrict__ starts,
+                                       uint32_t* __restrict__ tiles, uint32_t* __restrict__ n_tiles, int e) {
+    __shared__ uint32_t count[MAX_EXPERTS], first_row[MAX_EXPERTS], first_tile[MAX_EXPERTS];
+    for (int x = threadIdx.x; x < e; x += blockDim.x) count[x] = counts[x];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t r = 0, t = 0;
+        for (int x = 0; x < e; ++x) {
+            first_row[x] = r;
+            first_tile[x] = t;
+            r += count[x];
+            t += (count[x] + BM - 1) / BM;
+        }
+        *n_tiles = t;
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < e; x += blockDim.x) {
+        const uint32_t c = count[x], r = first_row[x];
+        starts[x] = r;
+        for (uint32_t i = 0; i * BM < c; ++i) {
+            uint32_t* tl = tiles + 3 * (size_t)(first_tile[x] + i);
+            tl[0] = x;
+            tl[1] = r + i * BM;
+            tl[2] = min((uint32_t)BM, c - i * BM);
+        }
+    }
+}
+
+// Each block places PLACE_THREADS * PLACE_PER_THREAD consecutive pairs: ranks within the block
+// from shared atomics, then one global atomic per expert reserves the block's rows.
+extern "C" __global__ void __launch_bounds__(PLACE_THREADS)
+    moe_place(const uint32_t* __restrict__ idx, const uint32_t* __restrict__ starts, uint32_t* __restrict__ cursor,
+              uint32_t* __restrict__ tokens, uint32_t* __restrict__ row_of, int t, int k, int e) {
+    __shared__ uint32_t hist[MAX_EXPERTS], base[MAX_EXPERTS];
+    for (int x = threadIdx.x; x < e; x += blockDim.x) hist[x] = 0;
+    __syncthreads();
+    const int pairs = t * k;
+    const int first = blockIdx.x * PLACE_THREADS * PLACE_PER_THREAD;
+    uint32_t rank[PLACE_PER_THREAD];
+#pragma unroll
+    for (int q = 0; q < PLACE_PER_THREAD; ++q) {
+        const int i = first + q * PLACE_THREADS + threadIdx.x;
+        if (i < pairs) rank[q] = atomicAdd(&hist[idx[i]], 1u);
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < e; x += blockDim.x)
+        if (hist[x]) base[x] = starts[x] + atomicAdd(&cursor[x], hist[x]);
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < PLACE_PER_THREAD; ++q) {
+        const int i = first + q * PLACE_THREADS + threadIdx.x;
+        if (i < pairs) {
+            const uint32_t r = base[idx[i]] + rank[q];
+            const int tok = i / k, j = i % k;
+            tokens[r] = tok;
+            row_of[(size_t)j * t + tok] = r;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The grouped product.
+
+template <typename T, bool SWIGLU>
+__device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__ gather, const T* __restrict__ w,
+                           T* __restrict__ y, const uint32_t* __restrict__ tiles,
+                           const uint32_t* __restrict__ n_tiles, int n, int k) {
     // Two stages: the next K slice is loaded into registers while the current one is multiplied.
     __shared__ __align__(16) T xs[BM][BK + PADK];
     __shared__ __align__(16) T ws[BN][BK + PADK];
 
     const int tile = blockIdx.x;
+    if (n_tiles != nullptr && tile >= (int)*n_tiles) return;
     const int e = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];
-    const int n0 = blockIdx.y * BN;
-    const T* we = w + (size_t)e * n * k;
+    // SwiGLU: 64 output columns, whose gate rows fill ws[0..64) and up rows ws[64..128).
+    const int n0 = blockIdx.y * (SWIGLU ? BN / 2 : BN);
+    const T* we = w + (size_t)e * (SWIGLU ? 2 : 1) * n * k;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int wm = (warp / 2) * 32, wn = (warp % 2) * 64;  // the warp's piece of the tile
+    const int wm = (warp / 2) * 32;
     const int g = lane / 4, t = lane % 4;
 
     float acc[2][8][4];
@@ -43,21 +220,34 @@ __device__ void grouped_mm(const T* __restrict__ x, const T* __restrict__ w, T* 
         for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
     // Each thread loads 16-byte chunks: x tile 64 x 32 = 256 chunks (2 per thread), w tile
-    // 128 x 32 = 512 chunks (4 per thread). Rows past the tile (x) or past N (w) are zero.
+    // 128 x 32 = 512 chunks (4 per thread). Rows past the tile (x) or past N (w), and columns
+    // past K, are zero.
+    const T* xrow[2];
+    const T* wrow[4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = (threadIdx.x + i * THREADS) / 4;
+        xrow[i] = row < rows ? x + (size_t)(gather ? gather[r0 + row] : r0 + row) * k : nullptr;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = (threadIdx.x + i * THREADS) / 4;
+        const int out = n0 + (SWIGLU ? row % (BN / 2) : row);
+        wrow[i] = out < n ? we + (size_t)((SWIGLU && row >= BN / 2 ? n : 0) + out) * k : nullptr;
+    }
     uint4 xr[2], wr[4];
     auto fetch = [&](int k0) {
+        const int col = k0 + (threadIdx.x % 4) * 8;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int c = threadIdx.x + i * THREADS, row = c / 4, col = (c % 4) * 8;
-            xr[i] = row < rows ? *reinterpret_cast<const uint4*>(x + (size_t)(r0 + row) * k + k0 + col)
-                               : make_uint4(0, 0, 0, 0);
-        }
+        for (int i = 0; i < 2; ++i)
+            xr[i] = xrow[i] && col < k ? *reinterpret_cast<const uint4*>(xrow[i] + col) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int c = threadIdx.x + i * THREADS, row = c / 4, col = (c % 4) * 8;
-            wr[i] = n0 + row < n ? *reinterpret_cast<const uint4*>(we + (size_t)(n0 + row) * k + k0 + col)
-                                 : make_uint4(0, 0, 0, 0);
-        }
+        for (int i = 0; i < 4; ++i)
+            wr[i] = wrow[i] && col < k ? *reinterpret_cast<const uint4*>(wrow[i] + col) : make_uint4(0, 0, 0, 0);
+    };
+    // The ws row of the warp's fragment j.
+    auto brow = [&](int j) {
+        return SWIGLU ? (j / 4) * (BN / 2) + (warp % 2) * 32 + (j % 4) * 8 + g : (warp % 2) * 64 + j * 8 + g;
     };
     fetch(0);
     for (int k0 = 0; k0 < k; k0 += BK) {
@@ -87,7 +277,7 @@ __device__ void grouped_mm(const T* __restrict__ x, const T* __restrict__ w, T* 
             }
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const T* b = &ws[wn + j * 8 + g][kk + 2 * t];
+                const T* b = &ws[brow(j)][kk + 2 * t];
                 const uint32_t b0 = *reinterpret_cast<const uint32_t*>(b);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t*>(b + 8);
 #pragma unroll
@@ -96,28 +286,89 @@ __device__ void grouped_mm(const T* __restrict__ x, const T* __restrict__ w, T* 
         }
     }
     // Store: c0, c1 at (g, 2t..2t+1), c2, c3 at (g + 8, 2t..2t+1) of each 16 x 8 piece.
+    const T* as_t = nullptr;  // selects round_to's type
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int ra = wm + i * 16 + g, rb = ra + 8;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int col = n0 + wn + j * 8 + 2 * t;
+        for (int j = 0; j < (SWIGLU ? 4 : 8); ++j) {
+            const int col = n0 + (SWIGLU ? (warp % 2) * 32 : (warp % 2) * 64) + j * 8 + 2 * t;
             if (col >= n) continue;
-            if (ra < rows)
-                *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + ra) * n + col) = Mma<T>::pack(acc[i][j][0], acc[i][j][1]);
-            if (rb < rows)
-                *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + rb) * n + col) = Mma<T>::pack(acc[i][j][2], acc[i][j][3]);
+            float o[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (SWIGLU) {
+                    const float gate = round_to(acc[i][j][q], as_t), up = round_to(acc[i][j + 4][q], as_t);
+                    o[q] = gate / (1.f + __expf(-gate)) * up;
+                } else {
+                    o[q] = acc[i][j][q];
+                }
+            }
+            if (ra < rows) *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + ra) * n + col) = Mma<T>::pack(o[0], o[1]);
+            if (rb < rows) *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + rb) * n + col) = Mma<T>::pack(o[2], o[3]);
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    grouped_mm_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, const uint32_t* tiles, int n,
-                    int k) {
-    grouped_mm<__nv_bfloat16>(x, w, y, tiles, n, k);
+#define GROUPED(NAME, T, SWIGLU)                                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
+        NAME(const T* x, const uint32_t* gather, const T* w, T* y, const uint32_t* tiles, const uint32_t* n_tiles, \
+             int n, int k) {                                                                                    \
+        grouped_mm<T, SWIGLU>(x, gather, w, y, tiles, n_tiles, n, k);                                           \
+    }
+GROUPED(grouped_mm_bf16, __nv_bfloat16, false)
+GROUPED(grouped_mm_f16, __half, false)
+GROUPED(grouped_swiglu_bf16, __nv_bfloat16, true)
+GROUPED(grouped_swiglu_f16, __half, true)
+
+// ---------------------------------------------------------------------------------------------
+// The weighted sum over the slots (and the shared expert): one block per token, 16-byte vectors.
+
+template <typename T>
+__device__ void moe_combine(const T* __restrict__ ys, const uint32_t* __restrict__ row_of,
+                            const float* __restrict__ weight, const T* __restrict__ shared, const T* __restrict__ x,
+                            const T* __restrict__ gate, T* __restrict__ out, int t, int h, int k) {
+    constexpr int V = 16 / sizeof(T);
+    const int tok = blockIdx.x;
+    float sig = 0.f;
+    if (shared != nullptr) {
+        float d = 0.f;
+        for (int c = threadIdx.x; c < h; c += blockDim.x) d += to_f32(x[(size_t)tok * h + c]) * to_f32(gate[c]);
+        d = block_sum(d);
+        sig = 1.f / (1.f + __expf(-d));
+    }
+    for (int c = threadIdx.x * V; c < h; c += blockDim.x * V) {
+        float acc[V];
+#pragma unroll
+        for (int q = 0; q < V; ++q) acc[q] = 0.f;
+        for (int j = 0; j < k; ++j) {
+            const float wj = weight[(size_t)tok * k + j];
+            const uint4 raw = *reinterpret_cast<const uint4*>(ys + (size_t)row_of[(size_t)j * t + tok] * h + c);
+            const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int q = 0; q < V; ++q) acc[q] += wj * to_f32(v[q]);
+        }
+        if (shared != nullptr) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(shared + (size_t)tok * h + c);
+            const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int q = 0; q < V; ++q) acc[q] += to_f32(v[q]) * sig;
+        }
+        uint4 o;
+        T* ov = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int q = 0; q < V; ++q) ov[q] = from_f32<T>(acc[q]);
+        *reinterpret_cast<uint4*>(out + (size_t)tok * h + c) = o;
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    grouped_mm_f16(const __half* x, const __half* w, __half* y, const uint32_t* tiles, int n, int k) {
-    grouped_mm<__half>(x, w, y, tiles, n, k);
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+    moe_combine_bf16(const __nv_bfloat16* ys, const uint32_t* row_of, const float* weight, const __nv_bfloat16* shared,
+                     const __nv_bfloat16* x, const __nv_bfloat16* gate, __nv_bfloat16* out, int t, int h, int k) {
+    moe_combine(ys, row_of, weight, shared, x, gate, out, t, h, k);
+}
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+    moe_combine_f16(const __half* ys, const uint32_t* row_of, const float* weight, const __half* shared,
+                    const __half* x, const __half* gate, __half* out, int t, int h, int k) {
+    moe_combine(ys, row_of, weight, shared, x, gate, out, t, h, k);
 }

@@ -8,15 +8,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "convert.cuh"
 #include "reduce.cuh"
-
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(float x) { return x; }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
 
 template <typename T>
 __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, size_t rows, size_t inter) {

@@ -362,37 +362,194 @@ fn gdn_gated_norm_matches_separate_ops() {
     }
 }
 
-/// The experts' grouped matmul equals one matmul per expert over its rows, for experts with
-/// no rows, one row, and counts that do not fill the 64-row tiles, in bf16 and f16; and a row's
-/// result is the same bits whatever the other rows of its expert are.
+/// Experts for a batch in which expert e has `counts[e]` of the `[T, k]` (token, slot) pairs
+/// (`T = sum / k`), spread over the tokens; flattened token-major.
+fn choices_with_counts(counts: &[usize], k: usize) -> (Vec<u32>, usize) {
+    let pairs: Vec<u32> = counts.iter().enumerate().flat_map(|(e, &c)| std::iter::repeat_n(e as u32, c)).collect();
+    assert_eq!(pairs.len() % k, 0);
+    let t = pairs.len() / k;
+    let mut idx = vec![0u32; pairs.len()];
+    for (p, &e) in pairs.iter().enumerate() {
+        idx[(p % t) * k + p / t] = e;
+    }
+    (idx, t)
+}
+
+fn u32s(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<u32>().unwrap()
+}
+
+/// The per-expert counts of the plan's tests: experts with no pairs, one, a full 64-row tile,
+/// one row past it, several tiles, and counts that leave tiles part full.
+const COUNTS: [usize; 9] = [0, 1, 64, 65, 0, 200, 7, 130, 13];
+
+/// The device-side sort by expert: every (token, slot) pair gets its own row, inside its
+/// expert's block (the blocks in expert order), the row's token is the pair's, and the tiles
+/// cover each expert's rows exactly once in blocks of at most 64.
+#[test]
+fn moe_plan_sorts_pairs_by_expert() {
+    use layertap::engine::cuda_moe::plan;
+    let Some(dev) = device() else { return };
+    let k = 4;
+    let (idx, t) = choices_with_counts(&COUNTS, k);
+    let p = plan(&Tensor::from_vec(idx.clone(), (t, k), &dev).unwrap(), COUNTS.len()).unwrap();
+    let (tokens, row_of, tiles, n_tiles) = (u32s(&p.tokens), u32s(&p.row_of), u32s(&p.tiles), u32s(&p.n_tiles)[0]);
+    let starts: Vec<usize> = COUNTS.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let mut seen = vec![false; t * k];
+    for tok in 0..t {
+        for j in 0..k {
+            let r = row_of[j * t + tok] as usize;
+            let e = idx[tok * k + j] as usize;
+            assert!(!seen[r], "row {r} given twice");
+            seen[r] = true;
+            assert_eq!(tokens[r] as usize, tok, "row {r}");
+            assert!((starts[e]..starts[e] + COUNTS[e]).contains(&r), "pair ({tok}, {j}) of expert {e} at row {r}");
+        }
+    }
+    let want_tiles: usize = COUNTS.iter().map(|c| c.div_ceil(64)).sum();
+    assert_eq!(n_tiles as usize, want_tiles);
+    let mut covered = vec![0u32; t * k];
+    for tile in tiles.chunks(3).take(n_tiles as usize) {
+        let (e, r0, n) = (tile[0] as usize, tile[1] as usize, tile[2] as usize);
+        assert!((1..=64).contains(&n), "tile {tile:?}");
+        assert!(r0 >= starts[e] && r0 + n <= starts[e] + COUNTS[e], "tile {tile:?} outside expert {e}");
+        covered[r0..r0 + n].iter_mut().for_each(|c| *c += 1);
+    }
+    assert!(covered.iter().all(|&c| c == 1), "{covered:?}");
+}
+
+/// The experts' grouped products on the device's plan: the SwiGLU form (rows gathered from the
+/// tokens) gives the bits of the plain grouped matmul over the sorted rows followed by
+/// `silu_mul`; both products equal one f32 matmul per expert over its rows, in bf16 and f16,
+/// with reductions that are and are not multiples of the kernel's 32-wide step; and a row's
+/// result is the same bits when its expert's rows are a batch of their own.
 #[test]
 fn grouped_matmul_matches_a_matmul_per_expert() {
-    use layertap::engine::cuda_moe::{grouped_matmul, tiles};
+    use layertap::engine::cuda_moe::{grouped_matmul, grouped_swiglu, plan};
     let Some(dev) = device() else { return };
-    let counts = [0usize, 1, 64, 65, 0, 200, 7, 130];
-    let starts: Vec<usize> = counts.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
-    let rows: usize = counts.iter().sum();
-    let (e, n, k) = (counts.len(), 384, 256);
-    for dtype in [DType::BF16, DType::F16] {
-        let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap().to_dtype(dtype).unwrap();
-        let w = (Tensor::randn(0f32, 1.0, (e, n, k), &dev).unwrap() * 0.1).unwrap().to_dtype(dtype).unwrap();
-        let list = tiles(&starts, &counts, &dev).unwrap();
-        let y = grouped_matmul(&x, &w, &list).unwrap();
-        assert_eq!(y.dims(), &[rows, n]);
-        let (xf, wf) = (x.to_dtype(DType::F32).unwrap(), w.to_dtype(DType::F32).unwrap());
-        for (ex, (&s, &c)) in starts.iter().zip(&counts).enumerate().filter(|(_, (_, &c))| c > 0) {
-            let want = xf.narrow(0, s, c).unwrap().matmul(&wf.get(ex).unwrap().t().unwrap()).unwrap();
-            let err = rel(&y.narrow(0, s, c).unwrap(), &want);
-            assert!(err < 4e-3, "{dtype:?} expert {ex} ({c} rows): rel err {err}");
+    let k = 4;
+    let (idx, t) = choices_with_counts(&COUNTS, k);
+    let starts: Vec<usize> = COUNTS.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let e = COUNTS.len();
+    for (hidden, inter) in [(256, 384), (40, 24)] {
+        for dtype in [DType::BF16, DType::F16] {
+            let p = plan(&Tensor::from_vec(idx.clone(), (t, k), &dev).unwrap(), e).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (t, hidden), &dev).unwrap().to_dtype(dtype).unwrap();
+            let scale = 1.0 / (hidden as f64).sqrt();
+            let gate_up = (Tensor::randn(0f32, 1.0, (e, 2 * inter, hidden), &dev).unwrap() * scale).unwrap();
+            let gate_up = gate_up.to_dtype(dtype).unwrap();
+            let down =
+                (Tensor::randn(0f32, 1.0, (e, hidden, inter), &dev).unwrap() * 0.1).unwrap().to_dtype(dtype).unwrap();
+            let act = grouped_swiglu(&x, &gate_up, &p).unwrap();
+            assert_eq!(act.dims(), &[t * k, inter]);
+            let sorted = x.index_select(&p.tokens, 0).unwrap();
+            let gu = grouped_matmul(&sorted, &gate_up, &p).unwrap();
+            let d = max_abs_diff(&act, &layertap::engine::cuda_ops::silu_mul(&gu).unwrap());
+            assert_eq!(d, 0.0, "{dtype:?} {hidden}x{inter}: the fused SwiGLU differs from grouped_mm + silu_mul");
+            let y = grouped_matmul(&act, &down, &p).unwrap();
+            assert_eq!(y.dims(), &[t * k, hidden]);
+            let f = |a: &Tensor| a.to_dtype(DType::F32).unwrap();
+            for (ex, (&s, &c)) in starts.iter().zip(&COUNTS).enumerate().filter(|(_, (_, &c))| c > 0) {
+                let want =
+                    f(&sorted.narrow(0, s, c).unwrap()).matmul(&f(&gate_up.get(ex).unwrap()).t().unwrap()).unwrap();
+                let err = rel(&gu.narrow(0, s, c).unwrap(), &want);
+                assert!(err < 4e-3, "{dtype:?} gate_up, expert {ex} ({c} rows): rel err {err}");
+                let want = f(&act.narrow(0, s, c).unwrap()).matmul(&f(&down.get(ex).unwrap()).t().unwrap()).unwrap();
+                let err = rel(&y.narrow(0, s, c).unwrap(), &want);
+                assert!(err < 4e-3, "{dtype:?} down, expert {ex} ({c} rows): rel err {err}");
+            }
+            // Expert 5's rows alone, one slot per token: the same bits.
+            let (s5, c5) = (starts[5], COUNTS[5]);
+            let alone = plan(&Tensor::zeros((c5, 1), DType::U32, &dev).unwrap(), 1).unwrap();
+            let xa = sorted.narrow(0, s5, c5).unwrap();
+            let act_a = grouped_swiglu(&xa, &gate_up.narrow(0, 5, 1).unwrap(), &alone).unwrap();
+            let y_a = grouped_matmul(&act_a, &down.narrow(0, 5, 1).unwrap(), &alone).unwrap();
+            let by_token = |m: &Tensor| m.index_select(&alone.row_of, 0).unwrap();
+            let d = max_abs_diff(&by_token(&act_a), &act.narrow(0, s5, c5).unwrap());
+            assert_eq!(d, 0.0, "{dtype:?}: a row's SwiGLU depends on its batch mates ({d})");
+            let d = max_abs_diff(&by_token(&y_a), &y.narrow(0, s5, c5).unwrap());
+            assert_eq!(d, 0.0, "{dtype:?}: a row's down projection depends on its batch mates ({d})");
         }
-        // Expert 5's rows alone, as a one-expert batch: the same bits.
-        let alone = grouped_matmul(
-            &x.narrow(0, starts[5], counts[5]).unwrap(),
-            &w.narrow(0, 5, 1).unwrap(),
-            &tiles(&[0], &[counts[5]], &dev).unwrap(),
-        )
-        .unwrap();
-        let d = max_abs_diff(&alone, &y.narrow(0, starts[5], counts[5]).unwrap());
-        assert_eq!(d, 0.0, "{dtype:?}: a row's result depends on its batch mates ({d})");
+    }
+}
+
+/// The router's top k on the device equals softmax + sort on the portable path: the chosen
+/// logits are the k largest (ties to the lower expert), best first, and the weights are the
+/// softmax's (renormalised when asked), for several expert counts and k up to 32.
+#[test]
+fn moe_route_matches_softmax_top_k() {
+    use layertap::engine::cuda_moe::route;
+    let Some(dev) = device() else { return };
+    let t = 300;
+    for (e, k, norm) in [(256, 8, true), (64, 10, false), (8, 2, true), (40, 32, true), (1024, 8, false)] {
+        for dtype in [DType::BF16, DType::F16] {
+            let logits = (Tensor::randn(0f32, 1.0, (t, e), &dev).unwrap() * 2.0).unwrap().to_dtype(dtype).unwrap();
+            let (idx, w) = route(&logits, k, norm).unwrap();
+            assert_eq!(idx.dims(), &[t, k]);
+            let (idx, w) = (idx.to_vec2::<u32>().unwrap(), w.to_vec2::<f32>().unwrap());
+            let lf = logits.to_dtype(DType::F32).unwrap();
+            let probs = candle_nn::ops::softmax_last_dim(&lf).unwrap().to_vec2::<f32>().unwrap();
+            let lf = lf.to_vec2::<f32>().unwrap();
+            for tok in 0..t {
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|&a, &b| lf[tok][b].total_cmp(&lf[tok][a]).then(a.cmp(&b)));
+                let want: Vec<u32> = order[..k].iter().map(|&c| c as u32).collect();
+                assert_eq!(idx[tok], want, "{dtype:?} E={e} k={k} token {tok}");
+                let sum: f32 = want.iter().map(|&c| probs[tok][c as usize]).sum();
+                for (j, &c) in want.iter().enumerate() {
+                    let p = probs[tok][c as usize] / if norm { sum } else { 1.0 };
+                    let err = (w[tok][j] - p).abs() / p.abs().max(1e-30);
+                    assert!(err < 2e-5, "{dtype:?} E={e} k={k} token {tok} slot {j}: {} vs {p}", w[tok][j]);
+                }
+            }
+        }
+    }
+}
+
+/// The weighted sum over the slots, with and without the shared expert, equals the same sums
+/// in f32 on the host to the output's rounding.
+#[test]
+fn moe_combine_matches_the_weighted_sum() {
+    use layertap::engine::cuda_moe::{combine, plan};
+    let Some(dev) = device() else { return };
+    let k = 4;
+    let (idx, t) = choices_with_counts(&COUNTS, k);
+    let h = 2112; // past one pass of the block's 256 threads x 8 columns
+    let p = plan(&Tensor::from_vec(idx, (t, k), &dev).unwrap(), COUNTS.len()).unwrap();
+    let row_of = u32s(&p.row_of);
+    for (dtype, tol) in [(DType::BF16, 5e-3), (DType::F16, 7e-4)] {
+        let ys = Tensor::randn(0f32, 1.0, (t * k, h), &dev).unwrap().to_dtype(dtype).unwrap();
+        let w = Tensor::rand(0f32, 1.0, (t, k), &dev).unwrap();
+        let sh = Tensor::randn(0f32, 1.0, (t, h), &dev).unwrap().to_dtype(dtype).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (t, h), &dev).unwrap().to_dtype(dtype).unwrap();
+        let gate = (Tensor::randn(0f32, 1.0, (1, h), &dev).unwrap() * 0.03).unwrap().to_dtype(dtype).unwrap();
+        let f = |a: &Tensor| a.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+        let (ysf, wf, shf, xf, gf) = (f(&ys), f(&w), f(&sh), f(&x), f(&gate));
+        for with_shared in [false, true] {
+            let got = if with_shared {
+                combine(&ys, &p, &w, Some((&sh, &x, &gate))).unwrap()
+            } else {
+                combine(&ys, &p, &w, None).unwrap()
+            };
+            assert_eq!(got.dims(), &[t, h]);
+            let mut want = vec![0f32; t * h];
+            for tok in 0..t {
+                let dot: f32 = (0..h).map(|c| xf[tok][c] * gf[0][c]).sum();
+                let sig = 1.0 / (1.0 + (-dot).exp());
+                for c in 0..h {
+                    let mut a = 0f32;
+                    for j in 0..k {
+                        a += wf[tok][j] * ysf[row_of[j * t + tok] as usize][c];
+                    }
+                    if with_shared {
+                        a += shf[tok][c] * sig;
+                    }
+                    want[tok * h + c] = a;
+                }
+            }
+            let want = Tensor::from_vec(want, (t, h), &dev).unwrap();
+            let e = rel(&got, &want);
+            assert!(e < tol, "{dtype:?} shared {with_shared}: rel err {e}");
+        }
     }
 }

@@ -81,6 +81,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=".gpu/layertap")
     ap.add_argument("--work", default="/tmp/hybrid-check")
+    ap.add_argument("--models", default="27b,35b", help="comma-separated: check the models whose names hold one")
     args = ap.parse_args()
     import transformers
     from safetensors.torch import load_file
@@ -89,6 +90,8 @@ def main():
     seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
     summary = []
     for name, (cfg, cls_name) in configs().items():
+        if not any(m in name for m in args.models.split(",")):
+            continue
         cls = getattr(transformers, cls_name)
         path = os.path.join(args.work, name)
         torch.manual_seed(0)

@@ -99,6 +99,7 @@ def main():
     ap.add_argument("--dense-layers", type=int, default=16)
     ap.add_argument("--moe-layers", type=int, default=8)
     ap.add_argument("--sequences", type=int, default=200)
+    ap.add_argument("--models", default="27b,moe", help="comma-separated: which of 27b, moe to write")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -109,6 +110,8 @@ def main():
     out = {"workload": {"sequences": a.sequences, "tokens": int(lens.sum()), "min": int(lens.min()),
                         "max": int(lens.max())}}
     for name, (cfg, cls_name) in configs(a.dense_layers, a.moe_layers).items():
+        if name not in a.models.split(","):
+            continue
         layers = taps(cfg.num_hidden_layers)
         with open(os.path.join(a.work, f"workload_{name}.json"), "w") as f:
             json.dump({"layers": layers, "dtype": "bfloat16", "file": "workload.jsonl"}, f)

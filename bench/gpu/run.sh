@@ -90,7 +90,6 @@ if [[ "$step" == zstd ]]; then
     [[ "$level" == "${levels##* }" ]] && encodings="zstd identity"
     for enc in $encodings; do
       for c in 64 256; do
-        [[ "$enc" == identity && "$c" == 64 ]] && continue
         before=$(cpu_of "$server")
         line=$("$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$workload" --dtype bfloat16 \
           --concurrency "$c" --encoding "$enc")

@@ -1,132 +1,302 @@
-//! The experts of a mixture-of-experts layer in one launch per projection (`kernels/moe.cu`):
-//! rows sorted by expert, each block of rows multiplied by its own expert's weight.
-//! `LAYERTAP_CUDA_MOE=0` turns the kernel off (one matmul chain per expert instead).
+//! The experts of a mixture-of-experts layer on the GPU (`kernels/moe.cu`), for bf16 and f16
+//! models, with no round trip to the host: the router's top k per token, the (token, slot) pairs
+//! sorted by expert into a [`Plan`], the experts' SwiGLU and down projections as one grouped
+//! launch each (the first gathers its rows straight from the tokens), and the weighted sum over
+//! the slots with the shared expert in one pass. `LAYERTAP_CUDA_MOE=0` turns the kernels off
+//! (one matmul chain per expert instead, sorted on the host).
 
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Shape, Storage, Tensor};
 
 use super::cuda_module::{cuda_view, kernel, MOE};
 
-/// Rows and columns of the kernel's block tile, and its step along the reduction.
+/// Rows of the grouped kernel's tiles (`BM` in the kernel).
 const BM: usize = 64;
+/// Output columns of one grouped block, and of one SwiGLU block.
 const BN: usize = 128;
-const BK: usize = 32;
+const BN_SWIGLU: usize = 64;
+/// The most experts the routing and sorting kernels hold in shared memory.
+pub const MAX_EXPERTS: usize = 1024;
+/// The most experts per token (one warp lane each).
+pub const MAX_TOP_K: usize = 32;
+const ROUTE_WARPS: usize = 8;
+const PLACE_PAIRS: usize = 256 * 8;
 
-/// Whether the kernel serves experts of `hidden` x `inter` in `dtype` on `device`.
-pub fn supported(device: &Device, dtype: DType, hidden: usize, inter: usize) -> bool {
+/// Whether the kernels serve `experts` experts of `hidden` x `inter`, `top_k` per token, in
+/// `dtype` on `device`.
+pub fn supported(device: &Device, dtype: DType, hidden: usize, inter: usize, experts: usize, top_k: usize) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_MOE").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && hidden % BK == 0 && inter % BK == 0
+    !off && device.is_cuda()
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && hidden % 8 == 0
+        && inter % 8 == 0
+        && experts <= MAX_EXPERTS
+        && (1..=MAX_TOP_K.min(experts)).contains(&top_k)
 }
 
-/// The work list for experts whose rows start at `starts[e]` and number `counts[e]`: one
-/// `(expert, first row, rows)` triple per block of at most 64 rows.
-pub fn tiles(starts: &[usize], counts: &[usize], device: &Device) -> candle_core::Result<(Tensor, usize)> {
-    let mut list = Vec::new();
-    for (e, (&s, &n)) in starts.iter().zip(counts).enumerate() {
-        for r in (0..n).step_by(BM) {
-            list.extend([e as u32, (s + r) as u32, (n - r).min(BM) as u32]);
-        }
-    }
-    let n = list.len() / 3;
-    Ok((Tensor::new(list.as_slice(), device)?, n))
-}
-
-/// `x`: `[R, K]` rows sorted by expert, `w`: `[E, N, K]`, `tiles` from [`tiles`]. Returns
-/// `[R, N]`: each row times its expert's weight, transposed.
-pub fn grouped_matmul(x: &Tensor, w: &Tensor, tiles: &(Tensor, usize)) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &Grouped { tiles: tiles.0.clone(), n_tiles: tiles.1 })
-}
-
-struct Grouped {
-    tiles: Tensor,
-    n_tiles: usize,
-}
-
-impl Grouped {
-    fn launch<T: DeviceRepr>(
-        &self,
-        dev: &CudaDevice,
-        name: &str,
-        x: (&CudaSlice<T>, &Layout),
-        w: (&CudaSlice<T>, &Layout),
-        tiles: &CudaView<'_, u32>,
-    ) -> candle_core::Result<CudaSlice<T>> {
-        let (r, k) = x.1.shape().dims2()?;
-        let (_, n, kw) = w.1.shape().dims3()?;
-        let aligned = |l: &Layout| l.contiguous_offsets().filter(|(a, _)| a % 8 == 0);
-        let (Some((xa, xb)), Some((wa, wb))) = (aligned(x.1), aligned(w.1)) else {
-            candle_core::bail!("grouped matmul: x and w must be contiguous and 16-byte aligned");
-        };
-        if kw != k || k % BK != 0 || n % 8 != 0 {
-            candle_core::bail!("grouped matmul: x {:?} and w {:?} do not fit", x.1.shape(), w.1.shape());
-        }
-        // SAFETY: every row of y belongs to exactly one tile (the tiles cover each expert's rows),
-        // and every tile writes all N columns of its rows.
-        let y = unsafe { dev.alloc::<T>(r * n)? };
-        if self.n_tiles == 0 {
-            return Ok(y);
-        }
-        let func = kernel(dev, MOE, name)?;
-        let mut b = func.builder();
-        let (xv, wv) = (x.0.slice(xa..xb), w.0.slice(wa..wb));
-        let (n_i, k_i) = (n as i32, k as i32);
-        b.arg(&xv);
-        b.arg(&wv);
-        b.arg(&y);
-        b.arg(tiles);
-        b.arg(&n_i);
-        b.arg(&k_i);
-        let cfg = LaunchConfig {
-            grid_dim: (self.n_tiles as u32, n.div_ceil(BN) as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: arguments match the kernel's signature; the tile list indexes rows of x and y
-        // and experts of w (built from the same counts as x's order).
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(y)
+fn cuda_device(t: &Tensor) -> candle_core::Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        _ => candle_core::bail!("the experts' kernels run on CUDA devices only"),
     }
 }
 
-impl candle_core::CustomOp2 for Grouped {
-    fn name(&self) -> &'static str {
-        "grouped-matmul"
-    }
+fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())), shape, BackpropOp::none(), false)
+}
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the grouped matmul kernel runs on CUDA devices only")
-    }
+fn launch(b: &mut LaunchArgs<'_>, grid: (u32, u32), block: u32) -> candle_core::Result<()> {
+    let cfg = LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: every caller pushes the arguments of its kernel's signature in order, and sizes
+    // the buffers it passes for the indices that kernel forms (documented at each call).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
 
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let dev = x.device();
-        let (ts, tl) = self.tiles.storage_and_layout();
-        let tiles = cuda_view::<u32>(&ts, tl, "grouped matmul: the tile list")?;
-        let slice = match (&x.slice, &w.slice) {
-            (CudaStorageSlice::BF16(xs), CudaStorageSlice::BF16(ws)) => {
-                CudaStorageSlice::BF16(self.launch(dev, "grouped_mm_bf16", (xs, xl), (ws, wl), &tiles)?)
+fn as_i32(n: usize, what: &str) -> candle_core::Result<i32> {
+    i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("the experts' kernels: {what} = {n} is too large")))
+}
+
+/// Runs `$body` with `$t` the half type of `$dtype` and `$sfx` its kernel suffix.
+macro_rules! half_type {
+    ($dtype:expr, $t:ident, $sfx:ident, $body:block) => {
+        match $dtype {
+            DType::BF16 => {
+                type $t = half::bf16;
+                let $sfx = "bf16";
+                $body
             }
-            (CudaStorageSlice::F16(xs), CudaStorageSlice::F16(ws)) => {
-                CudaStorageSlice::F16(self.launch(dev, "grouped_mm_f16", (xs, xl), (ws, wl), &tiles)?)
+            DType::F16 => {
+                type $t = half::f16;
+                let $sfx = "f16";
+                $body
             }
-            _ => candle_core::bail!("grouped matmul: x and w must both be bf16 or f16, got {:?}", x.dtype()),
-        };
-        let r = xl.shape().dims2()?.0;
-        let n = wl.shape().dims3()?.1;
-        Ok((CudaStorage { slice, device: dev.clone() }, Shape::from((r, n))))
+            other => candle_core::bail!("the experts' kernels take bf16 or f16, got {other:?}"),
+        }
+    };
+}
+
+/// The router's choice for logits `[T, E]` (16-bit): `[T, k]` experts (u32, best first) and
+/// their weights (f32): the softmax over all E in f32, renormalised over the k when `norm`.
+pub fn route(logits: &Tensor, k: usize, norm: bool) -> candle_core::Result<(Tensor, Tensor)> {
+    let logits = logits.contiguous()?;
+    let (t, e) = logits.dims2()?;
+    if e > MAX_EXPERTS || k == 0 || k > MAX_TOP_K.min(e) {
+        candle_core::bail!("routing: {k} of {e} experts is not served (at most {MAX_TOP_K} of {MAX_EXPERTS})");
     }
+    let dev = cuda_device(&logits)?;
+    // SAFETY: the kernel writes k experts and weights for each of the t tokens.
+    let idx = unsafe { dev.alloc::<u32>(t * k)? };
+    let w = unsafe { dev.alloc::<f32>(t * k)? };
+    if t > 0 {
+        let (s, l) = logits.storage_and_layout();
+        let (t_i, e_i, k_i, n_i) = (as_i32(t, "tokens")?, e as i32, k as i32, norm as i32);
+        half_type!(logits.dtype(), H, sfx, {
+            let lv = cuda_view::<H>(&s, l, "the router's logits")?;
+            let f = kernel(&dev, MOE, &format!("moe_route_{sfx}"))?;
+            let mut b = f.builder();
+            b.arg(&lv).arg(&idx).arg(&w).arg(&t_i).arg(&e_i).arg(&k_i).arg(&n_i);
+            launch(&mut b, (t.div_ceil(ROUTE_WARPS) as u32, 1), (ROUTE_WARPS * 32) as u32)?;
+        });
+    }
+    Ok((wrap(idx, &dev, (t, k)), wrap(w, &dev, (t, k))))
+}
+
+/// The (token, slot) pairs of a batch sorted by expert, all on the device.
+pub struct Plan {
+    /// `[T k]` u32: the token of each row, rows grouped by expert (expert 0's first).
+    pub tokens: Tensor,
+    /// `[k T]` u32: the row of (slot j, token t) at `j T + t`.
+    pub row_of: Tensor,
+    /// `[bound, 3]` u32: (expert, first row, rows ≤ 64) per tile; the first `n_tiles` are set.
+    pub tiles: Tensor,
+    /// `[1]` u32: how many tiles there are.
+    pub n_tiles: Tensor,
+    bound: usize,
+    t: usize,
+    k: usize,
+}
+
+/// Sorts the pairs of `idx` (`[T, k]` u32 experts below `experts`) by expert.
+pub fn plan(idx: &Tensor, experts: usize) -> candle_core::Result<Plan> {
+    let idx = idx.contiguous()?;
+    let (t, k) = idx.dims2()?;
+    let pairs = t * k;
+    if experts == 0 || experts > MAX_EXPERTS {
+        candle_core::bail!("sorting by expert: {experts} experts (1 to {MAX_EXPERTS} are served)");
+    }
+    let dev = cuda_device(&idx)?;
+    let bound = pairs.div_ceil(BM) + experts.min(pairs);
+    let counts = dev.alloc_zeros::<u32>(experts)?;
+    let cursor = dev.alloc_zeros::<u32>(experts)?;
+    // SAFETY: moe_offsets writes every expert's start, the first n_tiles tiles (never more than
+    // `bound`) and n_tiles; moe_place writes every pair's row (the rows are a permutation).
+    let starts = unsafe { dev.alloc::<u32>(experts)? };
+    let tiles = unsafe { dev.alloc::<u32>(bound.max(1) * 3)? };
+    let n_tiles = dev.alloc_zeros::<u32>(1)?;
+    let tokens = unsafe { dev.alloc::<u32>(pairs)? };
+    let row_of = unsafe { dev.alloc::<u32>(pairs)? };
+    if pairs > 0 {
+        let (s, l) = idx.storage_and_layout();
+        let iv = cuda_view::<u32>(&s, l, "the chosen experts")?;
+        let (p_i, e_i, t_i, k_i) = (as_i32(pairs, "pairs")?, experts as i32, t as i32, k as i32);
+        let f = kernel(&dev, MOE, "moe_count")?;
+        let mut b = f.builder();
+        b.arg(&iv).arg(&counts).arg(&p_i).arg(&e_i);
+        launch(&mut b, (pairs.div_ceil(PLACE_PAIRS).min(1024) as u32, 1), 256)?;
+        let f = kernel(&dev, MOE, "moe_offsets")?;
+        let mut b = f.builder();
+        b.arg(&counts).arg(&starts).arg(&tiles).arg(&n_tiles).arg(&e_i);
+        launch(&mut b, (1, 1), 256)?;
+        let f = kernel(&dev, MOE, "moe_place")?;
+        let mut b = f.builder();
+        b.arg(&iv).arg(&starts).arg(&cursor).arg(&tokens).arg(&row_of).arg(&t_i).arg(&k_i).arg(&e_i);
+        launch(&mut b, (pairs.div_ceil(PLACE_PAIRS) as u32, 1), 256)?;
+    }
+    Ok(Plan {
+        tokens: wrap(tokens, &dev, pairs),
+        row_of: wrap(row_of, &dev, pairs),
+        tiles: wrap(tiles, &dev, (bound.max(1), 3)),
+        n_tiles: wrap(n_tiles, &dev, 1),
+        bound,
+        t,
+        k,
+    })
+}
+
+/// `silu(x[token] W_gate^T) * (x[token] W_up^T)` for every row of the plan: `x` `[T, K]` the
+/// tokens, `gate_up` `[E, 2N, K]` (each expert's gate rows, then its up rows). Returns `[T k, N]`
+/// in the plan's row order.
+pub fn grouped_swiglu(x: &Tensor, gate_up: &Tensor, plan: &Plan) -> candle_core::Result<Tensor> {
+    grouped(x, gate_up, plan, true)
+}
+
+/// `x[r] W_e^T` for every row r of the plan (expert e): `x` `[T k, K]` in the plan's row order,
+/// `w` `[E, N, K]`. Returns `[T k, N]`.
+pub fn grouped_matmul(x: &Tensor, w: &Tensor, plan: &Plan) -> candle_core::Result<Tensor> {
+    grouped(x, w, plan, false)
+}
+
+fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Result<Tensor> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let (xr, k) = x.dims2()?;
+    let (_, wn, kw) = w.dims3()?;
+    let rows = plan.t * plan.k;
+    let n = if swiglu { wn / 2 } else { wn };
+    let want_rows = if swiglu { plan.t } else { rows };
+    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    if kw != k || k % 8 != 0 || n % 8 != 0 || (swiglu && wn % 2 != 0) || xr != want_rows || x.dtype() != w.dtype() {
+        candle_core::bail!("grouped matmul: x {:?} and w {:?} do not fit a plan of {rows} rows", x.shape(), w.shape());
+    }
+    if !aligned(&x) || !aligned(&w) {
+        candle_core::bail!("grouped matmul: x and w must start 16-byte aligned");
+    }
+    let dev = cuda_device(&x)?;
+    let (n_i, k_i) = (as_i32(n, "columns")?, as_i32(k, "the reduction")?);
+    let block_cols = if swiglu { BN_SWIGLU } else { BN };
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (ts, tl) = plan.tiles.storage_and_layout();
+    let (cs, cl) = plan.n_tiles.storage_and_layout();
+    let (gs, gl) = plan.tokens.storage_and_layout();
+    let tiles = cuda_view::<u32>(&ts, tl, "the tile list")?;
+    let n_tiles = cuda_view::<u32>(&cs, cl, "the tile count")?;
+    let gather = cuda_view::<u32>(&gs, gl, "the rows' tokens")?;
+    half_type!(x.dtype(), H, sfx, {
+        let xv = cuda_view::<H>(&xs, xl, "x")?;
+        let wv = cuda_view::<H>(&ws, wl, "w")?;
+        // SAFETY: the tiles cover every row of the plan once, and each writes all n columns of
+        // its rows.
+        let y = unsafe { dev.alloc::<H>(rows * n)? };
+        if rows > 0 {
+            let name = if swiglu { format!("grouped_swiglu_{sfx}") } else { format!("grouped_mm_{sfx}") };
+            let f = kernel(&dev, MOE, &name)?;
+            let mut b = f.builder();
+            let null = 0u64;
+            b.arg(&xv);
+            if swiglu {
+                b.arg(&gather);
+            } else {
+                b.arg(&null);
+            }
+            b.arg(&wv).arg(&y).arg(&tiles).arg(&n_tiles).arg(&n_i).arg(&k_i);
+            launch(&mut b, (plan.bound as u32, n.div_ceil(block_cols) as u32), 128)?;
+        }
+        Ok(wrap(y, &dev, (rows, n)))
+    })
+}
+
+/// The layer's output `[T, H]`: for each token the sum over its slots, best first, of
+/// `weights[t, j] * ys[row_of(j, t)]` in f32, plus `shared_y * sigmoid(x . gate)` when
+/// `shared` is `(shared_y [T, H], x [T, H], gate [H])`, rounded once to `ys`' type.
+pub fn combine(
+    ys: &Tensor,
+    plan: &Plan,
+    weights: &Tensor,
+    shared: Option<(&Tensor, &Tensor, &Tensor)>,
+) -> candle_core::Result<Tensor> {
+    let (ys, weights) = (ys.contiguous()?, weights.contiguous()?);
+    let (rows, h) = ys.dims2()?;
+    let (t, k) = (plan.t, plan.k);
+    if rows != t * k || weights.dims2()? != (t, k) || weights.dtype() != DType::F32 || h % 8 != 0 {
+        candle_core::bail!("combine: ys {:?}, weights {:?} and a plan of {t} x {k}", ys.shape(), weights.shape());
+    }
+    let shared = match shared {
+        Some((y, x, g)) => {
+            let (y, x, g) = (y.contiguous()?, x.contiguous()?, g.flatten_all()?.contiguous()?);
+            if y.dims2()? != (t, h) || x.dims2()? != (t, h) || g.dim(0)? != h {
+                candle_core::bail!(
+                    "combine: the shared expert's {:?}, x {:?}, gate {:?}",
+                    y.shape(),
+                    x.shape(),
+                    g.shape()
+                );
+            }
+            Some((y, x, g))
+        }
+        None => None,
+    };
+    let dev = cuda_device(&ys)?;
+    let (ys_s, ys_l) = ys.storage_and_layout();
+    let (ro_s, ro_l) = plan.row_of.storage_and_layout();
+    let (w_s, w_l) = weights.storage_and_layout();
+    let row_of = cuda_view::<u32>(&ro_s, ro_l, "the rows of the slots")?;
+    let wv = cuda_view::<f32>(&w_s, w_l, "the routing weights")?;
+    let (t_i, h_i, k_i) = (as_i32(t, "tokens")?, as_i32(h, "hidden")?, k as i32);
+    half_type!(ys.dtype(), H, sfx, {
+        let yv = cuda_view::<H>(&ys_s, ys_l, "the experts' outputs")?;
+        // SAFETY: one block per token writes all h columns of its row.
+        let out = unsafe { dev.alloc::<H>(t * h)? };
+        if t > 0 {
+            let f = kernel(&dev, MOE, &format!("moe_combine_{sfx}"))?;
+            let mut b = f.builder();
+            b.arg(&yv).arg(&row_of).arg(&wv);
+            let null = 0u64;
+            let held = shared
+                .as_ref()
+                .map(|(y, x, g)| (y.storage_and_layout(), x.storage_and_layout(), g.storage_and_layout()));
+            let views = match &held {
+                Some(((ys2, yl2), (xs2, xl2), (gs2, gl2))) => Some((
+                    cuda_view::<H>(ys2, yl2, "the shared expert's output")?,
+                    cuda_view::<H>(xs2, xl2, "x")?,
+                    cuda_view::<H>(gs2, gl2, "the shared expert's gate")?,
+                )),
+                None => None,
+            };
+            match &views {
+                Some((y, x, g)) => {
+                    b.arg(y).arg(x).arg(g);
+                }
+                None => {
+                    b.arg(&null).arg(&null).arg(&null);
+                }
+            }
+            b.arg(&out).arg(&t_i).arg(&h_i).arg(&k_i);
+            launch(&mut b, (t as u32, 1), 256)?;
+        }
+        Ok(wrap(out, &dev, (t, h)))
+    })
 }

@@ -6,12 +6,13 @@
 //! dense feed-forward block of every layer, "moe" the experts (router, experts, shared expert).
 //! On CUDA, "gdn_kernels" is the Gated DeltaNet kernels' share of what would otherwise be
 //! "gdn_core" (which keeps the gated norm), and "gdn_conv", "gdn_local", "gdn_scan" split
-//! "gdn_kernels" by kernel (they add up to it; they are not extra time).
+//! "gdn_kernels" by kernel (they add up to it; they are not extra time). "moe_route",
+//! "moe_experts" and "moe_combine" split "moe" the same way on the experts' CUDA kernels.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-pub const PHASES: [&str; 12] = [
+pub const PHASES: [&str; 15] = [
     "norm_qkv",
     "rope",
     "attention",
@@ -24,7 +25,15 @@ pub const PHASES: [&str; 12] = [
     "gdn_conv",
     "gdn_local",
     "gdn_scan",
+    "moe_route",
+    "moe_experts",
+    "moe_combine",
 ];
+/// The experts' phases on CUDA (bf16, f16): router and sort, the grouped projections, shared
+/// expert and weighted sum. They split "moe" (they add up to it).
+pub const MOE_ROUTE: usize = 12;
+pub const MOE_EXPERTS: usize = 13;
+pub const MOE_COMBINE: usize = 14;
 static ON: OnceLock<bool> = OnceLock::new();
 static SECS: Mutex<[f64; PHASES.len()]> = Mutex::new([0.0; PHASES.len()]);
 

@@ -34,7 +34,14 @@ pub struct SparseMoe {
 /// gate rows first, `down_proj` [E, H, I]) or one module per expert.
 fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Experts, EngineError> {
     #[cfg(feature = "cuda")]
-    if crate::engine::cuda_moe::supported(&w.device, w.dtype, hidden, m.expert_intermediate_size) {
+    if crate::engine::cuda_moe::supported(
+        &w.device,
+        w.dtype,
+        hidden,
+        m.expert_intermediate_size,
+        m.num_experts,
+        m.experts_per_token,
+    ) {
         let (e, i) = (m.num_experts, m.expert_intermediate_size);
         let fused = format!("{prefix}.experts.gate_up_proj");
         if w.has(&fused) {
@@ -114,21 +121,53 @@ impl SparseMoe {
     }
 
     /// `x`: the normed input `[T, hidden]`; returns the block's output `[T, hidden]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.experts {
+            #[cfg(feature = "cuda")]
+            Experts::Stacked { gate_up, down } => self.forward_stacked(x, gate_up, down),
+            #[cfg(not(feature = "cuda"))]
+            Experts::Stacked { .. } => candle_core::bail!("stacked experts need the cuda feature"),
+            Experts::PerExpert(experts) => self.forward_per_expert(x, experts),
+        }
+    }
+
+    /// The CUDA kernels' path (`cuda_moe`): routing, sorting by expert, both projections and
+    /// the weighted sum (with the shared expert's gate) stay on the device. The weighted sum runs
+    /// over the slots, best first, in f32, as on the other path; the routing weights stay f32.
+    #[cfg(feature = "cuda")]
+    fn forward_stacked(&self, x: &Tensor, gate_up: &Tensor, down: &Tensor) -> candle_core::Result<Tensor> {
+        use crate::engine::cuda_moe;
+        use crate::engine::profile;
+        if x.dim(0)? == 0 {
+            return x.zeros_like();
+        }
+        let mut since = std::time::Instant::now();
+        let dev = x.device();
+        let (idx, weights) = cuda_moe::route(&self.router.forward(x)?, self.top_k, self.norm_topk_prob)?;
+        let plan = cuda_moe::plan(&idx, down.dim(0)?)?;
+        profile::mark(dev, profile::MOE_ROUTE, &mut since);
+        let ys = cuda_moe::grouped_matmul(&cuda_moe::grouped_swiglu(x, gate_up, &plan)?, down, &plan)?;
+        profile::mark(dev, profile::MOE_EXPERTS, &mut since);
+        let out = match &self.shared {
+            Some((mlp, gate)) => cuda_moe::combine(&ys, &plan, &weights, Some((&mlp.forward(x)?, x, gate)))?,
+            None => cuda_moe::combine(&ys, &plan, &weights, None)?,
+        };
+        profile::mark(dev, profile::MOE_COMBINE, &mut since);
+        Ok(out)
+    }
+
+    /// One matmul chain per expert (CPU, f32 on CUDA, or `LAYERTAP_CUDA_MOE=0`).
     ///
     /// The `(token, slot)` pairs are sorted by expert (stably) and the tokens gathered once in
     /// that order, so each expert runs one matmul chain over a contiguous block of rows; the
     /// results are gathered back slot by slot and summed over the slots, best first, in f32 (a
     /// fixed order: a token's sum does not depend on its batch mates).
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward_per_expert(&self, x: &Tensor, experts: &[GatedMlp]) -> candle_core::Result<Tensor> {
         let t = x.dim(0)?;
         let k = self.top_k;
         let (idx, weights) = self.route(x)?;
         let choices = idx.to_vec2::<u32>()?;
-        let n_experts = match &self.experts {
-            Experts::PerExpert(v) => v.len(),
-            Experts::Stacked { down, .. } => down.dim(0)?,
-        };
-        let mut counts = vec![0usize; n_experts];
+        let mut counts = vec![0usize; experts.len()];
         for &e in choices.iter().flatten() {
             *counts.get_mut(e as usize).ok_or_else(|| candle_core::Error::Msg(format!("expert {e}")))? += 1;
         }
@@ -148,43 +187,24 @@ impl SparseMoe {
         }
         let dev = x.device();
         let sorted = x.index_select(&Tensor::new(tokens.as_slice(), dev)?, 0)?;
-        let ys = match &self.experts {
-            #[cfg(feature = "cuda")]
-            Experts::Stacked { gate_up, down } => {
-                use crate::engine::cuda_moe::{grouped_matmul, tiles};
-                let tiles = tiles(&starts, &counts, dev)?;
-                let act = crate::engine::cuda_ops::silu_mul(&grouped_matmul(&sorted, gate_up, &tiles)?)?;
-                Some(grouped_matmul(&act, down, &tiles)?)
+        let mut outs = Vec::new();
+        for (e, expert) in experts.iter().enumerate().filter(|(e, _)| counts[*e] > 0) {
+            outs.push(expert.forward(&sorted.narrow(0, starts[e], counts[e])?)?);
+        }
+        let out = if outs.is_empty() {
+            x.zeros_like()?
+        } else {
+            let back = Tensor::cat(&outs, 0)?.index_select(&Tensor::new(row_of.as_slice(), dev)?, 0)?; // [k * T, H]
+            let w = weights.to_dtype(DType::F32)?;
+            let mut acc: Option<Tensor> = None;
+            for j in 0..k {
+                let term = back.narrow(0, j * t, t)?.to_dtype(DType::F32)?.broadcast_mul(&w.narrow(1, j, 1)?)?;
+                acc = Some(match acc {
+                    None => term,
+                    Some(a) => (a + term)?,
+                });
             }
-            #[cfg(not(feature = "cuda"))]
-            Experts::Stacked { .. } => candle_core::bail!("stacked experts need the cuda feature"),
-            Experts::PerExpert(experts) => {
-                let mut outs = Vec::new();
-                for (e, expert) in experts.iter().enumerate().filter(|(e, _)| counts[*e] > 0) {
-                    outs.push(expert.forward(&sorted.narrow(0, starts[e], counts[e])?)?);
-                }
-                if outs.is_empty() {
-                    None
-                } else {
-                    Some(Tensor::cat(&outs, 0)?)
-                }
-            }
-        };
-        let out = match ys {
-            None => x.zeros_like()?,
-            Some(ys) => {
-                let back = ys.index_select(&Tensor::new(row_of.as_slice(), dev)?, 0)?; // [k * T, H]
-                let w = weights.to_dtype(DType::F32)?;
-                let mut acc: Option<Tensor> = None;
-                for j in 0..k {
-                    let term = back.narrow(0, j * t, t)?.to_dtype(DType::F32)?.broadcast_mul(&w.narrow(1, j, 1)?)?;
-                    acc = Some(match acc {
-                        None => term,
-                        Some(a) => (a + term)?,
-                    });
-                }
-                acc.ok_or_else(|| candle_core::Error::Msg("no experts per token".into()))?.to_dtype(x.dtype())?
-            }
+            acc.ok_or_else(|| candle_core::Error::Msg("no experts per token".into()))?.to_dtype(x.dtype())?
         };
         match &self.shared {
             Some((mlp, gate)) => {

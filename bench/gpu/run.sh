@@ -11,7 +11,7 @@
 # hf:       Hugging Face transformers + hooks, tuned (bf16, sdpa, sorted padded batches, pinned copies)
 # fidelity: bf16 on CUDA against HF f32, per index; packed against alone (bench/gpu/fidelity.py)
 # zstd:     the server at each zstd level in LEVELS (default "3 1 -1 -3"), clients at 64 and 256 in
-#           flight, default encoding; then identity at 256: tokens/s, the server's and the client's
+#           flight, default encoding; then identity at 64 and 256: tokens/s, the server's and the client's
 #           CPU seconds (from /proc and getrusage), bytes sent
 # answers:  the engine on the same workload as served (non-finite screen on), without the screen,
 #           with fp8 answers (quantised on the device), and as served again; each line also reports the

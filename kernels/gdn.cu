@@ -331,16 +331,6 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 // as 2 and 3; dk a multiple of 16, dv a multiple of 8. Tiles come in with cp.async (every copy
 // of a chunk in flight at once), rows past a sequence's end zero-filled.
 
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool valid) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::);
-}
-
 // Rows [0, 64) x columns [0, cols) of a row-major f32 matrix (row stride ld floats, cols a
 // multiple of 4) into shared memory (row stride sst); rows >= valid become zeros.
 __device__ __forceinline__ void tile_async(float* dst, int sst, const float* src, size_t ld, int cols, int valid) {

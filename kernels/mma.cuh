@@ -1,5 +1,5 @@
-// Tensor-core helpers shared by the kernels: mma.sync.m16n8k16 with f32 accumulation, and the
-// packing of two floats into one register of 16-bit values.
+// Tensor-core helpers shared by the kernels: mma.sync.m16n8k16 with f32 accumulation, the
+// packing of two floats into one register of 16-bit values, cp.async copies and ldmatrix.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -61,4 +61,31 @@ __device__ __forceinline__ void frag_a_tf32(uint32_t* a, const float* m, int ld,
     a[1] = tf32(p[8 * ld]);
     a[2] = tf32(p[4]);
     a[3] = tf32(p[8 * ld + 4]);
+}
+
+// 16 bytes from global to shared memory without passing through registers; `valid` false
+// writes zeros (and reads nothing from `gmem`, which must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    cp_async_commit();
+    cp_async_wait<0>();
+}
+
+// Four 8 x 8 matrices of 16-bit values from shared memory: lanes 8m..8m+7 give the addresses of
+// matrix m's rows (16 bytes each), and r[m] holds, for lane l, row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1 of matrix m: the layout of an mma.sync fragment register.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
 }

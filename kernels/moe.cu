@@ -21,7 +21,8 @@
 // grouped_mm: x [R, K] row-major (or the tokens' rows, gathered); w [E, N, K] (each expert's
 // weight as stored, [out, in]; [E, 2N, K] with the gate rows first for SwiGLU); y [R, N]. Grid
 // (tiles bound, column blocks); blocks past the device's tile count return at once. 4 warps, 2 x 2,
-// each a 32 x 64 piece of the 64 x 128 block tile, mma.sync.m16n8k16 with f32 accumulation. The
+// each a 32 x 64 piece of the 64 x 128 block tile; three 32-wide slices of K in flight (cp.async),
+// fragments by ldmatrix, mma.sync.m16n8k16 with f32 accumulation. The
 // reduction over K runs in the same order for every row, so a row's result does not depend on
 // which rows share its tile or where in its expert's block it lands.
 
@@ -37,6 +38,7 @@
 #define BN 128
 #define BK 32
 #define PADK 8
+#define STAGES 3
 #define THREADS 128
 #define MAX_EXPERTS 1024
 #define ROUTE_WARPS 8
@@ -199,9 +201,9 @@ template <typename T, bool SWIGLU>
 __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__ gather, const T* __restrict__ w,
                            T* __restrict__ y, const uint32_t* __restrict__ tiles,
                            const uint32_t* __restrict__ n_tiles, int n, int k) {
-    // Two stages: the next K slice is loaded into registers while the current one is multiplied.
-    __shared__ __align__(16) T xs[BM][BK + PADK];
-    __shared__ __align__(16) T ws[BN][BK + PADK];
+    // STAGES slices of K in flight: cp.async fills one while the tensor cores read another.
+    __shared__ __align__(16) T xs[STAGES][BM][BK + PADK];
+    __shared__ __align__(16) T ws[STAGES][BN][BK + PADK];
 
     const int tile = blockIdx.x;
     if (n_tiles != nullptr && tile >= (int)*n_tiles) return;
@@ -219,9 +221,10 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
-    // Each thread loads 16-byte chunks: x tile 64 x 32 = 256 chunks (2 per thread), w tile
-    // 128 x 32 = 512 chunks (4 per thread). Rows past the tile (x) or past N (w), and columns
-    // past K, are zero.
+    // Each thread copies 16-byte chunks: x tile 64 x 32 = 256 chunks (2 per thread), w tile
+    // 128 x 32 = 512 chunks (4 per thread), all at the same column of the slice. Rows past the
+    // tile (x) or past N (w), and columns past K, are zero.
+    const int ccol = (threadIdx.x % 4) * 8;
     const T* xrow[2];
     const T* wrow[4];
 #pragma unroll
@@ -235,53 +238,56 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
         const int out = n0 + (SWIGLU ? row % (BN / 2) : row);
         wrow[i] = out < n ? we + (size_t)((SWIGLU && row >= BN / 2 ? n : 0) + out) * k : nullptr;
     }
-    uint4 xr[2], wr[4];
-    auto fetch = [&](int k0) {
-        const int col = k0 + (threadIdx.x % 4) * 8;
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            xr[i] = xrow[i] && col < k ? *reinterpret_cast<const uint4*>(xrow[i] + col) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            wr[i] = wrow[i] && col < k ? *reinterpret_cast<const uint4*>(wrow[i] + col) : make_uint4(0, 0, 0, 0);
-    };
-    // The ws row of the warp's fragment j.
-    auto brow = [&](int j) {
-        return SWIGLU ? (j / 4) * (BN / 2) + (warp % 2) * 32 + (j % 4) * 8 + g : (warp % 2) * 64 + j * 8 + g;
-    };
-    fetch(0);
-    for (int k0 = 0; k0 < k; k0 += BK) {
-        __syncthreads();  // the previous slice's readers are done
+    auto load = [&](int stage, int k0) {
+        const int col = k0 + ccol;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const int c = threadIdx.x + i * THREADS;
-            *reinterpret_cast<uint4*>(&xs[c / 4][(c % 4) * 8]) = xr[i];
+            const bool ok = xrow[i] != nullptr && col < k;
+            cp_async16(&xs[stage][(threadIdx.x + i * THREADS) / 4][ccol], ok ? xrow[i] + col : x, ok);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int c = threadIdx.x + i * THREADS;
-            *reinterpret_cast<uint4*>(&ws[c / 4][(c % 4) * 8]) = wr[i];
+            const bool ok = wrow[i] != nullptr && col < k;
+            cp_async16(&ws[stage][(threadIdx.x + i * THREADS) / 4][ccol], ok ? wrow[i] + col : w, ok);
         }
-        __syncthreads();
-        if (k0 + BK < k) fetch(k0 + BK);
+    };
+    // The first ws row of the warp's fragment j (8 rows: output columns, or gate / up rows).
+    auto bbase = [&](int j) {
+        return SWIGLU ? (j / 4) * (BN / 2) + (warp % 2) * 32 + (j % 4) * 8 : (warp % 2) * 64 + j * 8;
+    };
+    // ldmatrix addresses: lane l gives row l % 8 of matrix l / 8.
+    const int lm = lane / 8, lr = lane % 8;
+
+    const int steps = (k + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s, s * BK);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();  // this step's slice has landed (for this thread's copies)
+        __syncthreads();              // ... for every thread's, and the slice of step - 1 is read
+        const int next = step + STAGES - 1;
+        if (next < steps) load(next % STAGES, next * BK);
+        cp_async_commit();
+        const int st = step % STAGES;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
+            // A (rows of x): matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8).
             uint32_t af[2][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const T* a = &xs[wm + i * 16 + g][kk + 2 * t];
-                af[i][0] = *reinterpret_cast<const uint32_t*>(a);
-                af[i][1] = *reinterpret_cast<const uint32_t*>(a + 8 * (BK + PADK));
-                af[i][2] = *reinterpret_cast<const uint32_t*>(a + 8);
-                af[i][3] = *reinterpret_cast<const uint32_t*>(a + 8 * (BK + PADK) + 8);
-            }
+            for (int i = 0; i < 2; ++i)
+                ldmatrix_x4(af[i], &xs[st][wm + i * 16 + lr + (lm % 2) * 8][kk + (lm / 2) * 8]);
+            // B (rows of w, [n][k]): fragments j and j + 1, each its k 0..7 and 8..15.
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const T* b = &ws[brow(j)][kk + 2 * t];
-                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(b);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(b + 8);
+            for (int j = 0; j < 8; j += 2) {
+                uint32_t bf[4];
+                ldmatrix_x4(bf, &ws[st][bbase(j + lm / 2) + lr][kk + (lm % 2) * 8]);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) Mma<T>::mma(acc[i][j], af[i], b0, b1);
+                for (int i = 0; i < 2; ++i) {
+                    Mma<T>::mma(acc[i][j], af[i], bf[0], bf[1]);
+                    Mma<T>::mma(acc[i][j + 1], af[i], bf[2], bf[3]);
+                }
             }
         }
     }

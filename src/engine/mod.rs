@@ -196,13 +196,46 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
                 ))
             })?;
             #[cfg(feature = "cuda")]
-            tracing::info!(
-                device = s,
-                kernels = cuda_module::ARCHS,
-                "CUDA device opened; kernels built for these compute capabilities"
-            );
+            {
+                tracing::info!(
+                    device = s,
+                    kernels = cuda_module::ARCHS,
+                    "CUDA device opened; kernels built for these compute capabilities"
+                );
+                if let Device::Cuda(c) = &d {
+                    if let Err(e) = keep_freed_device_memory(c) {
+                        tracing::warn!(device = s, "the device's memory pool keeps its default release threshold: {e}");
+                    }
+                }
+            }
             Ok(d)
         }
+    }
+}
+
+/// Keeps the memory a CUDA device's default pool has freed (the pool `cuMemAllocAsync` draws
+/// from) mapped for reuse. With the pool's default release threshold of 0, every synchronisation
+/// hands the freed blocks back to the driver, and the next batch maps them again. The server's
+/// activations are reused batch after batch, as PyTorch's caching allocator keeps its own.
+/// `LAYERTAP_POOL_RELEASE=1` leaves the default.
+#[cfg(feature = "cuda")]
+fn keep_freed_device_memory(d: &candle_core::CudaDevice) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    if std::env::var("LAYERTAP_POOL_RELEASE").is_ok_and(|v| v == "1") {
+        return Ok(());
+    }
+    let ctx = d.cuda_stream().context().clone();
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    let mut keep = u64::MAX;
+    // SAFETY: the device comes from a live context; the release threshold's value is a u64.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| e.to_string())?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+        .map_err(|e| e.to_string())
     }
 }
 

@@ -3,6 +3,10 @@
 //! softmax and the weighted sum of the values, in one pass that never builds a score matrix or a
 //! mask and skips the causal upper triangle. Blocks of queries run in parallel; each query's
 //! result is computed the same way whatever else is in the batch.
+//!
+//! The scores and the exponentials run 16 keys at a time across vector lanes: the keys are
+//! transposed once per call (`[kv_heads, d, T]`), so a query's 16 scores are 16 independent
+//! sums over the head dimension in a fixed order, and `exp16` is a polynomial over 16 lanes.
 
 use candle_core::{DType, Tensor};
 
@@ -11,7 +15,7 @@ use rayon::prelude::*;
 
 /// Queries per work item.
 const BLOCK: usize = 16;
-/// Lanes of the dot product's partial sums (a fixed order, vectorised by the compiler).
+/// Keys per chunk: the vector lanes of the scores, the exponentials and the softmax's sum.
 const LANES: usize = 16;
 
 /// Whether the fused kernel serves these inputs.
@@ -19,27 +23,44 @@ pub fn supported(q: &Tensor) -> bool {
     q.device().is_cpu() && q.dtype() == DType::F32
 }
 
+/// `exp(x)` for 16 lanes at once, `x <= 0` (softmax weights): `2^n * p(r)` with
+/// `x = n ln 2 + r`, `|r| <= ln 2 / 2`, `p` a degree-6 polynomial (Horner, relative error about
+/// 2e-7), and 0 below -87.3. Only adds, multiplies and bit moves, lane by lane, so the compiler
+/// vectorises it and every ISA gives the same bits.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let mut ca = a.chunks_exact(LANES);
-    let mut cb = b.chunks_exact(LANES);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
-        }
+fn exp16(x: &mut [f32; LANES]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    for v in x.iter_mut() {
+        let a = v.max(-87.3);
+        let n = (a * LOG2E + ROUND) - ROUND;
+        let r = (a - n * LN2_HI) - n * LN2_LO;
+        let mut p = 1.0 / 720.0;
+        p = p * r + 1.0 / 120.0;
+        p = p * r + 1.0 / 24.0;
+        p = p * r + 1.0 / 6.0;
+        p = p * r + 0.5;
+        p = p * r + 1.0;
+        p = p * r + 1.0;
+        let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        *v = if *v < -87.3 { 0.0 } else { p * scale };
     }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        s += x * y;
-    }
-    s
+}
+
+/// The first 16 values of `x` as an array (the compiler then keeps them in one vector).
+#[inline(always)]
+fn lanes(x: &[f32]) -> &[f32; LANES] {
+    x[..LANES].try_into().expect("16 values")
 }
 
 /// What every block reads.
 struct Ctx<'a> {
     qs: &'a [f32],
-    ks: &'a [f32],
+    /// The keys transposed, `[kv_heads, d, tp]`, each row zero past the batch's last token.
+    kt: &'a [f32],
+    tp: usize,
     vs: &'a [f32],
     heads: usize,
     kv_heads: usize,
@@ -50,16 +71,27 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// Queries `i0..i0 + n` of the sequence starting at `start`, every head, into `dst`. Compiled
-    /// for AVX2 where the CPU has it, portably otherwise: the same operations in the same order
-    /// either way (the compiler does not reassociate), so the same bits.
+    /// for AVX-512 or AVX2 where the CPU has it, portably otherwise: the same operations in the
+    /// same order either way (the compiler neither reassociates nor fuses multiply-adds), so the
+    /// same bits.
     fn run(&self, dst: &mut [f32], i0: usize, n: usize, start: usize) {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has the features the function is compiled for.
+                return unsafe { self.run_avx512(dst, i0, n, start) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: as above.
                 return unsafe { self.run_avx2(dst, i0, n, start) };
             }
         }
+        self.block(dst, i0, n, start)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run_avx512(&self, dst: &mut [f32], i0: usize, n: usize, start: usize) {
         self.block(dst, i0, n, start)
     }
 
@@ -71,33 +103,130 @@ impl Ctx<'_> {
 
     #[inline(always)]
     fn block(&self, dst: &mut [f32], i0: usize, n: usize, start: usize) {
-        let (heads, kv_heads, d) = (self.heads, self.kv_heads, self.d);
+        let (heads, kv_heads, d, tp) = (self.heads, self.kv_heads, self.d, self.tp);
         let group = heads / kv_heads;
-        let mut scores = Vec::new();
+        let mut scores: Vec<f32> = Vec::new();
         let mut acc = vec![0f32; d];
         for i in i0..i0 + n {
             let p = i - start;
             let lo = start + self.window.map_or(0, |w| (p + 1).saturating_sub(w));
+            let nk = i + 1 - lo;
+            let chunks = nk.div_ceil(LANES);
             for h in 0..heads {
                 let kh = h / group;
                 let qi = &self.qs[(i * heads + h) * d..][..d];
+                let kt = &self.kt[kh * d * tp..][..d * tp];
                 scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for j in lo..=i {
-                    let s = dot(qi, &self.ks[(j * kv_heads + kh) * d..][..d]) * self.scale;
-                    max = max.max(s);
-                    scores.push(s);
+                scores.resize(chunks * LANES, 0.0);
+                let mut maxes = [f32::NEG_INFINITY; LANES];
+                // Four chunks at a time keep four independent sums in flight; each lane's sum
+                // runs over the head dimension in order, however the chunks are grouped.
+                let mut c = 0;
+                while c < chunks {
+                    let m = if chunks - c >= 4 { 4 } else { 1 };
+                    let mut s = [[0f32; LANES]; 4];
+                    let j0 = lo + c * LANES;
+                    if m == 4 {
+                        let [mut s0, mut s1, mut s2, mut s3] = s;
+                        for (dd, &qv) in qi.iter().enumerate() {
+                            let at = dd * tp + j0;
+                            let r0 = lanes(&kt[at..]);
+                            let r1 = lanes(&kt[at + LANES..]);
+                            let r2 = lanes(&kt[at + 2 * LANES..]);
+                            let r3 = lanes(&kt[at + 3 * LANES..]);
+                            for l in 0..LANES {
+                                s0[l] += qv * r0[l];
+                                s1[l] += qv * r1[l];
+                                s2[l] += qv * r2[l];
+                                s3[l] += qv * r3[l];
+                            }
+                        }
+                        s = [s0, s1, s2, s3];
+                    } else {
+                        let mut s0 = [0f32; LANES];
+                        for (dd, &qv) in qi.iter().enumerate() {
+                            let r0 = lanes(&kt[dd * tp + j0..]);
+                            for l in 0..LANES {
+                                s0[l] += qv * r0[l];
+                            }
+                        }
+                        s[0] = s0;
+                    }
+                    for (u, su) in s.iter().enumerate().take(m) {
+                        let at = (c + u) * LANES;
+                        let valid = (nk - at).min(LANES);
+                        for l in 0..LANES {
+                            let v = if l < valid { su[l] * self.scale } else { f32::NEG_INFINITY };
+                            scores[at + l] = v;
+                            maxes[l] = maxes[l].max(v);
+                        }
+                    }
+                    c += m;
                 }
-                acc.iter_mut().for_each(|x| *x = 0.0);
-                let mut sum = 0f32;
-                for (j, s) in (lo..=i).zip(scores.iter()) {
-                    let w = (s - max).exp();
-                    sum += w;
-                    let vj = &self.vs[(j * kv_heads + kh) * d..][..d];
-                    acc.iter_mut().zip(vj).for_each(|(a, x)| *a += w * x);
+                let max = maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                let mut sums = [0f32; LANES];
+                for out in scores.chunks_exact_mut(LANES) {
+                    let w: &mut [f32; LANES] = out.try_into().expect("LANES scores");
+                    for v in w.iter_mut() {
+                        *v -= max;
+                    }
+                    exp16(w);
+                    for l in 0..LANES {
+                        sums[l] += w[l];
+                    }
                 }
+                let sum: f32 = sums.iter().sum();
                 let o = &mut dst[((i - i0) * heads + h) * d..][..d];
-                o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a / sum);
+                if d % LANES == 0 {
+                    // Up to four 16-column pieces of the output at a time, in registers; each
+                    // element's sum runs over the keys in order.
+                    for g0 in (0..d).step_by(4 * LANES) {
+                        if d - g0 >= 4 * LANES {
+                            let (mut a0, mut a1, mut a2, mut a3) =
+                                ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+                            for (j, &w) in (lo..=i).zip(scores.iter()) {
+                                let at = (j * kv_heads + kh) * d + g0;
+                                let v0 = lanes(&self.vs[at..]);
+                                let v1 = lanes(&self.vs[at + LANES..]);
+                                let v2 = lanes(&self.vs[at + 2 * LANES..]);
+                                let v3 = lanes(&self.vs[at + 3 * LANES..]);
+                                for l in 0..LANES {
+                                    a0[l] += w * v0[l];
+                                    a1[l] += w * v1[l];
+                                    a2[l] += w * v2[l];
+                                    a3[l] += w * v3[l];
+                                }
+                            }
+                            for (u, au) in [a0, a1, a2, a3].iter().enumerate() {
+                                let ou = &mut o[g0 + u * LANES..][..LANES];
+                                for l in 0..LANES {
+                                    ou[l] = au[l] / sum;
+                                }
+                            }
+                        } else {
+                            for g in (g0..d).step_by(LANES) {
+                                let mut a0 = [0f32; LANES];
+                                for (j, &w) in (lo..=i).zip(scores.iter()) {
+                                    let v0 = lanes(&self.vs[(j * kv_heads + kh) * d + g..]);
+                                    for l in 0..LANES {
+                                        a0[l] += w * v0[l];
+                                    }
+                                }
+                                let ou = &mut o[g..][..LANES];
+                                for l in 0..LANES {
+                                    ou[l] = a0[l] / sum;
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    acc.iter_mut().for_each(|x| *x = 0.0);
+                    for (j, &w) in (lo..=i).zip(scores.iter()) {
+                        let vj = &self.vs[(j * kv_heads + kh) * d..][..d];
+                        acc.iter_mut().zip(vj).for_each(|(a, x)| *a += w * x);
+                    }
+                    o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a / sum);
+                }
             }
         }
     }
@@ -145,7 +274,16 @@ pub fn packed_attention(
         parts.push(head);
         rest = tail;
     }
-    let ctx = Ctx { qs, ks, vs, heads, kv_heads, d, scale, window };
+    // The keys transposed, rows padded so every group of four 16-key chunks reads within its row.
+    let tp = t + 4 * LANES;
+    let mut kt = vec![0f32; kv_heads * d * tp];
+    kt.par_chunks_mut(tp).enumerate().for_each(|(row, dst)| {
+        let (kh, dd) = (row / d, row % d);
+        for (j, x) in dst[..t].iter_mut().enumerate() {
+            *x = ks[(j * kv_heads + kh) * d + dd];
+        }
+    });
+    let ctx = Ctx { qs, kt: &kt, tp, vs, heads, kv_heads, d, scale, window };
     parts.into_par_iter().zip(blocks.par_iter()).for_each(|(dst, &(i0, n, start))| ctx.run(dst, i0, n, start));
     Tensor::from_vec(out, (t, heads * d), q.device())
 }
@@ -180,6 +318,78 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// The vector exponential is within 3e-7 of f64's over the softmax's range, and 0 below it.
+    #[test]
+    fn exp16_is_accurate() {
+        let mut worst = 0f64;
+        for k in 0..200_000 {
+            let mut x = [0f32; LANES];
+            for (l, v) in x.iter_mut().enumerate() {
+                *v = -87.0 * ((k * LANES + l) as f32 / (200_000 * LANES) as f32);
+            }
+            let want: Vec<f64> = x.iter().map(|&v| (v as f64).exp()).collect();
+            exp16(&mut x);
+            for (g, w) in x.iter().zip(&want) {
+                worst = worst.max((*g as f64 - w).abs() / w);
+            }
+        }
+        assert!(worst < 3e-7, "worst relative error {worst:e}");
+        let mut x = [-88.0f32; LANES];
+        x[1] = f32::NEG_INFINITY;
+        exp16(&mut x);
+        assert!(x.iter().all(|&v| v == 0.0), "{x:?}");
+    }
+
+    /// The AVX-512, AVX2 and portable builds of the kernel give the same bits.
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        let (t, heads, kv, d) = (77, 4, 2, 64);
+        let q = Tensor::randn(0f32, 1.0, (t, heads, d), &Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let k = Tensor::randn(0f32, 1.0, (t, kv, d), &Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let v = Tensor::randn(0f32, 1.0, (t, kv, d), &Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let tp = t + 4 * LANES;
+        let mut kt = vec![0f32; kv * d * tp];
+        for j in 0..t {
+            for kh in 0..kv {
+                for dd in 0..d {
+                    kt[(kh * d + dd) * tp + j] = k[(j * kv + kh) * d + dd];
+                }
+            }
+        }
+        let ctx = Ctx { qs: &q, kt: &kt, tp, vs: &v, heads, kv_heads: kv, d, scale: 0.125, window: None };
+        let mut portable = vec![0f32; t * heads * d];
+        ctx.block(&mut portable, 0, t, 0);
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut other = vec![0f32; t * heads * d];
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has the features.
+                unsafe { ctx.run_avx2(&mut other, 0, t, 0) };
+                assert!(other.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits()), "AVX2 differs");
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: as above.
+                unsafe { ctx.run_avx512(&mut other, 0, t, 0) };
+                assert!(other.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits()), "AVX-512 differs");
+            }
+        }
     }
 
     /// A sequence's rows are the same bits packed with others as alone.

@@ -232,6 +232,20 @@ impl Ctx<'_> {
     }
 }
 
+/// The keys `[T, kv_heads, d]` as `[kv_heads, d, tp]`, each row zero past the last token so
+/// every group of four 16-key chunks reads within its row; and `tp`.
+fn transpose_keys(ks: &[f32], t: usize, kv_heads: usize, d: usize) -> (Vec<f32>, usize) {
+    let tp = t + 4 * LANES;
+    let mut kt = vec![0f32; kv_heads * d * tp];
+    kt.par_chunks_mut(tp).enumerate().for_each(|(row, dst)| {
+        let (kh, dd) = (row / d, row % d);
+        for (j, x) in dst[..t].iter_mut().enumerate() {
+            *x = ks[(j * kv_heads + kh) * d + dd];
+        }
+    });
+    (kt, tp)
+}
+
 /// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]`, f32 on the CPU, rope applied; `seqs`: the
 /// `(start, len)` of each sequence. Returns `[T, heads * d]`.
 pub fn packed_attention(
@@ -274,15 +288,7 @@ pub fn packed_attention(
         parts.push(head);
         rest = tail;
     }
-    // The keys transposed, rows padded so every group of four 16-key chunks reads within its row.
-    let tp = t + 4 * LANES;
-    let mut kt = vec![0f32; kv_heads * d * tp];
-    kt.par_chunks_mut(tp).enumerate().for_each(|(row, dst)| {
-        let (kh, dd) = (row / d, row % d);
-        for (j, x) in dst[..t].iter_mut().enumerate() {
-            *x = ks[(j * kv_heads + kh) * d + dd];
-        }
-    });
+    let (kt, tp) = transpose_keys(ks, t, kv_heads, d);
     let ctx = Ctx { qs, kt: &kt, tp, vs, heads, kv_heads, d, scale, window };
     parts.into_par_iter().zip(blocks.par_iter()).for_each(|(dst, &(i0, n, start))| ctx.run(dst, i0, n, start));
     Tensor::from_vec(out, (t, heads * d), q.device())
@@ -346,33 +352,16 @@ mod tests {
     #[test]
     fn every_instruction_set_gives_the_same_bits() {
         let (t, heads, kv, d) = (77, 4, 2, 64);
-        let q = Tensor::randn(0f32, 1.0, (t, heads, d), &Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let k = Tensor::randn(0f32, 1.0, (t, kv, d), &Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let v = Tensor::randn(0f32, 1.0, (t, kv, d), &Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let tp = t + 4 * LANES;
-        let mut kt = vec![0f32; kv * d * tp];
-        for j in 0..t {
-            for kh in 0..kv {
-                for dd in 0..d {
-                    kt[(kh * d + dd) * tp + j] = k[(j * kv + kh) * d + dd];
-                }
-            }
-        }
+        let noise = |rows: usize| {
+            Tensor::randn(0f32, 1.0, (t, rows, d), &Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let (q, k, v) = (noise(heads), noise(kv), noise(kv));
+        let (kt, tp) = transpose_keys(&k, t, kv, d);
         let ctx = Ctx { qs: &q, kt: &kt, tp, vs: &v, heads, kv_heads: kv, d, scale: 0.125, window: None };
         let mut portable = vec![0f32; t * heads * d];
         ctx.block(&mut portable, 0, t, 0);

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use safetensors::tensor::Dtype;
 
+use crate::bufpool::AnswerBuf;
 use crate::engine::{HostTensor, OutDType};
 
 /// The layer-index convention, stored in every file's metadata.
@@ -129,70 +130,137 @@ pub fn verify_checksums(file: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// The bytes of the tensors that follow the hidden states, made once per answer.
+struct Small {
+    hs_len: usize,
+    ids: Vec<u8>,
+    cu: Vec<u8>,
+    scale: Option<Vec<u8>>,
+    positions: Option<Vec<u8>>,
+}
+
+impl Small {
+    /// Checks that the pieces and the scales fit the shape.
+    fn of(a: &AnswerParts) -> std::io::Result<Small> {
+        let hs_len: usize = a.chunks.iter().map(|c| c.len()).sum();
+        let expect = a.shape.iter().product::<usize>() * a.dtype.size_in_bytes();
+        if hs_len != expect {
+            return Err(std::io::Error::other(format!(
+                "hidden states hold {hs_len} bytes, shape {:?} needs {expect}",
+                a.shape
+            )));
+        }
+        let rows = a.shape.first().copied().unwrap_or(0);
+        let width = a.shape.get(1).copied().unwrap_or(0);
+        let scale = a.scale.as_deref().map(le_f32);
+        if scale.as_ref().is_some_and(|s| s.len() != rows * width * 4) {
+            return Err(std::io::Error::other("hidden_states_scale must hold one value per row and layer"));
+        }
+        Ok(Small {
+            hs_len,
+            ids: le_i64(&a.input_ids),
+            cu: le_i64(&a.cu_seqlens),
+            scale,
+            positions: a.positions.as_deref().map(le_i64),
+        })
+    }
+
+    /// Name, dtype, shape and bytes of every tensor in file order; the hidden states first,
+    /// with no bytes here (they stay in pieces).
+    fn tensors<'s>(&'s self, a: &'s AnswerParts) -> Vec<(&'static str, Dtype, Vec<usize>, &'s [u8])> {
+        let rows = a.shape.first().copied().unwrap_or(0);
+        let width = a.shape.get(1).copied().unwrap_or(0);
+        let mut t: Vec<(&str, Dtype, Vec<usize>, &[u8])> = Vec::with_capacity(6);
+        t.push(("hidden_states", st_dtype(a.dtype), a.shape.clone(), &[]));
+        if let Some(s) = &self.scale {
+            t.push(("hidden_states_scale", Dtype::F32, vec![rows, width], s));
+        }
+        t.push(("input_ids", Dtype::I64, vec![a.input_ids.len()], &self.ids));
+        t.push(("cu_seqlens", Dtype::I64, vec![a.cu_seqlens.len()], &self.cu));
+        t.push(("loss_mask", Dtype::U8, vec![a.loss_mask.len()], &a.loss_mask));
+        if let Some(p) = &self.positions {
+            t.push(("positions", Dtype::I64, vec![p.len() / 8], p));
+        }
+        t
+    }
+
+    /// The file's first bytes: the header's length, then the header (metadata with every
+    /// tensor's checksum, `hs_sum` for the hidden states), padded so the data starts 8-byte
+    /// aligned as the format recommends. Its length does not depend on the checksums' values.
+    fn header(&self, a: &AnswerParts, hs_sum: &str) -> std::io::Result<Vec<u8>> {
+        let tensors = self.tensors(a);
+        let mut sums = serde_json::Map::new();
+        for (name, _, _, bytes) in &tensors {
+            let hex = if *name == "hidden_states" { hs_sum.to_string() } else { xxh64_hex([*bytes]) };
+            sums.insert((*name).into(), hex.into());
+        }
+        let mut metadata = a.metadata.clone();
+        metadata.insert("checksum_algorithm".into(), CHECKSUM_ALGORITHM.into());
+        metadata.insert("checksums".into(), serde_json::Value::Object(sums).to_string());
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), serde_json::to_value(&metadata)?);
+        let mut at = 0;
+        for (name, dtype, shape, bytes) in &tensors {
+            let len = if *name == "hidden_states" { self.hs_len } else { bytes.len() };
+            header.insert(
+                (*name).into(),
+                serde_json::json!({"dtype": st_name(*dtype), "shape": shape, "data_offsets": [at, at + len]}),
+            );
+            at += len;
+        }
+        let h = serde_json::to_vec(&serde_json::Value::Object(header))?;
+        let padded = h.len().next_multiple_of(8);
+        let mut out = Vec::with_capacity(8 + padded);
+        out.extend_from_slice(&(padded as u64).to_le_bytes());
+        out.extend_from_slice(&h);
+        out.resize(8 + padded, b' ');
+        Ok(out)
+    }
+
+    fn write_rest(&self, w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
+        for (_, _, _, bytes) in &self.tensors(a)[1..] {
+            w.write_all(bytes)?;
+        }
+        Ok(())
+    }
+}
+
 /// Writes `a` as a safetensors file (header, then hidden_states, hidden_states_scale, input_ids,
 /// cu_seqlens, loss_mask, positions), streaming the hidden-state pieces. The metadata gains the
 /// xxh64 of every tensor's bytes (`checksums`), computed in a first pass over them.
 pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
-    let hs_len: usize = a.chunks.iter().map(|c| c.len()).sum();
-    let expect = a.shape.iter().product::<usize>() * a.dtype.size_in_bytes();
-    if hs_len != expect {
-        return Err(std::io::Error::other(format!(
-            "hidden states hold {hs_len} bytes, shape {:?} needs {expect}",
-            a.shape
-        )));
-    }
-    let rows = a.shape.first().copied().unwrap_or(0);
-    let width = a.shape.get(1).copied().unwrap_or(0);
-    let ids = le_i64(&a.input_ids);
-    let cu = le_i64(&a.cu_seqlens);
-    let scale = a.scale.as_deref().map(le_f32);
-    let positions = a.positions.as_deref().map(le_i64);
-    if scale.as_ref().is_some_and(|s| s.len() != rows * width * 4) {
-        return Err(std::io::Error::other("hidden_states_scale must hold one value per row and layer"));
-    }
-    // Name, dtype, shape, and the bytes (the hidden states apart: they stay in pieces).
-    let mut tensors: Vec<(&str, Dtype, Vec<usize>, &[u8])> = Vec::with_capacity(6);
-    tensors.push(("hidden_states", st_dtype(a.dtype), a.shape.clone(), &[]));
-    if let Some(s) = &scale {
-        tensors.push(("hidden_states_scale", Dtype::F32, vec![rows, width], s));
-    }
-    tensors.push(("input_ids", Dtype::I64, vec![a.input_ids.len()], &ids));
-    tensors.push(("cu_seqlens", Dtype::I64, vec![a.cu_seqlens.len()], &cu));
-    tensors.push(("loss_mask", Dtype::U8, vec![a.loss_mask.len()], &a.loss_mask));
-    if let Some(p) = &positions {
-        tensors.push(("positions", Dtype::I64, vec![p.len() / 8], p));
-    }
-    let mut sums = serde_json::Map::new();
-    for (name, _, _, bytes) in &tensors {
-        let hex = if *name == "hidden_states" { xxh64_hex(a.chunks.iter().copied()) } else { xxh64_hex([*bytes]) };
-        sums.insert((*name).into(), hex.into());
-    }
-    let mut metadata = a.metadata.clone();
-    metadata.insert("checksum_algorithm".into(), CHECKSUM_ALGORITHM.into());
-    metadata.insert("checksums".into(), serde_json::Value::Object(sums).to_string());
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::to_value(&metadata)?);
-    let mut at = 0;
-    for (name, dtype, shape, bytes) in &tensors {
-        let len = if *name == "hidden_states" { hs_len } else { bytes.len() };
-        header.insert(
-            (*name).into(),
-            serde_json::json!({"dtype": st_name(*dtype), "shape": shape, "data_offsets": [at, at + len]}),
-        );
-        at += len;
-    }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header))?;
-    // The data starts 8-byte aligned, as the format recommends.
-    h.resize(h.len().next_multiple_of(8), b' ');
-    w.write_all(&(h.len() as u64).to_le_bytes())?;
-    w.write_all(&h)?;
+    let small = Small::of(a)?;
+    w.write_all(&small.header(a, &xxh64_hex(a.chunks.iter().copied()))?)?;
     for c in &a.chunks {
         w.write_all(c)?;
     }
-    for (name, _, _, bytes) in &tensors[1..] {
-        debug_assert_ne!(*name, "hidden_states");
-        w.write_all(bytes)?;
+    small.write_rest(w, a)
+}
+
+/// [`write_safetensors`] into memory in one pass over the hidden states: each block is copied,
+/// then hashed while it is still in the cache, and the header, written first with a placeholder
+/// checksum of the same length, is written again once the checksum is known. The same bytes.
+fn write_safetensors_in_one_pass(out: &mut AnswerBuf, a: &AnswerParts) -> std::io::Result<()> {
+    use std::io::Write;
+    /// Small enough to stay in a core's cache between the copy and the hash.
+    const BLOCK: usize = 64 << 10;
+    let small = Small::of(a)?;
+    let placeholder = small.header(a, "0000000000000000")?;
+    let start = out.len();
+    out.write_all(&placeholder)?;
+    let mut h = xxhash_rust::xxh64::Xxh64::new(0);
+    for c in &a.chunks {
+        for block in c.chunks(BLOCK) {
+            out.write_all(block)?;
+            h.update(block);
+        }
     }
+    small.write_rest(out, a)?;
+    let header = small.header(a, &format!("{:016x}", h.digest()))?;
+    if header.len() != placeholder.len() {
+        return Err(std::io::Error::other("the answer's header changed length with its checksum"));
+    }
+    out[start..start + header.len()].copy_from_slice(&header);
     Ok(())
 }
 
@@ -251,26 +319,53 @@ pub async fn encode_permit(threads: usize) -> tokio::sync::SemaphorePermit<'stat
 /// [`zstd_threads`] of its states' size), written straight from the pieces.
 pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Result<Vec<u8>> {
     let states: usize = a.chunks.iter().map(|c| c.len()).sum();
-    encode_answer_on(a, zstd_level, zstd_threads(states))
+    encode_answer_on(a, zstd_level, zstd_threads(states)).map(AnswerBuf::into_vec)
+}
+
+thread_local! {
+    /// Each encoding thread's zstd context, reused from answer to answer (a new one allocates
+    /// and faults in its tables and window every time).
+    static ZSTD: std::cell::RefCell<Option<zstd::zstd_safe::CCtx<'static>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// [`encode_answer`] on `threads` zstd threads (for a caller that holds them, see
-/// [`encode_permit`]).
-pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize) -> std::io::Result<Vec<u8>> {
-    let size: usize = a.chunks.iter().map(|c| c.len()).sum::<usize>() + 4096 + a.input_ids.len() * 9;
+/// [`encode_permit`]), into a buffer from [`crate::bufpool`] sized so that it never grows.
+/// The bytes are the same as a fresh zstd encoder's with the same level and threads.
+pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize) -> std::io::Result<AnswerBuf> {
+    let size: usize = a.chunks.iter().map(|c| c.len()).sum::<usize>()
+        + 4096
+        + a.input_ids.len() * 9
+        + a.metadata.iter().map(|(k, v)| k.len() + v.len() + 16).sum::<usize>();
     match zstd_level {
         None => {
-            let mut out = Vec::with_capacity(size);
-            write_safetensors(&mut out, a)?;
+            let mut out = crate::bufpool::take(size);
+            write_safetensors_in_one_pass(&mut out, a)?;
             Ok(out)
         }
         Some(level) => {
-            let mut enc = zstd::stream::Encoder::new(Vec::with_capacity(size / 2), level)?;
-            if threads > 1 {
-                enc.multithread(threads as u32)?;
-            }
-            write_safetensors(&mut enc, a)?;
-            enc.finish()
+            // zstd's bound on its output: the input, plus its block and frame overheads.
+            let mut out = crate::bufpool::take(size + size / 128 + (64 << 10));
+            ZSTD.with(|cell| -> std::io::Result<()> {
+                let mut slot = cell.borrow_mut();
+                if slot.is_none() {
+                    *slot = Some(
+                        zstd::zstd_safe::CCtx::try_create()
+                            .ok_or_else(|| std::io::Error::other("cannot create a zstd context"))?,
+                    );
+                }
+                let Some(ctx) = slot.as_mut() else { unreachable!("created above") };
+                let mut enc = zstd::stream::write::Encoder::with_context(&mut out, ctx);
+                enc.set_parameter(zstd::zstd_safe::CParameter::CompressionLevel(level))?;
+                enc.set_parameter(zstd::zstd_safe::CParameter::NbWorkers(if threads > 1 {
+                    threads as u32
+                } else {
+                    0
+                }))?;
+                write_safetensors(&mut enc, a)?;
+                enc.finish()?;
+                Ok(())
+            })?;
+            Ok(out)
         }
     }
 }
@@ -390,6 +485,68 @@ mod tests {
             bad[header + start] ^= 0x01;
             let e = verify_checksums(&bad).unwrap_err();
             assert!(e.contains(name) && e.contains("corrupt"), "{e}");
+        }
+    }
+
+    /// A deterministic answer of `rows` rows of 5 layers of 1,024 bf16 values, in pieces of
+    /// uneven sizes (some far larger than the one-pass writer's block), with scales and positions.
+    fn big_parts(hs: &[u8], rows: usize) -> AnswerParts<'_> {
+        let cuts = [0, 1, 70_001, 200_000, hs.len() / 2 + 3, hs.len()];
+        let mut p = parts(cuts.windows(2).map(|w| &hs[w[0]..w[1]]).collect());
+        p.shape = vec![rows, 5, 1024];
+        p.input_ids = (0..rows as i64).collect();
+        p.cu_seqlens = vec![0, rows as i64 / 3, rows as i64];
+        p.loss_mask = (0..rows).map(|i| (i % 2) as u8).collect();
+        p.positions = Some((0..rows as i64).map(|i| i * 2).collect());
+        p
+    }
+
+    fn states(rows: usize) -> Vec<u8> {
+        let mut x = 0x2545f4914f6cdd1du64;
+        (0..rows * 5 * 1024)
+            .flat_map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // bf16 of moderate values: a sign, a narrow exponent, a random mantissa.
+                let bits = ((x >> 48) as u16 & 0x807f) | 0x3e00 | ((x as u16 & 3) << 7);
+                bits.to_le_bytes()
+            })
+            .collect()
+    }
+
+    /// The one-pass identity writer (copy and hash each block, header rewritten at the end)
+    /// gives exactly the bytes of the two-pass streaming writer.
+    #[test]
+    fn the_one_pass_identity_answer_is_the_streamed_file() {
+        let rows = 300;
+        let hs = states(rows);
+        let p = big_parts(&hs, rows);
+        let mut streamed = Vec::new();
+        write_safetensors(&mut streamed, &p).unwrap();
+        let one_pass = encode_answer_on(&p, None, 1).unwrap();
+        assert_eq!(one_pass.len(), streamed.len());
+        assert!(one_pass[..] == streamed[..], "the same bytes");
+        verify_checksums(&one_pass).unwrap();
+    }
+
+    /// The thread's reused zstd context gives the bytes a new encoder gives, whatever level
+    /// and thread count the previous answer on that thread used.
+    #[test]
+    fn a_reused_zstd_context_compresses_like_a_new_encoder() {
+        let rows = 1200;
+        let hs = states(rows);
+        let p = big_parts(&hs, rows);
+        for (level, threads) in [(1, 1), (3, 2), (-3, 1), (1, 3), (1, 1), (5, 1)] {
+            let mut fresh = zstd::stream::Encoder::new(Vec::new(), level).unwrap();
+            if threads > 1 {
+                fresh.multithread(threads as u32).unwrap();
+            }
+            write_safetensors(&mut fresh, &p).unwrap();
+            let fresh = fresh.finish().unwrap();
+            let reused = encode_answer_on(&p, Some(level), threads).unwrap();
+            assert!(reused[..] == fresh[..], "level {level} on {threads} threads: the same bytes");
+            verify_checksums(&zstd::decode_all(&reused[..]).unwrap()).unwrap();
         }
     }
 

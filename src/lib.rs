@@ -6,6 +6,7 @@
 
 pub mod batching;
 pub mod bench;
+pub mod bufpool;
 pub mod bulk;
 pub mod cli;
 pub mod codec;

@@ -27,6 +27,7 @@ pub struct Metrics {
     pub batch_token_budget: IntGauge,
     pub nonfinite: IntCounterVec,
     pub heap_in_use: IntGauge,
+    pub answer_buffers_idle: IntGauge,
 }
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: T) -> T {
@@ -199,6 +200,14 @@ impl Metrics {
                 )
                 .unwrap(),
             ),
+            answer_buffers_idle: reg(
+                &r,
+                IntGauge::new(
+                    "layertap_answer_buffers_idle_bytes",
+                    "Host memory held by idle answer buffers, kept for the next answers and freed once idle for 1 s",
+                )
+                .unwrap(),
+            ),
             registry: r,
         }
     }
@@ -206,6 +215,7 @@ impl Metrics {
     /// The text exposition of every collector.
     pub fn render(&self) -> String {
         self.heap_in_use.set(i64::try_from(heap_in_use()).unwrap_or(i64::MAX));
+        self.answer_buffers_idle.set(i64::try_from(crate::bufpool::idle_bytes()).unwrap_or(i64::MAX));
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()

@@ -101,20 +101,31 @@ async fn join_all(conns: &mut tokio::task::JoinSet<()>) {
 
 /// How often freed heap memory is handed back to the operating system.
 const TRIM_EVERY: Duration = Duration::from_secs(2);
+/// How often idle answer buffers are looked at, and how long one may stay idle.
+const ANSWER_BUFFERS_EVERY: Duration = Duration::from_millis(500);
+const ANSWER_BUFFERS_IDLE: Duration = Duration::from_secs(1);
 
 /// Answers and batches are megabytes each, allocated and freed on many threads: glibc keeps what
 /// they free in its arenas, where it fragments, so resident memory creeps up under steady load.
-/// A background thread hands the free pages back (`malloc_trim`) every [`TRIM_EVERY`]; live
-/// memory is untouched. (jemalloc held resident memory flatter in the soak, but made the CPU
-/// engine about a third slower, so the system allocator stays.)
-fn return_free_memory_periodically() {
+/// A background thread hands the free pages back (`malloc_trim`) every [`TRIM_EVERY`], and at
+/// once when it has freed answer buffers idle for [`ANSWER_BUFFERS_IDLE`] (see
+/// [`crate::bufpool`]); live memory is untouched. So within about 1.5 s of the last answer the
+/// memory of answers is back with the system. (jemalloc held resident memory flatter in the
+/// soak, but made the CPU engine about a third slower, so the system allocator stays.)
+pub fn return_free_memory_periodically() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        let spawned = std::thread::Builder::new().name("layertap-trim".into()).spawn(|| loop {
-            std::thread::sleep(TRIM_EVERY);
-            // SAFETY: malloc_trim only returns free heap pages to the system.
-            unsafe {
-                libc::malloc_trim(0);
+        let spawned = std::thread::Builder::new().name("layertap-trim".into()).spawn(|| {
+            let per_trim = (TRIM_EVERY.as_millis() / ANSWER_BUFFERS_EVERY.as_millis()).max(1);
+            for tick in 1u128.. {
+                std::thread::sleep(ANSWER_BUFFERS_EVERY);
+                let freed = crate::bufpool::release_idle(ANSWER_BUFFERS_IDLE);
+                if freed > 0 || tick % per_trim == 0 {
+                    // SAFETY: malloc_trim only returns free heap pages to the system.
+                    unsafe {
+                        libc::malloc_trim(0);
+                    }
+                }
             }
         });
         if let Err(e) = spawned {

@@ -371,6 +371,73 @@ async fn info_and_metrics_report_the_model_and_move_with_traffic() {
     }
 }
 
+/// `layertap_answer_buffers_idle_bytes` from a /metrics scrape.
+async fn idle_answer_bytes(base: &str) -> u64 {
+    let text = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("layertap_answer_buffers_idle_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the scrape carries layertap_answer_buffers_idle_bytes")
+}
+
+/// Large answers are written into reused buffers: once an answer has been sent its buffer is
+/// idle in the pool (and on /metrics), the next answers of that size write into it instead of a
+/// new one, and every answer still holds exactly its states, in either encoding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_answers_reuse_their_buffers_and_stay_exact() {
+    let tokens = 7000;
+    let lim =
+        layertap::http::Limits { max_batch_tokens: 8192, max_input_tokens: 8192, max_queue_tokens: 16384, ..limits() };
+    let s = fake_server(lim, vec![]).await;
+    assert_eq!(idle_answer_bytes(&s.base).await, 0, "nothing idle before the first large answer");
+    let ids: Vec<u32> = (0..tokens).map(|i| (i * 7 + 3) % FAKE_VOCAB as u32).collect();
+    let layers = [0usize, 1, 2, 3, 4];
+    let body = json!({"inputs": [{"input_ids": ids}], "layers": layers});
+    let check = |bytes: &[u8]| {
+        let (t, _) = read_safetensors_bytes(bytes);
+        let hs = &t["hidden_states"];
+        assert_eq!(hs.shape, vec![tokens as usize, layers.len(), FAKE_HIDDEN]);
+        for (r, &id) in ids.iter().enumerate() {
+            for (c, &l) in layers.iter().enumerate() {
+                for h in 0..FAKE_HIDDEN {
+                    let got = hs.f32[(r * layers.len() + c) * FAKE_HIDDEN + h];
+                    assert_eq!(got, fake_value(id, l, h), "row {r}, layer {l}, component {h}");
+                }
+            }
+        }
+    };
+    let mut idle_after_first = 0;
+    for (i, encoding) in ["identity", "zstd", "identity", "zstd"].into_iter().enumerate() {
+        let r = client()
+            .post(format!("{}/v1/hidden-states", s.base))
+            .header("accept-encoding", encoding)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let bytes = r.bytes().await.unwrap();
+        let raw = if encoding == "zstd" { unzstd(&bytes) } else { bytes.to_vec() };
+        assert!(raw.len() > 1 << 20, "an answer large enough to be pooled");
+        check(&raw);
+        // The buffer comes back once the response has been written out.
+        let mut idle = 0;
+        for _ in 0..100 {
+            idle = idle_answer_bytes(&s.base).await;
+            if idle > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(idle as usize >= bytes.len(), "answer {i}: its buffer is idle after it was sent ({idle} bytes)");
+        if i == 0 {
+            idle_after_first = idle;
+        } else {
+            assert_eq!(idle, idle_after_first, "answer {i} wrote into the first answer's buffer, not a new one");
+        }
+    }
+}
+
 #[test]
 fn openapi_file_matches_the_code() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi/openapi.json");

@@ -429,7 +429,7 @@ pub async fn hidden_states(
     // Encoding waits for its share of the cores that answers may use (see codec::encode_threads).
     let threads = if zstd { codec::zstd_threads(total * layers.len() * hidden * dtype.size_in_bytes()) } else { 1 };
     let permit = codec::encode_permit(threads).await;
-    let body = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, bool), ApiError> {
+    let body = tokio::task::spawn_blocking(move || -> Result<(bytes::Bytes, bool), ApiError> {
         let _permit = permit;
         let pos = positions.as_deref().map(|p| &p[..]);
         let scale = if fp8 {
@@ -455,7 +455,7 @@ pub async fn hidden_states(
                 positions: x.positions,
                 metadata: x.metadata,
             };
-            return serde_json::to_vec(&j).map(|b| (b, false)).map_err(|e| ApiError::internal(e.to_string()));
+            return serde_json::to_vec(&j).map(|b| (b.into(), false)).map_err(|e| ApiError::internal(e.to_string()));
         }
         // Each sequence's rows straight from its batch's buffer where the layout already matches
         // (the usual case); a copy only where layers or dtype must be rearranged.
@@ -479,7 +479,8 @@ pub async fn hidden_states(
             .inc_by(parts.chunks.iter().map(|c| c.len() as u64).sum());
         let bytes = codec::encode_answer_on(&parts, zstd.then_some(level), threads)
             .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
-        Ok((bytes, zstd))
+        // The body is the pooled buffer itself: it goes back to the pool once written out.
+        Ok((bytes.into_bytes(), zstd))
     })
     .await
     .map_err(|e| ApiError::internal(format!("encoder task failed: {e}")))??;

@@ -65,8 +65,16 @@ async fn main() -> anyhow::Result<()> {
                 let (n_layers, len) = (layers.len(), s.len());
                 let zstd = encoding == "zstd";
                 let decoded = tokio::task::spawn_blocking(move || -> anyhow::Result<usize> {
-                    let bytes = if zstd { zstd::stream::decode_all(&body[..])? } else { body.to_vec() };
-                    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+                    // Decoded as the project's clients do: in one allocation when the frame
+                    // records its size, and identity answers read where they arrived.
+                    let decoded;
+                    let bytes: &[u8] = if zstd {
+                        decoded = layertap::codec::unzstd(&body[..])?;
+                        &decoded
+                    } else {
+                        &body
+                    };
+                    let st = safetensors::SafeTensors::deserialize(bytes)?;
                     let hs = st.tensor("hidden_states")?;
                     anyhow::ensure!(hs.shape() == [len, n_layers, hidden], "bad shape {:?}", hs.shape());
                     Ok(bytes.len())

@@ -237,6 +237,27 @@ pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::i
     small.write_rest(w, a)
 }
 
+/// Decompresses a zstd body. When the frame records its size (layertap's answers do) the
+/// output is allocated once, at that size; otherwise, or when that fails (several frames, a size
+/// that does not hold, one past `64 x` the body, which no answer reaches), it is read as a stream.
+pub fn unzstd(body: &[u8]) -> std::io::Result<Vec<u8>> {
+    if let Ok(Some(n)) = zstd::zstd_safe::get_frame_content_size(body) {
+        if n <= (body.len() as u64).saturating_mul(64) {
+            if let Ok(v) = zstd::bulk::decompress(body, n as usize) {
+                return Ok(v);
+            }
+        }
+    }
+    zstd::stream::decode_all(body)
+}
+
+/// The size in bytes of the file [`write_safetensors`] writes for `a`.
+pub fn safetensors_size(a: &AnswerParts) -> std::io::Result<u64> {
+    let small = Small::of(a)?;
+    let rest: usize = small.tensors(a)[1..].iter().map(|t| t.3.len()).sum();
+    Ok((small.header(a, "0000000000000000")?.len() + small.hs_len + rest) as u64)
+}
+
 /// [`write_safetensors`] into memory in one pass over the hidden states: each block is copied,
 /// then hashed while it is still in the cache, and the header, written first with a placeholder
 /// checksum of the same length, is written again once the checksum is known. The same bytes.
@@ -330,7 +351,8 @@ thread_local! {
 
 /// [`encode_answer`] on `threads` zstd threads (for a caller that holds them, see
 /// [`encode_permit`]), into a buffer from [`crate::bufpool`] sized so that it never grows.
-/// The bytes are the same as a fresh zstd encoder's with the same level and threads.
+/// The bytes are the same as a fresh zstd encoder's with the same level, threads and pledged
+/// size (the file's, which the frame header records).
 pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize) -> std::io::Result<AnswerBuf> {
     let size: usize = a.chunks.iter().map(|c| c.len()).sum::<usize>()
         + 4096
@@ -361,6 +383,9 @@ pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize
                 } else {
                     0
                 }))?;
+                // The frame header records the file's size, so a decoder can allocate its output
+                // once (Python's zstandard decompresses in one call only then).
+                enc.set_pledged_src_size(Some(safetensors_size(a)?))?;
                 write_safetensors(&mut enc, a)?;
                 enc.finish()?;
                 Ok(())
@@ -542,12 +567,40 @@ mod tests {
             if threads > 1 {
                 fresh.multithread(threads as u32).unwrap();
             }
+            let mut file = Vec::new();
+            write_safetensors(&mut file, &p).unwrap();
+            assert_eq!(safetensors_size(&p).unwrap(), file.len() as u64);
+            fresh.set_pledged_src_size(Some(file.len() as u64)).unwrap();
             write_safetensors(&mut fresh, &p).unwrap();
             let fresh = fresh.finish().unwrap();
             let reused = encode_answer_on(&p, Some(level), threads).unwrap();
             assert!(reused[..] == fresh[..], "level {level} on {threads} threads: the same bytes");
+            let recorded = zstd::zstd_safe::get_frame_content_size(&reused).unwrap();
+            assert_eq!(recorded, Some(file.len() as u64), "the frame records the file's size");
             verify_checksums(&zstd::decode_all(&reused[..]).unwrap()).unwrap();
         }
+    }
+
+    /// Answers decode in one allocation; frames without a recorded size, and several frames
+    /// one after the other, still decode whole.
+    #[test]
+    fn unzstd_reads_sized_unsized_and_concatenated_frames() {
+        let rows = 200;
+        let hs = states(rows);
+        let p = big_parts(&hs, rows);
+        let mut file = Vec::new();
+        write_safetensors(&mut file, &p).unwrap();
+        let answer = encode_answer_on(&p, Some(1), 1).unwrap();
+        assert_eq!(unzstd(&answer).unwrap(), file);
+        let no_size = zstd::stream::encode_all(&file[..], 1).unwrap();
+        assert_eq!(zstd::zstd_safe::get_frame_content_size(&no_size).unwrap(), None);
+        assert_eq!(unzstd(&no_size).unwrap(), file);
+        let mut two = answer.to_vec();
+        two.extend_from_slice(&zstd::bulk::compress(b"tail", 1).unwrap());
+        let mut both = file.clone();
+        both.extend_from_slice(b"tail");
+        assert_eq!(unzstd(&two).unwrap(), both, "every frame, not only the first");
+        assert!(unzstd(b"not zstd").is_err());
     }
 
     /// Pieces that do not add up to the shape are refused, not written.

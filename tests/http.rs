@@ -408,13 +408,7 @@ async fn large_answers_reuse_their_buffers_and_stay_exact() {
     };
     let mut idle_after_first = 0;
     for (i, encoding) in ["identity", "zstd", "identity", "zstd"].into_iter().enumerate() {
-        let r = client()
-            .post(format!("{}/v1/hidden-states", s.base))
-            .header("accept-encoding", encoding)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = post_encoded(&s.base, &body, encoding).await;
         assert_eq!(r.status(), 200);
         let bytes = r.bytes().await.unwrap();
         let raw = if encoding == "zstd" { unzstd(&bytes) } else { bytes.to_vec() };

@@ -44,13 +44,7 @@ async fn one_request_is_bounded_in_inputs_tokens_layers_and_answer_bytes_before_
     ];
     for (body, code, needle) in cases {
         for encoding in ["zstd", "identity"] {
-            let r = client()
-                .post(format!("{}/v1/hidden-states", s.base))
-                .header("accept-encoding", encoding)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
+            let r = post_encoded(&s.base, &body, encoding).await;
             let (got, _, msg) = error_of(r).await;
             assert_eq!(got, code, "{msg}");
             assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");

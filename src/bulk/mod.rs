@@ -162,9 +162,7 @@ async fn fetch(
         let compressed = r.headers().get("content-encoding").is_some_and(|v| v == "zstd");
         let b = r.bytes().await.map_err(|e| Trouble::Down(format!("reading the answer: {e}"), None))?;
         return if compressed {
-            zstd::stream::decode_all(&b[..])
-                .map(bytes::Bytes::from)
-                .map_err(|e| Trouble::Again(format!("bad zstd: {e}")))
+            crate::codec::unzstd(&b[..]).map(bytes::Bytes::from).map_err(|e| Trouble::Again(format!("bad zstd: {e}")))
         } else {
             Ok(b)
         };

@@ -317,6 +317,17 @@ pub async fn post(base: &str, path: &str, body: serde_json::Value) -> reqwest::R
     client().post(format!("{base}{path}")).json(&body).send().await.unwrap()
 }
 
+/// POSTs `body` to `base`/v1/hidden-states with `accept-encoding: encoding`.
+pub async fn post_encoded(base: &str, body: &serde_json::Value, encoding: &str) -> reqwest::Response {
+    client()
+        .post(format!("{base}/v1/hidden-states"))
+        .header("accept-encoding", encoding)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
 /// Status, `type` and `error` of an error answer (its body must be JSON).
 pub async fn error_of(r: reqwest::Response) -> (u16, String, String) {
     let status = r.status().as_u16();

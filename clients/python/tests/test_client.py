@@ -998,9 +998,29 @@ def test_final_prenorm(client):
 
 
 def _post_raw(server, body) -> bytes:
-    r = requests.post(server.url + "/v1/hidden-states", json=body, headers={"Accept-Encoding": "zstd"}, timeout=60)
+    r = requests.post(
+        server.url + "/v1/hidden-states", json=body, headers={"Accept-Encoding": "zstd"}, timeout=60, stream=True
+    )
     assert r.status_code == 200, r.text
-    return decompress(r.content)
+    assert r.headers["Content-Encoding"] == "zstd"
+    compressed = r.raw.read(decode_content=False)
+    raw = decompress(compressed)
+    # The server's frames record the file's size, so decoders can allocate once.
+    assert zstandard.frame_content_size(compressed) == len(raw)
+    return raw
+
+
+def test_frames_with_and_without_their_size_and_concatenated_frames():
+    a, b = b"first frame " * 1000, b"second frame " * 500
+    sized = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    unsized = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    one = sized.compress(a)
+    assert zstandard.frame_content_size(one) == len(a)
+    assert decompress(one) == a
+    # Two frames that both record their size: every frame is read, not just the first.
+    assert decompress(one + sized.compress(b)) == a + b
+    assert decompress(unsized.compress(a) + unsized.compress(b)) == a + b
+    assert decompress(a) == a  # not zstd: as is
 
 
 def test_checksums_on_real_answers(server, client, tmp_path):

@@ -280,6 +280,13 @@ def decompress(data: bytes) -> bytes:
     if data[:4] != ZSTD_MAGIC:
         return data
     dctx = zstandard.ZstdDecompressor()
+    # layertap's frames record the file's size: then one call decompresses into
+    # an output allocated once (about a fifth faster on large answers).
+    try:
+        if zstandard.frame_content_size(data) >= 0:
+            return dctx.decompress(data, allow_extra_data=False)
+    except (TypeError, zstandard.ZstdError):
+        pass  # an older zstandard, or more than one frame: read them as a stream
     # stream_reader copes with frames that do not record their content size,
     # and with several concatenated frames.
     with dctx.stream_reader(io.BytesIO(data), read_across_frames=True) as r:

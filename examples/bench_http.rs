@@ -50,34 +50,45 @@ async fn main() -> anyhow::Result<()> {
             (client.clone(), url.clone(), seqs.clone(), next.clone(), layers.clone(), dtype.clone(), encoding.clone());
         let (encoded, raw) = (encoded.clone(), raw.clone());
         tasks.push(tokio::spawn(async move {
+            // Each task reads its answers into buffers it reuses (the body as it arrives, and
+            // what zstd decodes it to), so after the first answers no page is faulted in again.
+            let (mut body, mut out) = (Vec::<u8>::new(), Vec::<u8>::new());
+            let mut dctx = zstd::bulk::Decompressor::new()?;
             loop {
                 let i = next.fetch_add(1, Ordering::SeqCst);
                 let Some(s) = seqs.get(i) else { return Ok::<(), anyhow::Error>(()) };
-                let r = client
+                let mut r = client
                     .post(format!("{url}/v1/hidden-states"))
                     .header("accept-encoding", encoding.as_str())
                     .json(&json!({"inputs": [{"input_ids": s}], "layers": layers, "dtype": dtype}))
                     .send()
                     .await?
                     .error_for_status()?;
-                let body = r.bytes().await?;
+                body.clear();
+                body.reserve(r.content_length().unwrap_or(0) as usize);
+                while let Some(c) = r.chunk().await? {
+                    body.extend_from_slice(&c);
+                }
                 encoded.fetch_add(body.len(), Ordering::SeqCst);
                 let (n_layers, len) = (layers.len(), s.len());
                 let zstd = encoding == "zstd";
-                let decoded = tokio::task::spawn_blocking(move || -> anyhow::Result<usize> {
-                    // Decoded as the project's clients do: in one allocation when the frame
-                    // records its size, and identity answers read where they arrived.
-                    let decoded;
-                    let bytes: &[u8] = if zstd {
-                        decoded = layertap::codec::unzstd(&body[..])?;
-                        &decoded
+                let decoded;
+                (decoded, body, out, dctx) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                    let n = if zstd {
+                        // The frame records the file's size: decode into `out`, grown only
+                        // when an answer is larger than any before it.
+                        let size = zstd::zstd_safe::get_frame_content_size(&body)
+                            .ok()
+                            .flatten()
+                            .ok_or_else(|| anyhow::anyhow!("the answer's zstd frame does not record its size"))?;
+                        out.clear();
+                        out.reserve(size as usize);
+                        dctx.decompress_to_buffer(&body[..], &mut out)?;
+                        check(&out, len, n_layers, hidden)?
                     } else {
-                        &body
+                        check(&body, len, n_layers, hidden)?
                     };
-                    let st = safetensors::SafeTensors::deserialize(bytes)?;
-                    let hs = st.tensor("hidden_states")?;
-                    anyhow::ensure!(hs.shape() == [len, n_layers, hidden], "bad shape {:?}", hs.shape());
-                    Ok(bytes.len())
+                    Ok((n, body, out, dctx))
                 })
                 .await??;
                 raw.fetch_add(decoded, Ordering::SeqCst);
@@ -103,6 +114,14 @@ async fn main() -> anyhow::Result<()> {
         })
     );
     Ok(())
+}
+
+/// Checks that `file` is safetensors whose hidden states are `[len, n_layers, hidden]`; its size.
+fn check(file: &[u8], len: usize, n_layers: usize, hidden: usize) -> anyhow::Result<usize> {
+    let st = safetensors::SafeTensors::deserialize(file)?;
+    let hs = st.tensor("hidden_states")?;
+    anyhow::ensure!(hs.shape() == [len, n_layers, hidden], "bad shape {:?}", hs.shape());
+    Ok(file.len())
 }
 
 /// CPU seconds (user + system) this process has used.

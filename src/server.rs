@@ -113,24 +113,25 @@ const ANSWER_BUFFERS_IDLE: Duration = Duration::from_secs(1);
 /// memory of answers is back with the system. (jemalloc held resident memory flatter in the
 /// soak, but made the CPU engine about a third slower, so the system allocator stays.)
 pub fn return_free_memory_periodically() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        let spawned = std::thread::Builder::new().name("layertap-trim".into()).spawn(|| {
-            let per_trim = (TRIM_EVERY.as_millis() / ANSWER_BUFFERS_EVERY.as_millis()).max(1);
-            for tick in 1u128.. {
-                std::thread::sleep(ANSWER_BUFFERS_EVERY);
-                let freed = crate::bufpool::release_idle(ANSWER_BUFFERS_IDLE);
-                if freed > 0 || tick % per_trim == 0 {
-                    // SAFETY: malloc_trim only returns free heap pages to the system.
-                    unsafe {
-                        libc::malloc_trim(0);
-                    }
+    // The answer buffers are released on every platform; `malloc_trim` is glibc's.
+    let spawned = std::thread::Builder::new().name("layertap-trim".into()).spawn(|| {
+        let per_trim = (TRIM_EVERY.as_millis() / ANSWER_BUFFERS_EVERY.as_millis()).max(1);
+        for tick in 1u128.. {
+            std::thread::sleep(ANSWER_BUFFERS_EVERY);
+            let freed = crate::bufpool::release_idle(ANSWER_BUFFERS_IDLE);
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            if freed > 0 || tick % per_trim == 0 {
+                // SAFETY: malloc_trim only returns free heap pages to the system.
+                unsafe {
+                    libc::malloc_trim(0);
                 }
             }
-        });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start the memory trimming thread; serving without it");
+            #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+            let _ = (freed, tick, per_trim);
         }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the memory trimming thread; serving without it");
     }
 }
 

@@ -130,13 +130,16 @@ pub fn verify_checksums(file: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// The bytes of the tensors that follow the hidden states, made once per answer.
+/// The bytes of the tensors that follow the hidden states and their checksums, made once per
+/// answer.
 struct Small {
     hs_len: usize,
     ids: Vec<u8>,
     cu: Vec<u8>,
     scale: Option<Vec<u8>>,
     positions: Option<Vec<u8>>,
+    /// xxh64 of each tensor after the hidden states, in file order.
+    sums: Vec<String>,
 }
 
 impl Small {
@@ -156,13 +159,16 @@ impl Small {
         if scale.as_ref().is_some_and(|s| s.len() != rows * width * 4) {
             return Err(std::io::Error::other("hidden_states_scale must hold one value per row and layer"));
         }
-        Ok(Small {
+        let mut small = Small {
             hs_len,
             ids: le_i64(&a.input_ids),
             cu: le_i64(&a.cu_seqlens),
             scale,
             positions: a.positions.as_deref().map(le_i64),
-        })
+            sums: Vec::new(),
+        };
+        small.sums = small.tensors(a)[1..].iter().map(|t| xxh64_hex([t.3])).collect();
+        Ok(small)
     }
 
     /// Name, dtype, shape and bytes of every tensor in file order; the hidden states first,
@@ -190,9 +196,9 @@ impl Small {
     fn header(&self, a: &AnswerParts, hs_sum: &str) -> std::io::Result<Vec<u8>> {
         let tensors = self.tensors(a);
         let mut sums = serde_json::Map::new();
-        for (name, _, _, bytes) in &tensors {
-            let hex = if *name == "hidden_states" { hs_sum.to_string() } else { xxh64_hex([*bytes]) };
-            sums.insert((*name).into(), hex.into());
+        sums.insert("hidden_states".into(), hs_sum.into());
+        for ((name, ..), sum) in tensors[1..].iter().zip(&self.sums) {
+            sums.insert((*name).into(), sum.as_str().into());
         }
         let mut metadata = a.metadata.clone();
         metadata.insert("checksum_algorithm".into(), CHECKSUM_ALGORITHM.into());
@@ -217,6 +223,22 @@ impl Small {
         Ok(out)
     }
 
+    /// The size of the whole file.
+    fn file_size(&self, a: &AnswerParts) -> std::io::Result<usize> {
+        let rest: usize = self.tensors(a)[1..].iter().map(|t| t.3.len()).sum();
+        Ok(self.header(a, PLACEHOLDER)?.len() + self.hs_len + rest)
+    }
+
+    /// The whole file, streamed: header (the states' checksum in a first pass), the states'
+    /// pieces, the rest.
+    fn write(&self, w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
+        w.write_all(&self.header(a, &xxh64_hex(a.chunks.iter().copied()))?)?;
+        for c in &a.chunks {
+            w.write_all(c)?;
+        }
+        self.write_rest(w, a)
+    }
+
     fn write_rest(&self, w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
         for (_, _, _, bytes) in &self.tensors(a)[1..] {
             w.write_all(bytes)?;
@@ -229,13 +251,11 @@ impl Small {
 /// cu_seqlens, loss_mask, positions), streaming the hidden-state pieces. The metadata gains the
 /// xxh64 of every tensor's bytes (`checksums`), computed in a first pass over them.
 pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
-    let small = Small::of(a)?;
-    w.write_all(&small.header(a, &xxh64_hex(a.chunks.iter().copied()))?)?;
-    for c in &a.chunks {
-        w.write_all(c)?;
-    }
-    small.write_rest(w, a)
+    Small::of(a)?.write(w, a)
 }
+
+/// A checksum's stand-in of the same length, for a header whose length is all that counts.
+const PLACEHOLDER: &str = "0000000000000000";
 
 /// Decompresses a zstd body. When the frame records its size (layertap's answers do) the
 /// output is allocated once, at that size; otherwise, or when that fails (several frames, a size
@@ -253,20 +273,17 @@ pub fn unzstd(body: &[u8]) -> std::io::Result<Vec<u8>> {
 
 /// The size in bytes of the file [`write_safetensors`] writes for `a`.
 pub fn safetensors_size(a: &AnswerParts) -> std::io::Result<u64> {
-    let small = Small::of(a)?;
-    let rest: usize = small.tensors(a)[1..].iter().map(|t| t.3.len()).sum();
-    Ok((small.header(a, "0000000000000000")?.len() + small.hs_len + rest) as u64)
+    Ok(Small::of(a)?.file_size(a)? as u64)
 }
 
 /// [`write_safetensors`] into memory in one pass over the hidden states: each block is copied,
 /// then hashed while it is still in the cache, and the header, written first with a placeholder
 /// checksum of the same length, is written again once the checksum is known. The same bytes.
-fn write_safetensors_in_one_pass(out: &mut AnswerBuf, a: &AnswerParts) -> std::io::Result<()> {
+fn write_in_one_pass(small: &Small, out: &mut AnswerBuf, a: &AnswerParts) -> std::io::Result<()> {
     use std::io::Write;
     /// Small enough to stay in a core's cache between the copy and the hash.
     const BLOCK: usize = 64 << 10;
-    let small = Small::of(a)?;
-    let placeholder = small.header(a, "0000000000000000")?;
+    let placeholder = small.header(a, PLACEHOLDER)?;
     let start = out.len();
     out.write_all(&placeholder)?;
     let mut h = xxhash_rust::xxh64::Xxh64::new(0);
@@ -350,18 +367,17 @@ thread_local! {
 }
 
 /// [`encode_answer`] on `threads` zstd threads (for a caller that holds them, see
-/// [`encode_permit`]), into a buffer from [`crate::bufpool`] sized so that it never grows.
+/// [`encode_permit`]), into a buffer from [`crate::bufpool`] sized (from the file's exact size)
+/// so that it never grows.
 /// The bytes are the same as a fresh zstd encoder's with the same level, threads and pledged
 /// size (the file's, which the frame header records).
 pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize) -> std::io::Result<AnswerBuf> {
-    let size: usize = a.chunks.iter().map(|c| c.len()).sum::<usize>()
-        + 4096
-        + a.input_ids.len() * 9
-        + a.metadata.iter().map(|(k, v)| k.len() + v.len() + 16).sum::<usize>();
+    let small = Small::of(a)?;
+    let size = small.file_size(a)?;
     match zstd_level {
         None => {
             let mut out = crate::bufpool::take(size);
-            write_safetensors_in_one_pass(&mut out, a)?;
+            write_in_one_pass(&small, &mut out, a)?;
             Ok(out)
         }
         Some(level) => {
@@ -385,8 +401,8 @@ pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize
                 }))?;
                 // The frame header records the file's size, so a decoder can allocate its output
                 // once (Python's zstandard decompresses in one call only then).
-                enc.set_pledged_src_size(Some(safetensors_size(a)?))?;
-                write_safetensors(&mut enc, a)?;
+                enc.set_pledged_src_size(Some(size as u64))?;
+                small.write(&mut enc, a)?;
                 enc.finish()?;
                 Ok(())
             })?;

@@ -47,9 +47,21 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // Tokenizing and encoding answers run on blocking threads; more of them than a few per core
     // only add threads (each with its own stack and allocator arena), not throughput.
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    // Threads are named for `top -H` and per-thread CPU accounting: the runtime starts its
+    // `cores` workers (sockets, HTTP) first, so the threads after them are its blocking threads
+    // (tokenizing, encoding answers).
+    let started = std::sync::atomic::AtomicUsize::new(0);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .thread_name("layertap-http")
+        .worker_threads(cores)
+        .thread_name_fn(move || {
+            let n = started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if n < cores {
+                "layertap-http".into()
+            } else {
+                "layertap-encode".into()
+            }
+        })
         .max_blocking_threads((4 * cores).max(8))
         .build()?;
     let r = rt.block_on(layertap::run(a));

@@ -76,6 +76,19 @@ async fn the_binary_serves_then_drains_on_sigterm() {
     .await;
     assert_eq!(t["hidden_states"].shape[1..], [2, 64]);
     assert_eq!(t["cu_seqlens"].i64.len(), 3);
+    // Threads carry their role in their names (what `top -H` and bench/gpu/thread_cpu.py read):
+    // the runtime's workers, its blocking threads (one has just encoded the answer), the device
+    // thread and its result thread.
+    #[cfg(target_os = "linux")]
+    {
+        let names: std::collections::BTreeSet<String> = std::fs::read_dir(format!("/proc/{}/task", child.id()))
+            .unwrap()
+            .map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).unwrap().trim().to_string())
+            .collect();
+        for want in ["layertap-http", "layertap-encode", "layertap-cpu", "finish-cpu"] {
+            assert!(names.contains(want), "no thread named {want} among {names:?}");
+        }
+    }
     // A request in flight when SIGTERM arrives still gets its answer.
     let long: Vec<u32> = (0..60).collect();
     let inflight = tokio::spawn({

@@ -64,9 +64,11 @@ def main():
     a = ap.parse_args()
     layers, seqs = load_workload(a.workload)
     extra = {"experts_implementation": a.experts_implementation} if a.experts_implementation else {}
+    # Loaded straight onto the GPU: a full-depth 27B model held once more in host memory would not
+    # fit beside its files in /dev/shm.
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                 **extra)
-    base = model.model.cuda().eval()
+                                                 device_map="cuda", **extra)
+    base = model.model.eval()
     del model.lm_head
     n = base.config.num_hidden_layers
     deepest = max(layers)

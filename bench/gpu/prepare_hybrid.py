@@ -16,7 +16,7 @@ weights' values):
   parameters: those of the layers up to the deepest tap, the experts counted top-k of 256.
 
 Prints one JSON line. Usage:
-  python3 bench/gpu/prepare_hybrid.py --work /tmp/hyb [--dense-layers 16] [--moe-layers 8]
+  python3 bench/gpu/prepare_hybrid.py --work /tmp/hyb [--dense-layers 16] [--moe-layers 8] [--bf16-init]
 """
 
 import argparse
@@ -72,7 +72,7 @@ def matmul_params(model, deepest, top_k):
     return total
 
 
-def make(path, cfg, cls_name, layers):
+def make(path, cfg, cls_name, layers, bf16_init=False):
     import transformers
 
     info_path = os.path.join(path, "bench.json")
@@ -81,7 +81,11 @@ def make(path, cfg, cls_name, layers):
     cls = getattr(transformers, cls_name)
     torch.manual_seed(0)
     with torch.device("cuda"):
+        if bf16_init:
+            # Built in bf16 from the start: a full-depth 27B model in f32 would not fit the GPU.
+            torch.set_default_dtype(torch.bfloat16)
         model = cls(cfg).to(torch.bfloat16)
+        torch.set_default_dtype(torch.float32)
     model.save_pretrained(path, max_shard_size="5GB")
     top_k = getattr(cfg, "num_experts_per_tok", 0)
     info = {"layers": cfg.num_hidden_layers, "taps": layers, "layer_types": cfg.layer_types,
@@ -100,6 +104,10 @@ def main():
     ap.add_argument("--moe-layers", type=int, default=8)
     ap.add_argument("--sequences", type=int, default=200)
     ap.add_argument("--models", default="27b,moe", help="comma-separated: which of 27b, moe to write")
+    ap.add_argument("--taps", default=None,
+                    help="comma-separated HF indices instead of DFlash's spread (e.g. 2,17,32,47,62 at full depth)")
+    ap.add_argument("--bf16-init", action="store_true",
+                    help="initialise the weights in bf16 (for full-depth models whose f32 copy would not fit)")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -112,10 +120,10 @@ def main():
     for name, (cfg, cls_name) in configs(a.dense_layers, a.moe_layers).items():
         if name not in a.models.split(","):
             continue
-        layers = taps(cfg.num_hidden_layers)
+        layers = [int(x) for x in a.taps.split(",")] if a.taps else taps(cfg.num_hidden_layers)
         with open(os.path.join(a.work, f"workload_{name}.json"), "w") as f:
             json.dump({"layers": layers, "dtype": "bfloat16", "file": "workload.jsonl"}, f)
-        out[name] = make(os.path.join(a.work, name), cfg, cls_name, layers)
+        out[name] = make(os.path.join(a.work, name), cfg, cls_name, layers, a.bf16_init)
     out["bf16_matmul_tflops"] = round(matmul_rate(), 1)
     out["gpu"] = torch.cuda.get_device_name(0)
     out["torch"] = torch.__version__

@@ -6,8 +6,10 @@
 #
 # prepare:  random Qwen3-8B-shaped checkpoint, workload, bf16 matmul rate (bench/gpu/prepare.py)
 # engine:   layertap's engine in process (layertap bench)
-# http:     the server (DEVICES=cuda:0 or cuda:all) with the concurrent HTTP client, every answer decoded
-#           (ENCODING=identity asks for uncompressed answers, to take zstd off the host's load)
+# http:     the server (DEVICES=cuda:0 or cuda:all) with the concurrent HTTP client, every answer decoded,
+#           for each encoding in ENCODINGS (default zstd; identity takes zstd off the host's load) and
+#           each number in flight in CONCURRENCIES (default 64); each line carries the server's CPU
+#           seconds per thread (bench/gpu/thread_cpu.py)
 # hf:       Hugging Face transformers + hooks, tuned (bf16, sdpa, sorted padded batches, pinned copies)
 # fidelity: bf16 on CUDA against HF f32, per index; packed against alone (bench/gpu/fidelity.py)
 # zstd:     the server at each zstd level in LEVELS (default "3 1 -1 -3"), clients at 64 and 256 in
@@ -18,9 +20,10 @@
 #           last batch's answer sizes (raw, zstd), the fp8 error per index and the checksum's speed
 # hybrid:   the Gated DeltaNet hybrids (bench/gpu/prepare_hybrid.py: the Qwen3.5/3.6-27B and
 #           35B-A3B MoE widths, fewer layers; HYBRID_ARGS passes its flags): per model, the engine,
-#           the engine with LAYERTAP_PROFILE=1 (where the time goes), HTTP (CONCURRENCY, default
-#           encoding), and transformers + hooks at each budget in HF_BUDGETS (with fla when
-#           PYTHONPATH holds it; grouped_mm experts for the MoE model)
+#           the engine with LAYERTAP_PROFILE=1 (where the time goes), HTTP (each of
+#           ENCODINGS × CONCURRENCIES as in http), and transformers + hooks at each budget in
+#           HF_BUDGETS (with fla when PYTHONPATH holds it; grouped_mm experts for the MoE model;
+#           HF_BUDGETS= skips it)
 # Each step appends one JSON line to $OUT_DIR/results.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,6 +51,13 @@ start_server() {
   for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
 }
 
+# clients WORKLOAD CONCURRENCY ENCODING: the HTTP client against the running server, every answer
+# decoded; its JSON line gains the server's CPU seconds per thread name (bench/gpu/thread_cpu.py).
+clients() {
+  python3 bench/gpu/thread_cpu.py --pid "$server" -- "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$1" \
+    --dtype bfloat16 --concurrency "$2" --encoding "$3"
+}
+
 if [[ "$step" == prepare || "$step" == all ]]; then
   python3 bench/gpu/prepare.py --model-dir "$MODEL_DIR" --out-dir "$WORK_DIR" | tee -a "$results"
 fi
@@ -58,8 +68,11 @@ fi
 if [[ "$step" == http || "$step" == all ]]; then
   devices="${DEVICES:-cuda:0}"
   start_server "$MODEL_DIR" "$devices" "$OUT_DIR/server-${devices//[:,]/_}.log"
-  "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$workload" --dtype bfloat16 \
-    --concurrency "${CONCURRENCY:-64}" --encoding "${ENCODING:-zstd}" | sed "s/^{/{\"devices\":\"$devices\",/" | tee -a "$results"
+  for enc in ${ENCODINGS:-${ENCODING:-zstd}}; do
+    for c in ${CONCURRENCIES:-${CONCURRENCY:-64}}; do
+      clients "$workload" "$c" "$enc" | sed "s/^{/{\"devices\":\"$devices\",/" | tee -a "$results"
+    done
+  done
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^layertap_(device_memory|batch_tokens_(sum|count)|tokens_total)' \
     | tee -a "$OUT_DIR/metrics.txt"
   kill -TERM $server; wait $server || true
@@ -115,13 +128,16 @@ if [[ "$step" == hybrid ]]; then
       | tee -a "$results"
     tail -n 20 "$OUT_DIR/profile-$name.log"
     start_server "$work/$name" cuda:0 "$OUT_DIR/server-$name.log"
-    "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$wl" --dtype bfloat16 \
-      --concurrency "${CONCURRENCY:-64}" --encoding "${ENCODING:-zstd}" | sed "$tag" | tee -a "$results"
+    for enc in ${ENCODINGS:-${ENCODING:-zstd}}; do
+      for c in ${CONCURRENCIES:-${CONCURRENCY:-64}}; do
+        clients "$wl" "$c" "$enc" | sed "$tag" | tee -a "$results"
+      done
+    done
     kill -TERM $server; wait $server || true
     trap - EXIT
     experts=()
     [[ "$name" == moe ]] && experts=(--experts-implementation grouped_mm)
-    for budget in ${HF_BUDGETS:-16384}; do
+    for budget in ${HF_BUDGETS-16384}; do
       python3 bench/gpu/hf_baseline.py --model-dir "$work/$name" --workload "$wl" --max-batch-tokens "$budget" \
         "${experts[@]}" | sed "$tag" | tee -a "$results"
     done

@@ -60,8 +60,10 @@ where
         // The device thread launches batches; a second thread waits for each one's results and
         // hands them out, so the device starts the next batch while the last one is copied out.
         // The rendezvous channel keeps at most one batch waiting beside the one being launched.
+        // (Named `finish-<device>`: a thread's name holds 15 bytes, and `layertap-<device>-finish`
+        // would read as the device thread's own name in `top -H` and /proc.)
         let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(0);
-        let finisher = std::thread::Builder::new().name(format!("layertap-{name}-finish")).spawn({
+        let finisher = std::thread::Builder::new().name(format!("finish-{name}")).spawn({
             let queue = queue.clone();
             move || {
                 rx.into_iter().for_each(|job| {

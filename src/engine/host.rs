@@ -338,6 +338,7 @@ impl HostTensor {
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_copy {
     use super::{EngineError, HostBytes, HostTensor, LentBuffer, OutDType};
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
     use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
     use candle_core::cuda_backend::CudaStorageSlice;
     use candle_core::{Storage, Tensor};
@@ -422,6 +423,22 @@ pub(crate) mod cuda_copy {
         }
     }
 
+    /// Waits for the copies queued on `stream` (and the batch they wait for) with the thread
+    /// asleep. A plain stream synchronisation spins a core for the whole batch under the driver's
+    /// default scheduling (spin while there are fewer contexts than cores), and that core is the
+    /// host's, which encodes answers. `LAYERTAP_SPIN_WAIT=1` spins as before, for comparison.
+    fn wait(stream: &Arc<CudaStream>) -> Result<(), EngineError> {
+        static SPIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let spin = *SPIN.get_or_init(|| std::env::var("LAYERTAP_SPIN_WAIT").is_ok_and(|v| v == "1"));
+        if spin {
+            return stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")));
+        }
+        let done = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| fail(format!("recording a CUDA event: {e}")))?;
+        done.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))
+    }
+
     fn copy<T: DeviceRepr>(
         s: &CudaSlice<T>,
         range: (usize, usize),
@@ -433,7 +450,7 @@ pub(crate) mod cuda_copy {
         if bytes < SMALL {
             // Screens and scales: too small for a page-locked buffer of their own.
             let v: Vec<T> = stream.clone_dtoh(&view).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
-            stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+            wait(stream)?;
             // SAFETY: `T` is a plain number type (every byte initialised); the vector is read as
             // its bytes, in memory order, and not used as `T` again.
             let b = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), bytes) }.to_vec();
@@ -448,7 +465,7 @@ pub(crate) mod cuda_copy {
             std::slice::from_raw_parts_mut(p.cast::<T>(), range.1 - range.0)
         };
         stream.memcpy_dtoh(&view, dst_t).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
-        stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")))?;
+        wait(stream)?;
         Ok(HostBytes::Lent(Box::new(dst)))
     }
 

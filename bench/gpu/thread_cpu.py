@@ -7,7 +7,10 @@ name, user and system apart, from /proc/PID/task/*/stat.
 The command's stdout passes through; when its last line is a JSON object, the figures are added to
 it as "server_cpu" ({"total": {"user": s, "system": s}, "threads": {name: {"user", "system",
 "count"}}, "exited": ...}); otherwise one JSON line of them follows. Threads that ended during the
-command are counted under "exited" (the process's totals include them). layertap names its threads:
+command are counted under "exited" (the process's totals include them, so "exited" is the total less
+the live threads). The kernel splits each figure into user and system time by estimate, separately for
+the process and for each thread, so "exited" can show a small negative user or system share while its
+sum stays right. layertap names its threads:
 layertap-http (the runtime's workers: sockets, HTTP), layertap-encode (its blocking threads:
 tokenizing, encoding answers), layertap-<device> (launching batches), finish-<device> (waiting for a
 batch's results and handing them out), layertap-trim (returning idle memory).

@@ -50,9 +50,11 @@ async fn main() -> anyhow::Result<()> {
             (client.clone(), url.clone(), seqs.clone(), next.clone(), layers.clone(), dtype.clone(), encoding.clone());
         let (encoded, raw) = (encoded.clone(), raw.clone());
         tasks.push(tokio::spawn(async move {
-            // Each task reads its answers into buffers it reuses (the body as it arrives, and
-            // what zstd decodes it to), so after the first answers no page is faulted in again.
-            let (mut body, mut out) = (Vec::<u8>::new(), Vec::<u8>::new());
+            // Answers are read into buffers shared by every task (the server's pool of reused
+            // buffers, `layertap::bufpool`): a buffer is taken when an answer starts to arrive
+            // and given back once it is checked, so buffers are only held by answers in transit,
+            // and after the first answers few pages are faulted in again, however many requests
+            // are in flight.
             let mut dctx = zstd::bulk::Decompressor::new()?;
             loop {
                 let i = next.fetch_add(1, Ordering::SeqCst);
@@ -64,33 +66,30 @@ async fn main() -> anyhow::Result<()> {
                     .send()
                     .await?
                     .error_for_status()?;
-                body.clear();
-                body.reserve(r.content_length().unwrap_or(0) as usize);
+                let mut body = layertap::bufpool::take(r.content_length().unwrap_or(0) as usize);
                 while let Some(c) = r.chunk().await? {
-                    body.extend_from_slice(&c);
+                    body.as_mut_vec().extend_from_slice(&c);
                 }
                 encoded.fetch_add(body.len(), Ordering::SeqCst);
                 let (n_layers, len) = (layers.len(), s.len());
                 let zstd = encoding == "zstd";
                 let decoded;
-                (decoded, body, out, dctx) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                (decoded, dctx) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
                     let n = if zstd {
-                        // The frame records the file's size: decode into `out`, grown only
-                        // when an answer is larger than any before it (a server too old to
-                        // record it: as a stream).
-                        out.clear();
+                        // The frame records the file's size: decode into a buffer of that size
+                        // (a server too old to record it: as a stream).
                         match zstd::zstd_safe::get_frame_content_size(&body).ok().flatten() {
                             Some(size) => {
-                                out.reserve(size as usize);
-                                dctx.decompress_to_buffer(&body[..], &mut out)?;
+                                let mut out = layertap::bufpool::take(size as usize);
+                                dctx.decompress_to_buffer(&body[..], out.as_mut_vec())?;
+                                check(&out, len, n_layers, hidden)?
                             }
-                            None => out = layertap::codec::unzstd(&body)?,
+                            None => check(&layertap::codec::unzstd(&body)?, len, n_layers, hidden)?,
                         }
-                        check(&out, len, n_layers, hidden)?
                     } else {
                         check(&body, len, n_layers, hidden)?
                     };
-                    Ok((n, body, out, dctx))
+                    Ok((n, dctx))
                 })
                 .await??;
                 raw.fetch_add(decoded, Ordering::SeqCst);

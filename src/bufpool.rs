@@ -128,6 +128,12 @@ impl AnswerBuf {
     pub fn capacity(&self) -> usize {
         self.buf.capacity()
     }
+
+    /// The vector itself, for writers that fill a `Vec<u8>` (a zstd decoder's output, say); the
+    /// buffer still goes back to the pool when dropped.
+    pub fn as_mut_vec(&mut self) -> &mut Vec<u8> {
+        &mut self.buf
+    }
 }
 
 impl std::ops::Deref for AnswerBuf {
@@ -206,6 +212,24 @@ mod tests {
         let tiny = take(MIN_POOLED);
         assert_ne!(tiny.as_ptr(), ptr, "a buffer of 4 MiB is not lent to an answer of 1 MiB");
         drop(tiny);
+        release_idle(Duration::ZERO);
+    }
+
+    /// A buffer filled as a vector (what a zstd decoder writes into) holds what was written and
+    /// still comes back to the pool.
+    #[test]
+    fn a_buffer_filled_as_a_vector_comes_back() {
+        let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        release_idle(Duration::ZERO);
+        let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let frame = zstd::bulk::compress(&data, 1).unwrap();
+        let mut out = take(data.len());
+        let cap = out.capacity();
+        zstd::bulk::Decompressor::new().unwrap().decompress_to_buffer(&frame[..], out.as_mut_vec()).unwrap();
+        assert_eq!(&out[..], &data[..]);
+        assert_eq!(out.capacity(), cap, "decoded in place, not grown");
+        drop(out);
+        assert_eq!(idle_bytes(), cap);
         release_idle(Duration::ZERO);
     }
 

@@ -19,6 +19,8 @@ CLIENT="${CLIENT:-.gpu/bench_http}"
 OUT_DIR="${OUT_DIR:-bench/out/gpu}"
 PORT="${PORT:-18082}"
 mkdir -p "$OUT_DIR"
+# shellcheck source=bench/gpu/serve.sh
+source bench/gpu/serve.sh
 results="$OUT_DIR/results.jsonl"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for spec in "$@"; do
@@ -26,15 +28,12 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     IFS=, read -r -a parts <<<"${spec#*=}"
     bin="${parts[0]}"
     env_vars=("${parts[@]:1}")
-    env "${env_vars[@]}" "$bin" serve --model "$model" --device "${DEVICE:-cuda:0}" --dtype "${DTYPE:-bf16}" --host 127.0.0.1 --port "$PORT" \
-      --max-batch-tokens 32768 --max-input-tokens 4096 --max-queue-tokens 1000000 2>"$OUT_DIR/server-$name-$round.log" &
-    server=$!
-    trap 'kill $server 2>/dev/null || true' EXIT
-    for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+    # The server's variables, for it alone.
+    for v in "${env_vars[@]}"; do export "${v?}"; done
+    BIN="$bin" start_server "$model" "${DEVICE:-cuda:0}" "$OUT_DIR/server-$name-$round.log"
+    for v in "${env_vars[@]}"; do unset "${v%%=*}"; done
     for enc in ${ENCODINGS:-zstd identity}; do
-      python3 bench/gpu/thread_cpu.py --pid "$server" -- "$CLIENT" --url "http://127.0.0.1:$PORT" \
-        --workload "$workload" --dtype "${ANSWER_DTYPE:-bfloat16}" --concurrency "${CONCURRENCY:-64}" --encoding "$enc" \
-        | sed "s/^{/{\"server\":\"$name\",\"round\":$round,/" | tee -a "$results"
+      clients "$workload" "${CONCURRENCY:-64}" "$enc" | sed "s/^{/{\"server\":\"$name\",\"round\":$round,/" | tee -a "$results"
     done
     kill -TERM "$server"; wait "$server" || true
     trap - EXIT

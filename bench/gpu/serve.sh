@@ -1,0 +1,22 @@
+# Sourced by bench/gpu/run.sh and bench/gpu/compare_servers.sh: one way to start a benchmark
+# server and to run the client against it. Reads BIN, CLIENT, PORT, MAX_BATCH_TOKENS, DTYPE
+# (server compute dtype, default bf16) and ANSWER_DTYPE (default bfloat16).
+
+# start_server MODEL DEVICES LOG [FLAGS...]: serves MODEL in the background ($server is its pid,
+# killed on exit) and waits until it is ready.
+start_server() {
+  local model="$1" devices="$2" log="$3"
+  shift 3
+  "$BIN" serve --model "$model" --device "$devices" --dtype "${DTYPE:-bf16}" --host 127.0.0.1 --port "$PORT" \
+    --max-batch-tokens "${MAX_BATCH_TOKENS:-32768}" --max-input-tokens 4096 --max-queue-tokens 1000000 "$@" 2>"$log" &
+  server=$!
+  trap 'kill $server 2>/dev/null || true' EXIT
+  for _ in $(seq 1 1200); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.25; done
+}
+
+# clients WORKLOAD CONCURRENCY ENCODING: the HTTP client against the running server, every answer
+# decoded; its JSON line gains the server's CPU seconds per thread name (bench/gpu/thread_cpu.py).
+clients() {
+  python3 bench/gpu/thread_cpu.py --pid "$server" -- "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$1" \
+    --dtype "${ANSWER_DTYPE:-bfloat16}" --concurrency "$2" --encoding "$3"
+}

@@ -1,9 +1,10 @@
 // Causal attention over packed sequences on tensor cores (sm_80 and newer).
 //
-// Each sequence attends only to itself; scores are never written to memory: a block of 64
-// queries of one head walks the sequence's keys in tiles of BN (64, or 32 for head dim 256) with
-// an online softmax, keeping the running output in registers (the flash-attention scheme). Inputs and output are packed
-// along the token dimension: q and out are [tokens, heads, D], k and v are [tokens, kv_heads, D].
+// Each sequence attends only to itself; scores are never written to memory: a block of query
+// rows of one head walks the sequence's keys in tiles of BN (64, or 32 for head dim 256) with an
+// online softmax, keeping the running output in registers (the flash-attention scheme). Inputs
+// and output are packed along the token dimension: q and out are [tokens, heads, D], k and v are
+// [tokens, kv_heads, D].
 //
 // A block is one (query tile, head). `tiles` lists the query tiles as (sequence start, sequence
 // length, tile index) triples, ordered by the host so that the longest-running tiles start first.
@@ -11,6 +12,15 @@
 // Warp w of the block owns query rows 16w..16w+15 of the tile. Matrix products use
 // mma.sync.m16n8k16 with f32 accumulation; the probabilities are rounded to the input type
 // before multiplying by V, as flash-attention does.
+//
+// Two kernels share that scheme:
+// - `packed_attention_*` (64 query rows, 4 warps): loads each K/V tile through registers, V
+//   transposed by scalar stores, then computes; the first kernel, kept for comparison
+//   (`LAYERTAP_ATTENTION_KERNEL=simple`).
+// - `pipelined_attention_w{4,8}_*` (16 query rows per warp): K and V tiles stream into dynamic
+//   shared memory with cp.async in two stages, so the next tile's loads overlap this tile's
+//   products; both stay row-major [key][dim] and reach the tensor cores through ldmatrix (.trans
+//   for V). A warp skips the key tiles that none of its rows can see.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,8 +28,6 @@
 
 #include "mma.cuh"
 
-#define BM 64
-#define WARPS 4
 #define PAD 8
 
 // Loads two consecutive 16-bit values as one register, zero past `valid`.
@@ -28,35 +36,23 @@ __device__ __forceinline__ uint32_t load_pair(const T* row, bool valid) {
     return valid ? *reinterpret_cast<const uint32_t*>(row) : 0u;
 }
 
-template <typename T, int D, int BN>
-__device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                               T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads, int kv_heads,
-                               float scale_log2, int window) {
-    // K tile row-major [key][dim]; V tile transposed [dim][key], so both feed mma from 32-bit loads.
-    __shared__ __align__(16) T ks[BN][D + PAD];
-    __shared__ __align__(16) T vt[D][BN + PAD];
-
-    const int tile = blockIdx.x;
-    const int head = blockIdx.y;
-    const int seq_start = tiles[3 * tile];
-    const int seq_len = tiles[3 * tile + 1];
-    const int q0 = tiles[3 * tile + 2] * BM;
-    const int kv_head = head / (heads / kv_heads);
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int g = lane / 4;  // group: rows g and g + 8 of the warp's 16
-    const int t = lane % 4;  // thread in group: columns 2t, 2t + 1 (and + 8)
-    const int q_stride = heads * D;
-    const int kv_stride = kv_heads * D;
-
-    // This thread's query rows, as positions in the sequence.
-    const int row_a = q0 + warp * 16 + g;
-    const int row_b = row_a + 8;
-
-    // Q fragments for the warp's 16 rows, all of D, in registers.
-    constexpr int KSTEPS = D / 16;
+// What one warp carries along the keys: its 16 query rows as mma fragments, the running output,
+// and the running maximum (log2 domain) and this thread's share of the row sums, for rows g and
+// g + 8 of the warp's 16 (a and b).
+template <typename T, int D>
+struct RowState {
+    static constexpr int KSTEPS = D / 16;
+    static constexpr int NT = D / 8;  // output column tiles
     uint32_t qf[KSTEPS][4];
-    {
+    float o[NT][4];
+    float m_a, m_b, l_a, l_b;
+    int row_a, row_b;  // this thread's query rows, as positions in the sequence
+
+    __device__ __forceinline__ void init(const T* q, int seq_start, int seq_len, int row0, int head, int q_stride,
+                                         int lane) {
+        const int g = lane / 4, t = lane % 4;
+        row_a = row0 + g;
+        row_b = row_a + 8;
         const T* qa = q + (size_t)(seq_start + row_a) * q_stride + head * D;
         const T* qb = q + (size_t)(seq_start + row_b) * q_stride + head * D;
         const bool va = row_a < seq_len, vb = row_b < seq_len;
@@ -68,57 +64,19 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
             qf[kk][2] = load_pair(qa + c + 8, va);
             qf[kk][3] = load_pair(qb + c + 8, vb);
         }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+        m_a = m_b = -INFINITY;
+        l_a = l_b = 0.f;
     }
 
-    constexpr int NT = D / 8;  // output column tiles
-    float o[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m_a = -INFINITY, m_b = -INFINITY;  // running row maxima (log2 domain)
-    float l_a = 0.f, l_b = 0.f;              // this thread's share of the row sums
-
-    // Keys this tile can see: causal up to its last query, and the window below its first.
-    const int q_last = min(q0 + BM, seq_len);
-    int k_begin = 0;
-    if (window > 0) k_begin = max(0, q0 - window + 1) / BN * BN;
-
-    for (int k0 = k_begin; k0 < q_last; k0 += BN) {
-        __syncthreads();  // the previous tile's readers are done
-        // Cooperative load: 16-byte chunks; keys past the sequence are zero.
-        constexpr int CHUNKS = D / 8;
-        for (int c = threadIdx.x; c < BN * CHUNKS; c += WARPS * 32) {
-            const int r = c % BN;
-            const int col = (c / BN) * 8;
-            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-            if (k0 + r < seq_len) {
-                const size_t at = (size_t)(seq_start + k0 + r) * kv_stride + kv_head * D + col;
-                kv4 = *reinterpret_cast<const uint4*>(k + at);
-                vv4 = *reinterpret_cast<const uint4*>(v + at);
-            }
-            *reinterpret_cast<uint4*>(&ks[r][col]) = kv4;
-            const T* vv = reinterpret_cast<const T*>(&vv4);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) vt[col + i][r] = vv[i];
-        }
-        __syncthreads();
-
-        // S = Q K^T for the warp's 16 rows and this tile's 64 keys.
-        float s[BN / 8][4];
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KSTEPS; ++kk) {
-                const T* kr = &ks[n * 8 + g][kk * 16 + 2 * t];
-                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
-                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-                Mma<T>::mma(s[n], qf[kk], b0, b1);
-            }
-        }
-
-        // Scale, mask, and the online softmax update.
-        const bool full = (k0 + BN <= q0 + warp * 16 + 1) && (k0 + BN <= seq_len) &&
-                          (window <= 0 || q0 + warp * 16 + 15 - k0 < window);
+    // Scales and masks the scores `s` of keys k0..k0+BN-1, updates the online softmax (rescaling
+    // the output) and leaves the probabilities, rounded to T, in `pf` as mma A fragments.
+    // `full`: every key of the tile is visible to every row of the warp (no mask needed).
+    template <int BN>
+    __device__ __forceinline__ void softmax(float (&s)[BN / 8][4], uint32_t (&pf)[BN / 16][4], int k0, bool full,
+                                            int seq_len, int window, float scale_log2, int lane) {
+        const int t = lane % 4;
         float mx_a = m_a, mx_b = m_b;
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
@@ -156,9 +114,6 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
             o[n][2] *= alpha_b;
             o[n][3] *= alpha_b;
         }
-
-        // P (rounded to T) as the A operand, straight from the score registers.
-        uint32_t pf[BN / 16][4];
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
             const float p0 = exp2f(s[n][0] - ref_a), p1 = exp2f(s[n][1] - ref_a);
@@ -169,6 +124,104 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
             pf[kk][hi] = Mma<T>::pack(p0, p1);
             pf[kk][hi + 1] = Mma<T>::pack(p2, p3);
         }
+    }
+
+    // Row sums across the four threads of each group, then normalise and store.
+    __device__ __forceinline__ void store(T* out, int seq_start, int seq_len, int head, int q_stride, int lane) {
+        const int t = lane % 4;
+        l_a += __shfl_xor_sync(0xffffffff, l_a, 1);
+        l_a += __shfl_xor_sync(0xffffffff, l_a, 2);
+        l_b += __shfl_xor_sync(0xffffffff, l_b, 1);
+        l_b += __shfl_xor_sync(0xffffffff, l_b, 2);
+        const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f;
+        const float inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+        T* oa = out + (size_t)(seq_start + row_a) * q_stride + head * D;
+        T* ob = out + (size_t)(seq_start + row_b) * q_stride + head * D;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int c = n * 8 + 2 * t;
+            if (row_a < seq_len) *reinterpret_cast<uint32_t*>(oa + c) = Mma<T>::pack(o[n][0] * inv_a, o[n][1] * inv_a);
+            if (row_b < seq_len) *reinterpret_cast<uint32_t*>(ob + c) = Mma<T>::pack(o[n][2] * inv_b, o[n][3] * inv_b);
+        }
+    }
+};
+
+// Whether every key of tile k0..k0+BN-1 is visible to every row of the warp whose first row is
+// `w0` (then no mask is needed).
+template <int BN>
+__device__ __forceinline__ bool tile_full(int k0, int w0, int seq_len, int window) {
+    return (k0 + BN <= w0 + 1) && (k0 + BN <= seq_len) && (window <= 0 || w0 + 15 - k0 < window);
+}
+
+// The first kernel: 64 query rows, 4 warps, K/V tiles loaded through registers.
+template <typename T, int D, int BN>
+__device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                               T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads, int kv_heads,
+                               float scale_log2, int window) {
+    constexpr int BM = 64, WARPS = 4;
+    // K tile row-major [key][dim]; V tile transposed [dim][key], so both feed mma from 32-bit loads.
+    __shared__ __align__(16) T ks[BN][D + PAD];
+    __shared__ __align__(16) T vt[D][BN + PAD];
+
+    const int tile = blockIdx.x;
+    const int head = blockIdx.y;
+    const int seq_start = tiles[3 * tile];
+    const int seq_len = tiles[3 * tile + 1];
+    const int q0 = tiles[3 * tile + 2] * BM;
+    const int kv_head = head / (heads / kv_heads);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int q_stride = heads * D;
+    const int kv_stride = kv_heads * D;
+
+    RowState<T, D> st;
+    st.init(q, seq_start, seq_len, q0 + warp * 16, head, q_stride, lane);
+    constexpr int KSTEPS = RowState<T, D>::KSTEPS, NT = RowState<T, D>::NT;
+
+    // Keys this tile can see: causal up to its last query, and the window below its first.
+    const int q_last = min(q0 + BM, seq_len);
+    int k_begin = 0;
+    if (window > 0) k_begin = max(0, q0 - window + 1) / BN * BN;
+
+    for (int k0 = k_begin; k0 < q_last; k0 += BN) {
+        __syncthreads();  // the previous tile's readers are done
+        // Cooperative load: 16-byte chunks; keys past the sequence are zero.
+        constexpr int CHUNKS = D / 8;
+        for (int c = threadIdx.x; c < BN * CHUNKS; c += WARPS * 32) {
+            const int r = c % BN;
+            const int col = (c / BN) * 8;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (k0 + r < seq_len) {
+                const size_t at = (size_t)(seq_start + k0 + r) * kv_stride + kv_head * D + col;
+                kv4 = *reinterpret_cast<const uint4*>(k + at);
+                vv4 = *reinterpret_cast<const uint4*>(v + at);
+            }
+            *reinterpret_cast<uint4*>(&ks[r][col]) = kv4;
+            const T* vv = reinterpret_cast<const T*>(&vv4);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) vt[col + i][r] = vv[i];
+        }
+        __syncthreads();
+
+        // S = Q K^T for the warp's 16 rows and this tile's keys.
+        float s[BN / 8][4];
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; ++kk) {
+                const T* kr = &ks[n * 8 + g][kk * 16 + 2 * t];
+                const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
+                const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
+                Mma<T>::mma(s[n], st.qf[kk], b0, b1);
+            }
+        }
+
+        uint32_t pf[BN / 16][4];
+        st.template softmax<BN>(s, pf, k0, tile_full<BN>(k0, q0 + warp * 16, seq_len, window), seq_len, window,
+                                scale_log2, lane);
 
         // O += P V.
 #pragma unroll
@@ -178,40 +231,145 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
                 const T* vr = &vt[n * 8 + g][kk * 16 + 2 * t];
                 const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vr);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vr + 8);
-                Mma<T>::mma(o[n], pf[kk], b0, b1);
+                Mma<T>::mma(st.o[n], pf[kk], b0, b1);
             }
         }
     }
+    st.store(out, seq_start, seq_len, head, q_stride, lane);
+}
 
-    // Row sums across the four threads of each group, then normalise and store.
-    l_a += __shfl_xor_sync(0xffffffff, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffff, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffff, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffff, l_b, 2);
-    const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f;
-    const float inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
-    T* oa = out + (size_t)(seq_start + row_a) * q_stride + head * D;
-    T* ob = out + (size_t)(seq_start + row_b) * q_stride + head * D;
+// The pipelined kernel: 16 * WARPS query rows; dynamic shared memory of
+// 2 stages x (K, V) x BN x (D + PAD) elements (see `pipelined_shared` on the host).
+template <typename T, int D, int BN, int WARPS>
+__device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                         T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads,
+                                         int kv_heads, float scale_log2, int window) {
+    constexpr int BM = 16 * WARPS;
+    constexpr int LD = D + PAD;  // row stride in elements: rows 16 bytes apart in banks, no conflicts
+    constexpr int STAGE = 2 * BN * LD;
+    extern __shared__ __align__(16) unsigned char attention_smem[];
+    T* smem = reinterpret_cast<T*>(attention_smem);
+
+    const int tile = blockIdx.x;
+    const int head = blockIdx.y;
+    const int seq_start = tiles[3 * tile];
+    const int seq_len = tiles[3 * tile + 1];
+    const int q0 = tiles[3 * tile + 2] * BM;
+    const int kv_head = head / (heads / kv_heads);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int q_stride = heads * D;
+    const int kv_stride = kv_heads * D;
+    const int w0 = q0 + warp * 16;  // the warp's first query row
+
+    const int q_last = min(q0 + BM, seq_len);
+    int k_begin = 0;
+    if (window > 0) k_begin = max(0, q0 - window + 1) / BN * BN;
+    const int steps = (q_last - k_begin + BN - 1) / BN;
+
+    // Keys k0..k0+BN-1 into stage `stage`: consecutive threads take consecutive 16-byte chunks of
+    // a row; keys past the sequence are zero.
+    auto load = [&](int stage, int k0) {
+        T* ks = smem + stage * STAGE;
+        T* vs = ks + BN * LD;
+        constexpr int CHUNKS = D / 8;
+        for (int c = threadIdx.x; c < BN * CHUNKS; c += WARPS * 32) {
+            const int r = c / CHUNKS;
+            const int col = (c % CHUNKS) * 8;
+            const bool ok = k0 + r < seq_len;
+            const size_t at = ok ? (size_t)(seq_start + k0 + r) * kv_stride + kv_head * D + col : 0;
+            cp_async16(ks + r * LD + col, k + at, ok);
+            cp_async16(vs + r * LD + col, v + at, ok);
+        }
+    };
+
+    RowState<T, D> st;
+    st.init(q, seq_start, seq_len, w0, head, q_stride, lane);
+    constexpr int KSTEPS = RowState<T, D>::KSTEPS, NT = RowState<T, D>::NT;
+    const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: this lane addresses row lr of matrix lm
+
+    load(0, k_begin);
+    cp_async_commit();
+    for (int i = 0; i < steps; ++i) {
+        const int k0 = k_begin + i * BN;
+        cp_async_wait<0>();
+        __syncthreads();  // tile i has landed for everyone, and tile i - 1's readers are done
+        if (i + 1 < steps) load((i + 1) & 1, k0 + BN);
+        cp_async_commit();
+
+        // Skip tiles no row of the warp can see: past its last row (causal), before its first
+        // row's window, or a warp wholly past the sequence's end.
+        const bool active = w0 < seq_len && k0 <= w0 + 15 && (window <= 0 || k0 + BN - 1 > w0 - window);
+        if (!active) continue;
+        const T* ks = smem + (i & 1) * STAGE;
+        const T* vs = ks + BN * LD;
+
+        // S = Q K^T: one ldmatrix gives the B fragments of two k-steps for 8 keys.
+        float s[BN / 8][4];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int c = n * 8 + 2 * t;
-        if (row_a < seq_len) *reinterpret_cast<uint32_t*>(oa + c) = Mma<T>::pack(o[n][0] * inv_a, o[n][1] * inv_a);
-        if (row_b < seq_len) *reinterpret_cast<uint32_t*>(ob + c) = Mma<T>::pack(o[n][2] * inv_b, o[n][3] * inv_b);
+        for (int n = 0; n < BN / 8; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk += 2) {
+                uint32_t b[4];
+                ldmatrix_x4(b, ks + (n * 8 + lr) * LD + kk * 16 + lm * 8);
+                Mma<T>::mma(s[n], st.qf[kk], b[0], b[1]);
+                Mma<T>::mma(s[n], st.qf[kk + 1], b[2], b[3]);
+            }
+        }
+
+        uint32_t pf[BN / 16][4];
+        st.template softmax<BN>(s, pf, k0, tile_full<BN>(k0, w0, seq_len, window), seq_len, window, scale_log2,
+                                lane);
+
+        // O += P V: one transposing ldmatrix gives the B fragments of two 8-column output tiles.
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, vs + (kk * 16 + (lm & 1) * 8 + lr) * LD + (n + (lm >> 1)) * 8);
+                Mma<T>::mma(st.o[n], pf[kk], b[0], b[1]);
+                Mma<T>::mma(st.o[n + 1], pf[kk], b[2], b[3]);
+            }
+        }
     }
+    st.store(out, seq_start, seq_len, head, q_stride, lane);
 }
 
 #define ATTENTION_KERNEL(NAME, T, D, BN)                                                                      \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                                         \
         NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
              float scale_log2, int window) {                                                                   \
         attention_tile<T, D, BN>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window);                 \
     }
 
+#define PIPELINED_KERNEL(NAME, T, D, BN, WARPS)                                                               \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
+        NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
+             float scale_log2, int window) {                                                                   \
+        attention_tile_pipelined<T, D, BN, WARPS>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window); \
+    }
+
 // Keys per tile: 64, and 32 for head dimension 256 (Qwen3.5's full-attention layers), where a
-// 64-key tile of K and V would not fit the 48 KiB of static shared memory.
+// 64-key tile of K and V would not fit the first kernel's 48 KiB of static shared memory (the
+// pipelined kernel keeps the same tiles, two stages of them).
 ATTENTION_KERNEL(packed_attention_bf16_d64, __nv_bfloat16, 64, 64)
 ATTENTION_KERNEL(packed_attention_bf16_d128, __nv_bfloat16, 128, 64)
 ATTENTION_KERNEL(packed_attention_bf16_d256, __nv_bfloat16, 256, 32)
 ATTENTION_KERNEL(packed_attention_f16_d64, __half, 64, 64)
 ATTENTION_KERNEL(packed_attention_f16_d128, __half, 128, 64)
 ATTENTION_KERNEL(packed_attention_f16_d256, __half, 256, 32)
+
+PIPELINED_KERNEL(pipelined_attention_w4_bf16_d64, __nv_bfloat16, 64, 64, 4)
+PIPELINED_KERNEL(pipelined_attention_w4_bf16_d128, __nv_bfloat16, 128, 64, 4)
+PIPELINED_KERNEL(pipelined_attention_w4_bf16_d256, __nv_bfloat16, 256, 32, 4)
+PIPELINED_KERNEL(pipelined_attention_w4_f16_d64, __half, 64, 64, 4)
+PIPELINED_KERNEL(pipelined_attention_w4_f16_d128, __half, 128, 64, 4)
+PIPELINED_KERNEL(pipelined_attention_w4_f16_d256, __half, 256, 32, 4)
+PIPELINED_KERNEL(pipelined_attention_w8_bf16_d64, __nv_bfloat16, 64, 64, 8)
+PIPELINED_KERNEL(pipelined_attention_w8_bf16_d128, __nv_bfloat16, 128, 64, 8)
+PIPELINED_KERNEL(pipelined_attention_w8_bf16_d256, __nv_bfloat16, 256, 32, 8)
+PIPELINED_KERNEL(pipelined_attention_w8_f16_d64, __half, 64, 64, 8)
+PIPELINED_KERNEL(pipelined_attention_w8_f16_d128, __half, 128, 64, 8)
+PIPELINED_KERNEL(pipelined_attention_w8_f16_d256, __half, 256, 32, 8)

@@ -89,3 +89,12 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s));
 }
+
+// The same four matrices transposed: r[m] holds, for lane l, rows 2 (l % 4) and 2 (l % 4) + 1 of
+// matrix m at column l / 4. From a row-major [k][n] tile this is the B fragment of mma.sync.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}

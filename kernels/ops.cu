@@ -87,3 +87,98 @@ extern "C" __global__ void f32_to_fp8_e4m3(const float* __restrict__ x, uint8_t*
         out[i] = __nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3);
     }
 }
+
+// The fused q/k/v projection's output split into contiguous q, k and v (and the attention output
+// gate, where q_proj holds per head the query then its gate), with the per-head RMSNorm of q and
+// k where the model has one (f32 weights: `w` or the zero-centred `1 + w`) and the rotary
+// embedding on the first `rot` dims of each q and k head (the halves rotated against each other),
+// all in f32 and rounded once. `norm` 0: no norm (`qn`, `kn` are then not read).
+//
+// `qkv` is [T, W]; `out` holds, one after the other, q [T, nq, hd], k [T, nkv, hd], v [T, nkv, hd]
+// and, if gated, the gate [T, nq, hd]. One block per token: its threads first compute the
+// token's cos/sin for the rot/2 frequencies into shared memory (from its position and the f32
+// inverse frequencies), then each warp takes head rows in turn. Lane l holds dims l, l + 32, ..
+// (E = hd / 32 of them), so a rotary pair (i, i + rot/2) stays in one lane: rot/2 must be a
+// multiple of 32 (or rot 0), rot/2 at most 128.
+template <typename T, int E>
+__device__ void qkv_rope(const T* __restrict__ qkv, const uint32_t* __restrict__ pos, const float* __restrict__ inv_freq,
+                         const float* __restrict__ qn, const float* __restrict__ kn, int norm, T* __restrict__ out,
+                         int tokens, int nq, int nkv, int rot, int gated, float eps) {
+    constexpr int hd = 32 * E;
+    __shared__ float cs[128], sn[128];
+    const int tok = blockIdx.x;
+    const int half = rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) sincosf((float)pos[tok] * inv_freq[i], &sn[i], &cs[i]);
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const size_t qw = (size_t)(gated ? 2 : 1) * nq * hd;
+    const size_t W = qw + 2 * (size_t)nkv * hd;
+    const T* row_in = qkv + (size_t)tok * W;
+    T* q_out = out;
+    T* k_out = q_out + (size_t)tokens * nq * hd;
+    T* v_out = k_out + (size_t)tokens * nkv * hd;
+    T* g_out = v_out + (size_t)tokens * nkv * hd;
+    for (int r = warp; r < nq + 2 * nkv; r += warps) {
+        const T* src;
+        T* dst;
+        const float* w = nullptr;
+        bool rope = true;
+        if (r < nq) {
+            src = row_in + (size_t)r * (gated ? 2 : 1) * hd;
+            dst = q_out + ((size_t)tok * nq + r) * hd;
+            w = norm ? qn : nullptr;
+            if (gated) {
+                T* g = g_out + ((size_t)tok * nq + r) * hd;
+#pragma unroll
+                for (int j = 0; j < E; ++j) g[lane + 32 * j] = src[hd + lane + 32 * j];
+            }
+        } else if (r < nq + nkv) {
+            src = row_in + qw + (size_t)(r - nq) * hd;
+            dst = k_out + ((size_t)tok * nkv + (r - nq)) * hd;
+            w = norm ? kn : nullptr;
+        } else {
+            src = row_in + qw + (size_t)nkv * hd + (size_t)(r - nq - nkv) * hd;
+            dst = v_out + ((size_t)tok * nkv + (r - nq - nkv)) * hd;
+            rope = false;
+        }
+        float x[E];
+#pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = to_f32(src[lane + 32 * j]);
+        if (w != nullptr) {
+            float ss = 0.f;
+#pragma unroll
+            for (int j = 0; j < E; ++j) ss += x[j] * x[j];
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+            const float inv = rsqrtf(ss / hd + eps);
+#pragma unroll
+            for (int j = 0; j < E; ++j) x[j] = x[j] * inv * w[lane + 32 * j];
+        }
+        if (rope) {
+            const int hj = half / 32;  // the partner of element j is element j + hj
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                if (j < hj) {
+                    const float c = cs[lane + 32 * j], s = sn[lane + 32 * j];
+                    const float a = x[j], b = x[j + hj];
+                    x[j] = a * c - b * s;
+                    x[j + hj] = b * c + a * s;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < E; ++j) dst[lane + 32 * j] = from_f32<T>(x[j]);
+    }
+}
+
+#define QKV_ROPE(NAME, T, E)                                                                                       \
+    extern "C" __global__ void NAME(const T* qkv, const uint32_t* pos, const float* inv_freq, const float* qn,     \
+                                    const float* kn, int norm, T* out, int tokens, int nq, int nkv, int rot,      \
+                                    int gated, float eps) {                                                        \
+        qkv_rope<T, E>(qkv, pos, inv_freq, qn, kn, norm, out, tokens, nq, nkv, rot, gated, eps);                 \
+    }
+QKV_ROPE(qkv_rope_bf16_d64, __nv_bfloat16, 2)
+QKV_ROPE(qkv_rope_bf16_d128, __nv_bfloat16, 4)
+QKV_ROPE(qkv_rope_bf16_d256, __nv_bfloat16, 8)
+QKV_ROPE(qkv_rope_f16_d64, __half, 2)
+QKV_ROPE(qkv_rope_f16_d128, __half, 4)
+QKV_ROPE(qkv_rope_f16_d256, __half, 8)

@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Tensor};
-use layertap::engine::cuda_attention::{packed_attention, tiles};
+use layertap::engine::cuda_attention::{packed_attention, tiles_for, Variant};
 use layertap::engine::layers::sdpa::{chunk_masks, sequence_attention};
 
 mod common;
@@ -47,24 +47,29 @@ fn kernel_matches_portable_attention() {
                 let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let scale = 1.0 / (d as f64).sqrt();
-                let t = tiles(&seqs, &dev).unwrap();
-                let out = packed_attention(&q, &k, &v, &t, scale, window).unwrap();
-                assert_eq!(out.dims(), &[total, heads, d]);
                 let (qf, kf, vf) =
                     (q.to_dtype(DType::F32).unwrap(), k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
-                for &(s, l) in &seqs {
-                    let masks = chunk_masks(l, window, 1024, &dev).unwrap();
-                    let want = sequence_attention(
-                        &qf.narrow(0, s, l).unwrap(),
-                        &kf.narrow(0, s, l).unwrap(),
-                        &vf.narrow(0, s, l).unwrap(),
-                        scale,
-                        &masks,
-                    )
-                    .unwrap();
-                    let got = out.narrow(0, s, l).unwrap().reshape((l, heads * d)).unwrap();
-                    let e = rel(&got, &want);
-                    assert!(e < 1e-2, "{dtype:?} h{heads}/{kv} d{d} window {window:?} len {l}: rel err {e}");
+                for variant in Variant::ALL {
+                    let t = tiles_for(&seqs, &dev, variant).unwrap();
+                    let out = packed_attention(&q, &k, &v, &t, scale, window).unwrap();
+                    assert_eq!(out.dims(), &[total, heads, d]);
+                    for &(s, l) in &seqs {
+                        let masks = chunk_masks(l, window, 1024, &dev).unwrap();
+                        let want = sequence_attention(
+                            &qf.narrow(0, s, l).unwrap(),
+                            &kf.narrow(0, s, l).unwrap(),
+                            &vf.narrow(0, s, l).unwrap(),
+                            scale,
+                            &masks,
+                        )
+                        .unwrap();
+                        let got = out.narrow(0, s, l).unwrap().reshape((l, heads * d)).unwrap();
+                        let e = rel(&got, &want);
+                        assert!(
+                            e < 1e-2,
+                            "{variant:?} {dtype:?} h{heads}/{kv} d{d} window {window:?} len {l}: rel err {e}"
+                        );
+                    }
                 }
             }
         }
@@ -82,19 +87,55 @@ fn kernel_is_batch_invariant() {
         let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let seqs = [(0, 300), (300, 77), (377, 1200)];
-        let packed = packed_attention(&q, &k, &v, &tiles(&seqs, &dev).unwrap(), 0.1, None).unwrap();
-        for &(s, l) in &seqs {
-            let alone = packed_attention(
-                &q.narrow(0, s, l).unwrap(),
-                &k.narrow(0, s, l).unwrap(),
-                &v.narrow(0, s, l).unwrap(),
-                &tiles(&[(0, l)], &dev).unwrap(),
-                0.1,
-                None,
-            )
-            .unwrap();
-            let diff = max_abs_diff(&alone, &packed.narrow(0, s, l).unwrap());
-            assert_eq!(diff, 0.0, "d{d}: sequence at {s} (len {l}) differs alone vs packed by {diff}");
+        for variant in Variant::ALL {
+            let packed = packed_attention(&q, &k, &v, &tiles_for(&seqs, &dev, variant).unwrap(), 0.1, None).unwrap();
+            for &(s, l) in &seqs {
+                let alone = packed_attention(
+                    &q.narrow(0, s, l).unwrap(),
+                    &k.narrow(0, s, l).unwrap(),
+                    &v.narrow(0, s, l).unwrap(),
+                    &tiles_for(&[(0, l)], &dev, variant).unwrap(),
+                    0.1,
+                    None,
+                )
+                .unwrap();
+                let diff = max_abs_diff(&alone, &packed.narrow(0, s, l).unwrap());
+                assert_eq!(diff, 0.0, "{variant:?} d{d}: sequence at {s} (len {l}) differs alone vs packed by {diff}");
+            }
+        }
+    }
+}
+
+/// The kernel's variants give bitwise the same output (each query row meets the same key tiles
+/// in the same order), with GQA, every head dimension, both 16-bit types, with and without a
+/// sliding window, on lengths that straddle both tile heights.
+#[test]
+fn kernel_variants_agree_bitwise() {
+    let Some(dev) = device() else { return };
+    let lens = [1usize, 63, 64, 65, 127, 128, 129, 700, 2];
+    let total: usize = lens.iter().sum();
+    let mut seqs = vec![];
+    let mut at = 0;
+    for &l in &lens {
+        seqs.push((at, l));
+        at += l;
+    }
+    for dtype in [DType::BF16, DType::F16] {
+        for (heads, kv, d) in [(8, 2, 128), (9, 3, 64), (6, 1, 256)] {
+            for window in [None, Some(37), Some(200)] {
+                let q = Tensor::randn(0f32, 1.0, (total, heads, d), &dev).unwrap().to_dtype(dtype).unwrap();
+                let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
+                let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
+                let run = |variant| {
+                    let t = tiles_for(&seqs, &dev, variant).unwrap();
+                    packed_attention(&q, &k, &v, &t, 0.08, window).unwrap()
+                };
+                let first = run(Variant::Simple);
+                for variant in [Variant::Pipelined4, Variant::Pipelined8] {
+                    let diff = max_abs_diff(&first, &run(variant));
+                    assert_eq!(diff, 0.0, "{variant:?} {dtype:?} h{heads}/{kv} d{d} window {window:?}: {diff}");
+                }
+            }
         }
     }
 }
@@ -116,6 +157,86 @@ fn silu_mul_matches_separate_ops() {
         assert_eq!(got.dims(), &[rows, inter]);
         let e = rel(&got, &want);
         assert!(e < tol, "{dtype:?}: rel err {e}");
+    }
+}
+
+/// The fused q/k/v split with q/k norm and rotary embedding equals the separate ops computed in
+/// f32 (split, RMSNorm, `rope_thd` on the rotary dims with f32 tables made on the host), to the
+/// output's rounding; v and the output gate are copied exactly. The widths of Qwen3-8B (norms,
+/// full rotary), Qwen3.5-27B (zero-centred norms as f32 `1 + w`, rotary on 64 of 256 dims, output
+/// gate) and a Llama-like d64 model without norms, over three packed sequences.
+#[test]
+fn fused_qkv_rope_matches_separate_ops() {
+    use layertap::engine::cuda_ops::QkvRope;
+    let Some(dev) = device() else { return };
+    let lens = [200usize, 1, 99];
+    let positions: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
+    let t = positions.len();
+    let pos = Tensor::new(positions.as_slice(), &dev).unwrap();
+    for (nq, nkv, hd, rot, gated, norm) in
+        [(32, 8, 128, 128, false, true), (24, 4, 256, 64, true, true), (9, 3, 64, 64, false, false)]
+    {
+        let inv: Vec<f32> = (0..rot / 2).map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / rot as f32)).collect();
+        let inv_t = Tensor::new(inv.as_slice(), &dev).unwrap();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = positions
+            .iter()
+            .flat_map(|&p| inv.iter().map(move |&f| ((p as f32 * f).cos(), (p as f32 * f).sin())))
+            .unzip();
+        let cos = Tensor::from_vec(cos, (t, rot / 2), &dev).unwrap();
+        let sin = Tensor::from_vec(sin, (t, rot / 2), &dev).unwrap();
+        let eps = 1e-6f32;
+        let norms = norm.then(|| {
+            let w = |s: f32| Tensor::randn(1f32, s, hd, &dev).unwrap();
+            (w(0.3), w(0.5), eps)
+        });
+        let q_width = if gated { 2 * nq * hd } else { nq * hd };
+        for dtype in [DType::BF16, DType::F16] {
+            let qkv = (Tensor::randn(0f32, 1.0, (t, q_width + 2 * nkv * hd), &dev).unwrap() * 2.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let op = QkvRope { heads: nq, kv_heads: nkv, head_dim: hd, rotary_dim: rot, gated, norms: norms.clone() };
+            let (q, k, v, gate) = op.forward(&qkv, &pos, &inv_t).unwrap();
+
+            let x = qkv.to_dtype(DType::F32).unwrap();
+            let (q_ref, gate_ref) = if gated {
+                let qg = x.narrow(1, 0, q_width).unwrap().reshape((t, nq, 2 * hd)).unwrap();
+                (qg.narrow(2, 0, hd).unwrap(), Some(qg.narrow(2, hd, hd).unwrap().reshape((t, nq * hd)).unwrap()))
+            } else {
+                (x.narrow(1, 0, q_width).unwrap().reshape((t, nq, hd)).unwrap(), None)
+            };
+            let k_ref = x.narrow(1, q_width, nkv * hd).unwrap().reshape((t, nkv, hd)).unwrap();
+            let v_ref = x.narrow(1, q_width + nkv * hd, nkv * hd).unwrap().reshape((t, nkv, hd)).unwrap();
+            let finish = |x: &Tensor, w: Option<&Tensor>| {
+                let x = match w {
+                    Some(w) => candle_nn::ops::rms_norm(&x.contiguous().unwrap(), w, eps).unwrap(),
+                    None => x.contiguous().unwrap(),
+                };
+                let r = candle_nn::rotary_emb::rope_thd(
+                    &x.narrow(2, 0, rot).unwrap().contiguous().unwrap().unsqueeze(0).unwrap(),
+                    &cos,
+                    &sin,
+                )
+                .unwrap()
+                .squeeze(0)
+                .unwrap();
+                Tensor::cat(&[r, x.narrow(2, rot, hd - rot).unwrap()], 2).unwrap()
+            };
+            let (qw, kw) = match &norms {
+                Some((a, b, _)) => (Some(a), Some(b)),
+                None => (None, None),
+            };
+            let tol = if dtype == DType::BF16 { 6e-3 } else { 1e-3 };
+            let eq = rel(&q, &finish(&q_ref, qw));
+            let ek = rel(&k, &finish(&k_ref, kw));
+            assert!(eq < tol && ek < tol, "{dtype:?} {nq}/{nkv} d{hd} rot {rot}: q {eq}, k {ek}");
+            assert_eq!(max_abs_diff(&v, &v_ref), 0.0, "{dtype:?} d{hd}: v is a copy");
+            match (gate, gate_ref) {
+                (Some(g), Some(r)) => assert_eq!(max_abs_diff(&g, &r), 0.0, "{dtype:?} d{hd}: the gate is a copy"),
+                (None, None) => {}
+                _ => panic!("gate returned {gated}: expected one exactly when gated"),
+            }
+        }
     }
 }
 

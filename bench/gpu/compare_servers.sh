@@ -11,6 +11,12 @@
 # (cuda:0) in DTYPE (bf16), answers in ANSWER_DTYPE (bfloat16). Every client
 # line, with the server's CPU per thread name (bench/gpu/thread_cpu.py) and "server"/"round" added,
 # goes to $OUT_DIR/results.jsonl (default bench/out/gpu).
+#
+# MODE=engine compares engines in process instead: each NAME runs `BINARY bench` on the workload
+# (MAX_BATCH_TOKENS, default 32768) with its variables, its stderr (the profile, with
+# LAYERTAP_PROFILE=1) in $OUT_DIR/engine-NAME-ROUND.log, e.g.
+#   MODE=engine bench/gpu/compare_servers.sh MODEL WORKLOAD simple=.gpu/layertap,LAYERTAP_ATTENTION_KERNEL=simple \
+#     w4=.gpu/layertap,LAYERTAP_ATTENTION_KERNEL=w4
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model="$1" workload="$2"
@@ -28,6 +34,12 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     IFS=, read -r -a parts <<<"${spec#*=}"
     bin="${parts[0]}"
     env_vars=("${parts[@]:1}")
+    if [[ "${MODE:-http}" == engine ]]; then
+      env "${env_vars[@]}" "$bin" bench --workload "$workload" --model "$model" --device "${DEVICE:-cuda:0}" \
+        --dtype "${DTYPE:-bf16}" --max-batch-tokens "${MAX_BATCH_TOKENS:-32768}" 2>"$OUT_DIR/engine-$name-$round.log" \
+        | sed "s/^{/{\"engine\":\"$name\",\"round\":$round,/" | tee -a "$results"
+      continue
+    fi
     # The server's variables, for it alone.
     for v in "${env_vars[@]}"; do export "${v?}"; done
     BIN="$bin" start_server "$model" "${DEVICE:-cuda:0}" "$OUT_DIR/server-$name-$round.log"

@@ -18,11 +18,16 @@ pub struct BatchCtx {
     pub masks: HashMap<usize, Vec<Tensor>>,
     /// The CUDA kernel's tile list, where the kernel serves this model (then `masks` is empty).
     #[cfg(feature = "cuda")]
-    pub tiles: Option<(Tensor, usize)>,
+    pub tiles: Option<super::cuda_attention::Tiles>,
     /// Sliding attention window, if the model has one.
     pub window: Option<usize>,
-    pub cos: Tensor,
-    pub sin: Tensor,
+    /// The rotary tables `(cos, sin)`, `[T, rotary_dim / 2]`, where the fused CUDA kernel does
+    /// not serve the model's attention.
+    pub tables: Option<(Tensor, Tensor)>,
+    /// For the fused CUDA kernel (`cuda_ops::QkvRope`), which computes the rotation itself: each
+    /// token's position `[T]` (u32) and the inverse frequencies `[rotary_dim / 2]` (f32).
+    #[cfg(feature = "cuda")]
+    pub rope_inputs: Option<(Tensor, Tensor)>,
     /// Present when the model has linear-attention layers.
     pub gdn: Option<GdnPlan>,
 }
@@ -122,8 +127,19 @@ impl BatchCtx {
     ) -> candle_core::Result<Self> {
         let seqs: Vec<(usize, usize)> = cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
         let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
-        let (cos, sin) = rope.tables(&positions, dtype, device)?;
         let has = |m: MixerKind| cfg.layers.iter().any(|l| l.mixer == m);
+        #[cfg(feature = "cuda")]
+        let rope_inputs = if has(MixerKind::FullAttention)
+            && super::cuda_ops::QkvRope::supported(device, dtype, cfg.head_dim, cfg.rotary_dim)
+        {
+            Some((Tensor::new(positions.as_slice(), device)?, Tensor::new(rope.inv_freq(), device)?))
+        } else {
+            None
+        };
+        #[cfg(feature = "cuda")]
+        let tables = if rope_inputs.is_none() { Some(rope.tables(&positions, dtype, device)?) } else { None };
+        #[cfg(not(feature = "cuda"))]
+        let tables = Some(rope.tables(&positions, dtype, device)?);
         let mut masks = HashMap::new();
         #[cfg(feature = "cuda")]
         let tiles = if has(MixerKind::FullAttention) && super::cuda_attention::supported(device, dtype, cfg.head_dim) {
@@ -152,8 +168,9 @@ impl BatchCtx {
             #[cfg(feature = "cuda")]
             tiles,
             window: cfg.sliding_window,
-            cos,
-            sin,
+            tables,
+            #[cfg(feature = "cuda")]
+            rope_inputs,
             gdn,
         })
     }

@@ -1,6 +1,6 @@
 //! Attention over packed sequences on CUDA: one kernel launch per layer (`kernels/attention.cu`),
 //! scores kept on chip, each sequence attending only to itself. Used for bf16 and f16 with head
-//! dimensions 64 and 128; other cases take the portable path in `attention.rs`.
+//! dimensions 64, 128 and 256; other cases take the portable path in `attention.rs`.
 
 use super::cuda_module::{cuda_view, kernel, ATTENTION};
 use candle_core::backend::BackendStorage;
@@ -8,8 +8,81 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr,
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
-/// Queries per kernel block (`BM` in the kernel).
-const TILE: usize = 64;
+/// The kernel's variants (`kernels/attention.cu`). They give bitwise the same output: each query
+/// row meets the same key tiles in the same order; they differ in how the tiles reach the
+/// tensor cores and in how many query rows a block holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// The first kernel: 64 query rows per block, K/V tiles loaded through registers.
+    Simple,
+    /// K/V tiles streamed by cp.async in two stages and read by ldmatrix; 4 warps, 64 rows.
+    Pipelined4,
+    /// The same with 8 warps, 128 rows: each K/V tile serves twice as many queries.
+    Pipelined8,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 3] = [Variant::Simple, Variant::Pipelined4, Variant::Pipelined8];
+
+    /// `LAYERTAP_ATTENTION_KERNEL=simple|w4|w8` picks one (for comparing them); the default is
+    /// [`Variant::DEFAULT`].
+    pub fn chosen() -> Variant {
+        static CHOSEN: std::sync::OnceLock<Variant> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| match std::env::var("LAYERTAP_ATTENTION_KERNEL").as_deref() {
+            Ok("simple") => Variant::Simple,
+            Ok("w4") => Variant::Pipelined4,
+            Ok("w8") => Variant::Pipelined8,
+            _ => Variant::DEFAULT,
+        })
+    }
+
+    pub const DEFAULT: Variant = Variant::Pipelined4;
+
+    /// Query rows per block (`BM` in the kernel).
+    pub fn rows(self) -> usize {
+        match self {
+            Variant::Simple | Variant::Pipelined4 => 64,
+            Variant::Pipelined8 => 128,
+        }
+    }
+
+    fn threads(self) -> u32 {
+        2 * self.rows() as u32
+    }
+
+    fn prefix(self) -> &'static str {
+        match self {
+            Variant::Simple => "packed_attention",
+            Variant::Pipelined4 => "pipelined_attention_w4",
+            Variant::Pipelined8 => "pipelined_attention_w8",
+        }
+    }
+
+    /// Dynamic shared memory per block for head dimension `d` (16-bit elements): two stages of a
+    /// K and a V tile of `keys(d)` rows of `d + 8`; the first kernel's is static.
+    fn shared_bytes(self, d: usize) -> usize {
+        match self {
+            Variant::Simple => 0,
+            _ => 2 * 2 * keys(d) * (d + 8) * 2,
+        }
+    }
+}
+
+/// Keys per tile (`BN` in the kernel).
+fn keys(d: usize) -> usize {
+    if d == 256 {
+        32
+    } else {
+        64
+    }
+}
+
+/// The kernel's work list for one batch and variant.
+pub struct Tiles {
+    list: Tensor,
+    n: usize,
+    variant: Variant,
+}
 
 /// Whether the kernel covers this case. `LAYERTAP_CUDA_ATTENTION=0` turns it off (the portable
 /// path then runs on the GPU too), for comparing the two.
@@ -19,19 +92,25 @@ pub fn supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
     !off && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128 | 256)
 }
 
-/// The kernel's work list for a batch: one `(sequence start, sequence length, tile index)` triple
-/// per 64-query tile, the tiles with the most keys first so long sequences do not finish last.
-pub fn tiles(seqs: &[(usize, usize)], device: &Device) -> candle_core::Result<(Tensor, usize)> {
+/// The work list for a batch, for the chosen variant ([`Variant::chosen`]).
+pub fn tiles(seqs: &[(usize, usize)], device: &Device) -> candle_core::Result<Tiles> {
+    tiles_for(seqs, device, Variant::chosen())
+}
+
+/// The work list for a batch: one `(sequence start, sequence length, tile index)` triple per
+/// tile of `variant.rows()` queries, the tiles with the most keys first so long sequences do not
+/// finish last.
+pub fn tiles_for(seqs: &[(usize, usize)], device: &Device, variant: Variant) -> candle_core::Result<Tiles> {
     let mut list: Vec<[u32; 3]> = Vec::new();
     for &(start, len) in seqs {
-        for i in 0..len.div_ceil(TILE) {
+        for i in 0..len.div_ceil(variant.rows()) {
             list.push([start as u32, len as u32, i as u32]);
         }
     }
     list.sort_by_key(|t| std::cmp::Reverse(t[2]));
     let n = list.len();
     let flat: Vec<u32> = list.into_iter().flatten().collect();
-    Ok((Tensor::new(flat.as_slice(), device)?, n))
+    Ok(Tiles { list: Tensor::new(flat.as_slice(), device)?, n, variant })
 }
 
 /// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]`, contiguous; `tiles` from [`tiles`].
@@ -40,17 +119,24 @@ pub fn packed_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    tiles: &(Tensor, usize),
+    tiles: &Tiles,
     scale: f64,
     window: Option<usize>,
 ) -> candle_core::Result<Tensor> {
-    let op = PackedAttention { tiles: tiles.0.clone(), n_tiles: tiles.1, scale: scale as f32, window };
+    let op = PackedAttention {
+        tiles: tiles.list.clone(),
+        n_tiles: tiles.n,
+        variant: tiles.variant,
+        scale: scale as f32,
+        window,
+    };
     q.contiguous()?.apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)
 }
 
 struct PackedAttention {
     tiles: Tensor,
     n_tiles: usize,
+    variant: Variant,
     scale: f32,
     window: Option<usize>,
 }
@@ -88,7 +174,11 @@ impl PackedAttention {
             );
         }
         let (qv, kv, vv) = (view(q.0, q.1, "q")?, view(k.0, k.1, "k")?, view(v.0, v.1, "v")?);
-        let func = kernel(dev, ATTENTION, name)?;
+        let func = kernel(dev, ATTENTION, &format!("{}_{name}", self.variant.prefix()))?;
+        let shared = self.variant.shared_bytes(d);
+        if shared > 0 {
+            func.max_dynamic_shared(shared)?;
+        }
         // SAFETY: every row of every sequence is written by the kernel (each token belongs to a
         // sequence and each sequence's tiles cover all of its rows for every head).
         let out = unsafe { dev.alloc::<T>(t * heads * d)? };
@@ -107,8 +197,8 @@ impl PackedAttention {
         b.arg(&window);
         let cfg = LaunchConfig {
             grid_dim: (self.n_tiles as u32, heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            block_dim: (self.variant.threads(), 1, 1),
+            shared_mem_bytes: shared as u32,
         };
         if self.n_tiles > 0 {
             // SAFETY: argument types and order match the kernel's signature; the tile list was
@@ -151,18 +241,11 @@ impl candle_core::CustomOp3 for PackedAttention {
         let d = ql.shape().dims3()?.2;
         let slice = match (&q.slice, &k.slice, &v.slice) {
             (CudaStorageSlice::BF16(qs), CudaStorageSlice::BF16(ks), CudaStorageSlice::BF16(vs)) => {
-                CudaStorageSlice::BF16(self.launch(
-                    dev,
-                    &format!("packed_attention_bf16_d{d}"),
-                    (qs, ql),
-                    (ks, kl),
-                    (vs, vl),
-                    &tiles,
-                )?)
+                CudaStorageSlice::BF16(self.launch(dev, &format!("bf16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?)
             }
-            (CudaStorageSlice::F16(qs), CudaStorageSlice::F16(ks), CudaStorageSlice::F16(vs)) => CudaStorageSlice::F16(
-                self.launch(dev, &format!("packed_attention_f16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?,
-            ),
+            (CudaStorageSlice::F16(qs), CudaStorageSlice::F16(ks), CudaStorageSlice::F16(vs)) => {
+                CudaStorageSlice::F16(self.launch(dev, &format!("f16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?)
+            }
             _ => candle_core::bail!("packed attention: q, k, v must all be bf16 or all f16, got {:?}", q.dtype()),
         };
         Ok((CudaStorage { slice, device: dev.clone() }, ql.shape().clone()))

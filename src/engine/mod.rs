@@ -190,6 +190,10 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
                 .strip_prefix("cuda:")
                 .and_then(|i| i.parse::<usize>().ok())
                 .ok_or_else(|| EngineError::Load(format!("unknown device {s:?}; use cpu or cuda:N")))?;
+            #[cfg(feature = "cuda")]
+            if let Err(e) = sleep_in_device_waits(idx) {
+                tracing::warn!(device = s, "waits on the device keep the driver's default scheduling: {e}");
+            }
             let d = Device::new_cuda(idx).map_err(|e| {
                 EngineError::Load(format!(
                     "cannot open {s}: {e} (was layertap built with `--features cuda`, and is the GPU visible?)"
@@ -211,6 +215,26 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
             Ok(d)
         }
     }
+}
+
+/// Makes the host threads that wait on device `ordinal` sleep instead of spin, before its
+/// (primary) context is opened. Under the driver's default scheduling a thread waiting for the
+/// GPU (a synchronisation, or a copy from pageable memory that must wait for the stream) spins
+/// while there are fewer contexts than cores: the device thread then holds a core all the time
+/// the GPU works, and that core is one the encoders cannot use. `LAYERTAP_SPIN_WAIT=1` keeps the
+/// default, for comparison.
+#[cfg(feature = "cuda")]
+fn sleep_in_device_waits(ordinal: usize) -> Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    if std::env::var("LAYERTAP_SPIN_WAIT").is_ok_and(|v| v == "1") {
+        return Ok(());
+    }
+    result::init().map_err(|e| e.to_string())?;
+    let dev = result::device::get(ordinal as i32).map_err(|e| e.to_string())?;
+    let flags = sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32;
+    // SAFETY: `dev` is a device handle the driver just returned; the call only records flags for
+    // the primary context that `Device::new_cuda` retains next.
+    unsafe { sys::cuDevicePrimaryCtxSetFlags_v2(dev, flags) }.result().map_err(|e| e.to_string())
 }
 
 /// Keeps the memory a CUDA device's default pool has freed (the pool `cuMemAllocAsync` draws

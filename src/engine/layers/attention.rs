@@ -26,6 +26,9 @@ pub struct Attention {
     rotary_dim: usize,
     /// `q_proj` holds, per head, the query then its output gate.
     gated: bool,
+    /// The split, q/k norms and rotary embedding in one kernel, where it serves.
+    #[cfg(feature = "cuda")]
+    fused: Option<crate::engine::cuda_ops::QkvRope>,
 }
 
 impl Attention {
@@ -37,25 +40,48 @@ impl Attention {
         let k = Linear::load(w, &format!("{prefix}.k_proj"), nkv * hd, h, c.qkv_bias)?;
         let v = Linear::load(w, &format!("{prefix}.v_proj"), nkv * hd, h, c.qkv_bias)?;
         let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms);
+        let q_norm = c.qk_norm.then(|| norm("q_norm")).transpose()?;
+        let k_norm = c.qk_norm.then(|| norm("k_norm")).transpose()?;
+        #[cfg(feature = "cuda")]
+        let fused = if crate::engine::cuda_ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
+            let norms = match (&q_norm, &k_norm) {
+                (Some(qn), Some(kn)) => {
+                    let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
+                    Some((qw, kw, eps))
+                }
+                _ => None,
+            };
+            Some(crate::engine::cuda_ops::QkvRope {
+                heads: nq,
+                kv_heads: nkv,
+                head_dim: hd,
+                rotary_dim: c.rotary_dim,
+                gated: c.attn_output_gate,
+                norms,
+            })
+        } else {
+            None
+        };
         Ok(Attention {
             // On CUDA, fewer and larger matmuls; on the CPU the layout stays as the reference's.
             qkv: Projections::new(vec![q, k, v], w.device.is_cuda())?,
             o: Linear::load(w, &format!("{prefix}.o_proj"), h, nq * hd, c.o_bias)?,
-            q_norm: c.qk_norm.then(|| norm("q_norm")).transpose()?,
-            k_norm: c.qk_norm.then(|| norm("k_norm")).transpose()?,
+            q_norm,
+            k_norm,
             heads: nq,
             kv_heads: nkv,
             head_dim: hd,
             rotary_dim: c.rotary_dim,
             gated: c.attn_output_gate,
+            #[cfg(feature = "cuda")]
+            fused,
         })
     }
 
     /// Rotary embedding of `[T, heads, head_dim]` on the first `rotary_dim` dimensions.
     fn rope(&self, x: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
-        let rot = |x: &Tensor| {
-            candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, &ctx.cos, &ctx.sin)?.squeeze(0)
-        };
+        let (cos, sin) = ctx.tables.as_ref().ok_or_else(|| candle_core::Error::Msg("no rotary tables".into()))?;
+        let rot = |x: &Tensor| candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0);
         if self.rotary_dim == self.head_dim {
             return rot(x);
         }
@@ -67,6 +93,15 @@ impl Attention {
     /// `since`: the start of the current profile phase.
     pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
         let dev = h.device();
+        #[cfg(feature = "cuda")]
+        if let (Some(fused), Some((pos, inv_freq))) = (&self.fused, &ctx.rope_inputs) {
+            if let Some(qkv) = self.qkv.joined(h)? {
+                profile::mark(dev, 0, since);
+                let (q, k, v, gate) = fused.forward(&qkv, pos, inv_freq)?;
+                profile::mark(dev, 1, since);
+                return self.finish(&q, &k, &v, gate, ctx, since);
+            }
+        }
         let t = h.dim(0)?;
         let (hd, nq) = (self.head_dim, self.heads);
         let mut parts = self.qkv.forward(h)?.into_iter();
@@ -90,9 +125,22 @@ impl Attention {
         let q = self.rope(&q, ctx)?;
         let k = self.rope(&k, ctx)?;
         profile::mark(dev, 1, since);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let attn = self.attend(&q, &k, &v.contiguous()?, scale, ctx)?;
-        profile::mark(dev, 2, since);
+        self.finish(&q, &k, &v.contiguous()?, gate, ctx, since)
+    }
+
+    /// Attention of the rotated `q`, `k` and `v`, the output gate and the output projection.
+    fn finish(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        gate: Option<Tensor>,
+        ctx: &BatchCtx,
+        since: &mut Instant,
+    ) -> candle_core::Result<Tensor> {
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let attn = self.attend(q, k, v, scale, ctx)?;
+        profile::mark(q.device(), 2, since);
         let attn = match gate {
             Some(g) => (attn * candle_nn::ops::sigmoid(&g)?)?,
             None => attn,

@@ -73,6 +73,14 @@ impl Projections {
         Ok(Projections::Fused { linear: Linear::fuse(parts)?, widths })
     }
 
+    /// The fused projections' output `[T, sum of widths]` unsplit, or None where they are separate.
+    pub fn joined(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        match self {
+            Projections::Separate(_) => Ok(None),
+            Projections::Fused { linear, .. } => linear.forward(x).map(Some),
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
         match self {
             Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),

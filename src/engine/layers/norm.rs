@@ -24,6 +24,11 @@ impl RmsNorm {
         Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps, zero_centred: None })
     }
 
+    /// The weight in f32 (`1 + w` for zero-centred norms) and epsilon, for fused kernels.
+    pub fn f32_parts(&self) -> candle_core::Result<(Tensor, f32)> {
+        Ok((self.weight.to_dtype(DType::F32)?, self.eps))
+    }
+
     /// In the weight's dtype; an f32 input with a 16-bit weight (the f32 residual stream on
     /// CUDA) is normalised in f32 and rounded once.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {

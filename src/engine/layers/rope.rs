@@ -49,6 +49,11 @@ impl Rope {
     }
 
     /// cos and sin tables `[positions.len(), rotary_dim / 2]` for the given positions.
+    /// The inverse frequencies, scaling applied: angle `i` of position `p` is `p * inv_freq[i]`.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     pub fn tables(&self, positions: &[u32], dtype: DType, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
         let h = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * h);

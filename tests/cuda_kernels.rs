@@ -34,12 +34,7 @@ fn kernel_matches_portable_attention() {
     let Some(dev) = device() else { return };
     let lens = [1usize, 7, 64, 65, 130, 1000, 33];
     let total: usize = lens.iter().sum();
-    let mut seqs = vec![];
-    let mut at = 0;
-    for &l in &lens {
-        seqs.push((at, l));
-        at += l;
-    }
+    let seqs = packed(&lens);
     for dtype in [DType::BF16, DType::F16] {
         for (heads, kv, d) in [(8, 2, 128), (6, 6, 64), (9, 3, 64), (6, 1, 256)] {
             for window in [None, Some(37)] {
@@ -114,12 +109,7 @@ fn kernel_variants_agree_bitwise() {
     let Some(dev) = device() else { return };
     let lens = [1usize, 63, 64, 65, 127, 128, 129, 700, 2];
     let total: usize = lens.iter().sum();
-    let mut seqs = vec![];
-    let mut at = 0;
-    for &l in &lens {
-        seqs.push((at, l));
-        at += l;
-    }
+    let seqs = packed(&lens);
     for dtype in [DType::BF16, DType::F16] {
         for (heads, kv, d) in [(8, 2, 128), (9, 3, 64), (6, 1, 256)] {
             for window in [None, Some(37), Some(200)] {

@@ -10,7 +10,7 @@
 # for each encoding in ENCODINGS ("zstd identity"), ROUNDS (2) times in alternation, on DEVICE
 # (cuda:0) in DTYPE (bf16), answers in ANSWER_DTYPE (bfloat16). Every client
 # line, with the server's CPU per thread name (bench/gpu/thread_cpu.py) and "server"/"round" added,
-# goes to $OUT_DIR/results.jsonl (default bench/out/gpu).
+# goes to $OUT_DIR/results.jsonl (default bench/out/gpu); TAG=NAME adds "model":"NAME" to each.
 #
 # MODE=engine compares engines in process instead: each NAME runs `BINARY bench` on the workload
 # (MAX_BATCH_TOKENS, default 32768) with its variables, its stderr (the profile, with
@@ -28,6 +28,7 @@ mkdir -p "$OUT_DIR"
 # shellcheck source=bench/gpu/serve.sh
 source bench/gpu/serve.sh
 results="$OUT_DIR/results.jsonl"
+tag="${TAG:+\"model\":\"$TAG\",}"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for spec in "$@"; do
     name="${spec%%=*}"
@@ -37,7 +38,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     if [[ "${MODE:-http}" == engine ]]; then
       env "${env_vars[@]}" "$bin" bench --workload "$workload" --model "$model" --device "${DEVICE:-cuda:0}" \
         --dtype "${DTYPE:-bf16}" --max-batch-tokens "${MAX_BATCH_TOKENS:-32768}" 2>"$OUT_DIR/engine-$name-$round.log" \
-        | sed "s/^{/{\"engine\":\"$name\",\"round\":$round,/" | tee -a "$results"
+        | sed "s/^{/{$tag\"engine\":\"$name\",\"round\":$round,/" | tee -a "$results"
       continue
     fi
     # The server's variables, for it alone.
@@ -45,7 +46,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     BIN="$bin" start_server "$model" "${DEVICE:-cuda:0}" "$OUT_DIR/server-$name-$round.log"
     for v in "${env_vars[@]}"; do unset "${v%%=*}"; done
     for enc in ${ENCODINGS:-zstd identity}; do
-      clients "$workload" "${CONCURRENCY:-64}" "$enc" | sed "s/^{/{\"server\":\"$name\",\"round\":$round,/" | tee -a "$results"
+      clients "$workload" "${CONCURRENCY:-64}" "$enc" | sed "s/^{/{$tag\"server\":\"$name\",\"round\":$round,/" | tee -a "$results"
     done
     kill -TERM "$server"; wait "$server" || true
     trap - EXIT

@@ -428,9 +428,7 @@ pub(crate) mod cuda_copy {
     /// default scheduling (spin while there are fewer contexts than cores), and that core is the
     /// host's, which encodes answers. `LAYERTAP_SPIN_WAIT=1` spins as before, for comparison.
     fn wait(stream: &Arc<CudaStream>) -> Result<(), EngineError> {
-        static SPIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let spin = *SPIN.get_or_init(|| std::env::var("LAYERTAP_SPIN_WAIT").is_ok_and(|v| v == "1"));
-        if spin {
+        if crate::engine::spin_wait() {
             return stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")));
         }
         let done = stream

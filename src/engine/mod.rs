@@ -217,6 +217,15 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
     }
 }
 
+/// `LAYERTAP_SPIN_WAIT=1`: threads that wait on the GPU spin under the driver's default
+/// scheduling instead of sleeping (the device thread's waits and the result thread's), for
+/// comparison. Read once.
+#[cfg(feature = "cuda")]
+pub(crate) fn spin_wait() -> bool {
+    static SPIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| std::env::var("LAYERTAP_SPIN_WAIT").is_ok_and(|v| v == "1"))
+}
+
 /// Makes the host threads that wait on device `ordinal` sleep instead of spin, before its
 /// (primary) context is opened. Under the driver's default scheduling a thread waiting for the
 /// GPU (a synchronisation, or a copy from pageable memory that must wait for the stream) spins
@@ -226,7 +235,7 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
 #[cfg(feature = "cuda")]
 fn sleep_in_device_waits(ordinal: usize) -> Result<(), String> {
     use candle_core::cuda_backend::cudarc::driver::{result, sys};
-    if std::env::var("LAYERTAP_SPIN_WAIT").is_ok_and(|v| v == "1") {
+    if spin_wait() {
         return Ok(());
     }
     result::init().map_err(|e| e.to_string())?;

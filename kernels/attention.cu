@@ -9,11 +9,11 @@
 // A block is one (query tile, head). `tiles` lists the query tiles as (sequence start, sequence
 // length, tile index) triples, ordered by the host so that the longest-running tiles start first.
 //
-// Warp w of the block owns query rows 16w..16w+15 of the tile. Matrix products use
+// In the first two kernels warp w owns query rows 16w..16w+15 of the tile. Matrix products use
 // mma.sync.m16n8k16 with f32 accumulation; the probabilities are rounded to the input type
 // before multiplying by V, as flash-attention does.
 //
-// Two kernels share that scheme:
+// Three kernels share that scheme:
 // - `packed_attention_*` (64 query rows, 4 warps): loads each K/V tile through registers, V
 //   transposed by scalar stores, then computes; the first kernel, kept for comparison
 //   (`LAYERTAP_ATTENTION_KERNEL=simple`).
@@ -21,6 +21,8 @@
 //   shared memory with cp.async in two stages, so the next tile's loads overlap this tile's
 //   products; both stay row-major [key][dim] and reach the tensor cores through ldmatrix (.trans
 //   for V). A warp skips the key tiles that none of its rows can see.
+// - `wide_attention_*` (128 query rows): the pipelined kernel with 32 rows per warp (two groups
+//   of 16 sharing every K/V fragment) and Q staged in shared memory; the default.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -36,34 +38,40 @@ __device__ __forceinline__ uint32_t load_pair(const T* row, bool valid) {
     return valid ? *reinterpret_cast<const uint32_t*>(row) : 0u;
 }
 
-// What one warp carries along the keys: its 16 query rows as mma fragments, the running output,
-// and the running maximum (log2 domain) and this thread's share of the row sums, for rows g and
-// g + 8 of the warp's 16 (a and b).
+// The A fragments of a warp's 16 query rows (row0..row0+15 of its sequence), zero past the
+// sequence's end: what the first two kernels keep in registers for the whole key loop.
+template <typename T, int D>
+__device__ __forceinline__ void load_q_frags(uint32_t (&qf)[D / 16][4], const T* q, int seq_start, int seq_len,
+                                             int row0, int head, int q_stride, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    const int row_a = row0 + g, row_b = row_a + 8;
+    const T* qa = q + (size_t)(seq_start + row_a) * q_stride + head * D;
+    const T* qb = q + (size_t)(seq_start + row_b) * q_stride + head * D;
+    const bool va = row_a < seq_len, vb = row_b < seq_len;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int c = kk * 16 + 2 * t;
+        qf[kk][0] = load_pair(qa + c, va);
+        qf[kk][1] = load_pair(qb + c, vb);
+        qf[kk][2] = load_pair(qa + c + 8, va);
+        qf[kk][3] = load_pair(qb + c + 8, vb);
+    }
+}
+
+// What one warp carries along the keys for 16 query rows: the running output, and the running
+// maximum (log2 domain) and this thread's share of the row sums, for rows g and g + 8 of the 16
+// (a and b).
 template <typename T, int D>
 struct RowState {
     static constexpr int KSTEPS = D / 16;
     static constexpr int NT = D / 8;  // output column tiles
-    uint32_t qf[KSTEPS][4];
     float o[NT][4];
     float m_a, m_b, l_a, l_b;
     int row_a, row_b;  // this thread's query rows, as positions in the sequence
 
-    __device__ __forceinline__ void init(const T* q, int seq_start, int seq_len, int row0, int head, int q_stride,
-                                         int lane) {
-        const int g = lane / 4, t = lane % 4;
-        row_a = row0 + g;
+    __device__ __forceinline__ void init(int row0, int lane) {
+        row_a = row0 + lane / 4;
         row_b = row_a + 8;
-        const T* qa = q + (size_t)(seq_start + row_a) * q_stride + head * D;
-        const T* qb = q + (size_t)(seq_start + row_b) * q_stride + head * D;
-        const bool va = row_a < seq_len, vb = row_b < seq_len;
-#pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk) {
-            const int c = kk * 16 + 2 * t;
-            qf[kk][0] = load_pair(qa + c, va);
-            qf[kk][1] = load_pair(qb + c, vb);
-            qf[kk][2] = load_pair(qa + c + 8, va);
-            qf[kk][3] = load_pair(qb + c + 8, vb);
-        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
         m_a = m_b = -INFINITY;
@@ -146,12 +154,42 @@ struct RowState {
     }
 };
 
-// Whether every key of tile k0..k0+BN-1 is visible to every row of the warp whose first row is
-// `w0` (then no mask is needed).
+// Whether every key of tile k0..k0+BN-1 is visible to every one of the 16 rows starting at `w0`
+// (then no mask is needed).
 template <int BN>
 __device__ __forceinline__ bool tile_full(int k0, int w0, int seq_len, int window) {
     return (k0 + BN <= w0 + 1) && (k0 + BN <= seq_len) && (window <= 0 || w0 + 15 - k0 < window);
 }
+
+// Whether any of the 16 rows starting at `w0` sees a key of tile k0..k0+BN-1: not past its last
+// row (causal), not wholly before its first row's window, and the rows not all past the
+// sequence's end. Groups of rows skip the tiles they cannot see.
+template <int BN>
+__device__ __forceinline__ bool tile_seen(int k0, int w0, int seq_len, int window) {
+    return w0 < seq_len && k0 <= w0 + 15 && (window <= 0 || k0 + BN - 1 > w0 - window);
+}
+
+// A block's work: query tile `q0 / BM` of one sequence for one head, and the key tiles it can
+// see (causal up to its last query, and the window below its first): `steps` tiles of BN from
+// `k_begin`.
+template <int BM, int BN>
+struct Work {
+    int seq_start, seq_len, q0, head, kv_head, q_stride, kv_stride, k_begin, steps;
+
+    __device__ __forceinline__ Work(const uint32_t* tiles, int heads, int kv_heads, int d, int window) {
+        const int tile = blockIdx.x;
+        head = blockIdx.y;
+        seq_start = tiles[3 * tile];
+        seq_len = tiles[3 * tile + 1];
+        q0 = tiles[3 * tile + 2] * BM;
+        kv_head = head / (heads / kv_heads);
+        q_stride = heads * d;
+        kv_stride = kv_heads * d;
+        const int q_last = min(q0 + BM, seq_len);
+        k_begin = window > 0 ? max(0, q0 - window + 1) / BN * BN : 0;
+        steps = (q_last - k_begin + BN - 1) / BN;
+    }
+};
 
 // The first kernel: 64 query rows, 4 warps, K/V tiles loaded through registers.
 template <typename T, int D, int BN>
@@ -163,29 +201,20 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
     __shared__ __align__(16) T ks[BN][D + PAD];
     __shared__ __align__(16) T vt[D][BN + PAD];
 
-    const int tile = blockIdx.x;
-    const int head = blockIdx.y;
-    const int seq_start = tiles[3 * tile];
-    const int seq_len = tiles[3 * tile + 1];
-    const int q0 = tiles[3 * tile + 2] * BM;
-    const int kv_head = head / (heads / kv_heads);
+    const Work<BM, BN> w(tiles, heads, kv_heads, D, window);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;
     const int t = lane % 4;
-    const int q_stride = heads * D;
-    const int kv_stride = kv_heads * D;
 
     RowState<T, D> st;
-    st.init(q, seq_start, seq_len, q0 + warp * 16, head, q_stride, lane);
+    st.init(w.q0 + warp * 16, lane);
+    uint32_t qf[D / 16][4];
+    load_q_frags<T, D>(qf, q, w.seq_start, w.seq_len, w.q0 + warp * 16, w.head, w.q_stride, lane);
     constexpr int KSTEPS = RowState<T, D>::KSTEPS, NT = RowState<T, D>::NT;
 
-    // Keys this tile can see: causal up to its last query, and the window below its first.
-    const int q_last = min(q0 + BM, seq_len);
-    int k_begin = 0;
-    if (window > 0) k_begin = max(0, q0 - window + 1) / BN * BN;
-
-    for (int k0 = k_begin; k0 < q_last; k0 += BN) {
+    for (int i = 0; i < w.steps; ++i) {
+        const int k0 = w.k_begin + i * BN;
         __syncthreads();  // the previous tile's readers are done
         // Cooperative load: 16-byte chunks; keys past the sequence are zero.
         constexpr int CHUNKS = D / 8;
@@ -193,15 +222,15 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
             const int r = c % BN;
             const int col = (c / BN) * 8;
             uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-            if (k0 + r < seq_len) {
-                const size_t at = (size_t)(seq_start + k0 + r) * kv_stride + kv_head * D + col;
+            if (k0 + r < w.seq_len) {
+                const size_t at = (size_t)(w.seq_start + k0 + r) * w.kv_stride + w.kv_head * D + col;
                 kv4 = *reinterpret_cast<const uint4*>(k + at);
                 vv4 = *reinterpret_cast<const uint4*>(v + at);
             }
             *reinterpret_cast<uint4*>(&ks[r][col]) = kv4;
             const T* vv = reinterpret_cast<const T*>(&vv4);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) vt[col + i][r] = vv[i];
+            for (int e = 0; e < 8; ++e) vt[col + e][r] = vv[e];
         }
         __syncthreads();
 
@@ -215,13 +244,13 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
                 const T* kr = &ks[n * 8 + g][kk * 16 + 2 * t];
                 const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + 8);
-                Mma<T>::mma(s[n], st.qf[kk], b0, b1);
+                Mma<T>::mma(s[n], qf[kk], b0, b1);
             }
         }
 
         uint32_t pf[BN / 16][4];
-        st.template softmax<BN>(s, pf, k0, tile_full<BN>(k0, q0 + warp * 16, seq_len, window), seq_len, window,
-                                scale_log2, lane);
+        st.template softmax<BN>(s, pf, k0, tile_full<BN>(k0, w.q0 + warp * 16, w.seq_len, window), w.seq_len,
+                                window, scale_log2, lane);
 
         // O += P V.
 #pragma unroll
@@ -235,11 +264,27 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
             }
         }
     }
-    st.store(out, seq_start, seq_len, head, q_stride, lane);
+    st.store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);
+}
+
+// Rows `r0`..`r0 + rows - 1` of the sequence (positions), columns of head `head`, from a packed
+// [tokens, stride] tensor into shared memory with row stride D + PAD, by cp.async: consecutive
+// threads take consecutive 16-byte chunks of a row; rows past the sequence are zero.
+template <typename T, int D, int THREADS>
+__device__ __forceinline__ void stage_rows(T* dst, const T* src, int rows, int r0, int seq_start, int seq_len,
+                                           int stride, int head) {
+    constexpr int CHUNKS = D / 8, LD = D + PAD;
+    for (int c = threadIdx.x; c < rows * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS;
+        const int col = (c % CHUNKS) * 8;
+        const bool ok = r0 + r < seq_len;
+        const size_t at = ok ? (size_t)(seq_start + r0 + r) * stride + head * D + col : 0;
+        cp_async16(dst + r * LD + col, src + at, ok);
+    }
 }
 
 // The pipelined kernel: 16 * WARPS query rows; dynamic shared memory of
-// 2 stages x (K, V) x BN x (D + PAD) elements (see `pipelined_shared` on the host).
+// 2 stages x (K, V) x BN x (D + PAD) elements (see `shared_bytes` on the host).
 template <typename T, int D, int BN, int WARPS>
 __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                          T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads,
@@ -250,57 +295,35 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
     extern __shared__ __align__(16) unsigned char attention_smem[];
     T* smem = reinterpret_cast<T*>(attention_smem);
 
-    const int tile = blockIdx.x;
-    const int head = blockIdx.y;
-    const int seq_start = tiles[3 * tile];
-    const int seq_len = tiles[3 * tile + 1];
-    const int q0 = tiles[3 * tile + 2] * BM;
-    const int kv_head = head / (heads / kv_heads);
+    const Work<BM, BN> w(tiles, heads, kv_heads, D, window);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int q_stride = heads * D;
-    const int kv_stride = kv_heads * D;
-    const int w0 = q0 + warp * 16;  // the warp's first query row
+    const int w0 = w.q0 + warp * 16;  // the warp's first query row
 
-    const int q_last = min(q0 + BM, seq_len);
-    int k_begin = 0;
-    if (window > 0) k_begin = max(0, q0 - window + 1) / BN * BN;
-    const int steps = (q_last - k_begin + BN - 1) / BN;
-
-    // Keys k0..k0+BN-1 into stage `stage`: consecutive threads take consecutive 16-byte chunks of
-    // a row; keys past the sequence are zero.
+    // Keys k0..k0+BN-1 (K then V) into stage `stage`.
     auto load = [&](int stage, int k0) {
         T* ks = smem + stage * STAGE;
-        T* vs = ks + BN * LD;
-        constexpr int CHUNKS = D / 8;
-        for (int c = threadIdx.x; c < BN * CHUNKS; c += WARPS * 32) {
-            const int r = c / CHUNKS;
-            const int col = (c % CHUNKS) * 8;
-            const bool ok = k0 + r < seq_len;
-            const size_t at = ok ? (size_t)(seq_start + k0 + r) * kv_stride + kv_head * D + col : 0;
-            cp_async16(ks + r * LD + col, k + at, ok);
-            cp_async16(vs + r * LD + col, v + at, ok);
-        }
+        stage_rows<T, D, WARPS * 32>(ks, k, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
+        stage_rows<T, D, WARPS * 32>(ks + BN * LD, v, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
     };
 
     RowState<T, D> st;
-    st.init(q, seq_start, seq_len, w0, head, q_stride, lane);
+    st.init(w0, lane);
+    uint32_t qf[D / 16][4];
+    load_q_frags<T, D>(qf, q, w.seq_start, w.seq_len, w0, w.head, w.q_stride, lane);
     constexpr int KSTEPS = RowState<T, D>::KSTEPS, NT = RowState<T, D>::NT;
     const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: this lane addresses row lr of matrix lm
 
-    load(0, k_begin);
+    load(0, w.k_begin);
     cp_async_commit();
-    for (int i = 0; i < steps; ++i) {
-        const int k0 = k_begin + i * BN;
+    for (int i = 0; i < w.steps; ++i) {
+        const int k0 = w.k_begin + i * BN;
         cp_async_wait<0>();
         __syncthreads();  // tile i has landed for everyone, and tile i - 1's readers are done
-        if (i + 1 < steps) load((i + 1) & 1, k0 + BN);
+        if (i + 1 < w.steps) load((i + 1) & 1, k0 + BN);
         cp_async_commit();
 
-        // Skip tiles no row of the warp can see: past its last row (causal), before its first
-        // row's window, or a warp wholly past the sequence's end.
-        const bool active = w0 < seq_len && k0 <= w0 + 15 && (window <= 0 || k0 + BN - 1 > w0 - window);
-        if (!active) continue;
+        if (!tile_seen<BN>(k0, w0, w.seq_len, window)) continue;
         const T* ks = smem + (i & 1) * STAGE;
         const T* vs = ks + BN * LD;
 
@@ -313,13 +336,13 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
             for (int kk = 0; kk < KSTEPS; kk += 2) {
                 uint32_t b[4];
                 ldmatrix_x4(b, ks + (n * 8 + lr) * LD + kk * 16 + lm * 8);
-                Mma<T>::mma(s[n], st.qf[kk], b[0], b[1]);
-                Mma<T>::mma(s[n], st.qf[kk + 1], b[2], b[3]);
+                Mma<T>::mma(s[n], qf[kk], b[0], b[1]);
+                Mma<T>::mma(s[n], qf[kk + 1], b[2], b[3]);
             }
         }
 
         uint32_t pf[BN / 16][4];
-        st.template softmax<BN>(s, pf, k0, tile_full<BN>(k0, w0, seq_len, window), seq_len, window, scale_log2,
+        st.template softmax<BN>(s, pf, k0, tile_full<BN>(k0, w0, w.seq_len, window), w.seq_len, window, scale_log2,
                                 lane);
 
         // O += P V: one transposing ldmatrix gives the B fragments of two 8-column output tiles.
@@ -334,7 +357,115 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
             }
         }
     }
-    st.store(out, seq_start, seq_len, head, q_stride, lane);
+    st.store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);
+}
+
+// The wide kernel: 128 query rows; each warp owns MT groups of 16 consecutive rows, so every K
+// and V fragment it reads from shared memory feeds MT products instead of one (shared-memory
+// reads per product fall from 1/2 to 5/16 with MT = 2). The Q tile no longer fits in registers
+// next to MT running outputs: it is staged in shared memory with the first K/V tile and read by
+// ldmatrix at every tile. Dynamic shared memory: BM rows of Q, then 2 stages x (K, V) x BN rows,
+// all of D + PAD elements. Each group of 16 rows meets the same key tiles in the same order with
+// the same products as in the other kernels, so the output is bitwise theirs.
+template <typename T, int D, int BN, int WARPS, int MT>
+__device__ void attention_tile_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                    T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads, int kv_heads,
+                                    float scale_log2, int window) {
+    constexpr int BM = 16 * MT * WARPS;
+    constexpr int LD = D + PAD;
+    constexpr int STAGE = 2 * BN * LD;
+    extern __shared__ __align__(16) unsigned char attention_smem[];
+    T* qs = reinterpret_cast<T*>(attention_smem);
+    T* kv = qs + BM * LD;
+
+    const Work<BM, BN> w(tiles, heads, kv_heads, D, window);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int wr = warp * 16 * MT;  // the warp's first row within the tile
+    auto load = [&](int stage, int k0) {
+        T* ks = kv + stage * STAGE;
+        stage_rows<T, D, WARPS * 32>(ks, k, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
+        stage_rows<T, D, WARPS * 32>(ks + BN * LD, v, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
+    };
+
+    RowState<T, D> st[MT];
+#pragma unroll
+    for (int j = 0; j < MT; ++j) st[j].init(w.q0 + wr + 16 * j, lane);
+    constexpr int KSTEPS = RowState<T, D>::KSTEPS, NT = RowState<T, D>::NT;
+    const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: this lane addresses row lr of matrix lm
+
+    stage_rows<T, D, WARPS * 32>(qs, q, BM, w.q0, w.seq_start, w.seq_len, w.q_stride, w.head);
+    load(0, w.k_begin);
+    cp_async_commit();
+    for (int i = 0; i < w.steps; ++i) {
+        const int k0 = w.k_begin + i * BN;
+        cp_async_wait<0>();
+        __syncthreads();  // tile i (and Q) has landed for everyone, and tile i - 1's readers are done
+        if (i + 1 < w.steps) load((i + 1) & 1, k0 + BN);
+        cp_async_commit();
+
+        bool any = false;
+#pragma unroll
+        for (int j = 0; j < MT; ++j) any = any || tile_seen<BN>(k0, w.q0 + wr + 16 * j, w.seq_len, window);
+        if (!any) continue;
+        const T* ks = kv + (i & 1) * STAGE;
+        const T* vs = ks + BN * LD;
+
+        // S = Q K^T, two k-steps at a time: the groups' A fragments (x4: rows lane % 16, columns
+        // 8 (lane / 16)), then per 8 keys one ldmatrix of B for all groups.
+        float s[MT][BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) s[j][n][0] = s[j][n][1] = s[j][n][2] = s[j][n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk += 2) {
+            uint32_t a[MT][2][4];
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                const T* qr = qs + (wr + 16 * j + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8;
+                ldmatrix_x4(a[j][0], qr);
+                ldmatrix_x4(a[j][1], qr + 16);
+            }
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                uint32_t b[4];
+                ldmatrix_x4(b, ks + (n * 8 + lr) * LD + kk * 16 + lm * 8);
+#pragma unroll
+                for (int j = 0; j < MT; ++j) {
+                    Mma<T>::mma(s[j][n], a[j][0], b[0], b[1]);
+                    Mma<T>::mma(s[j][n], a[j][1], b[2], b[3]);
+                }
+            }
+        }
+
+        // A group that cannot see this tile (the tile wholly past its rows or before their
+        // window) gets only masked scores: probabilities of zero that leave its state as it was.
+        uint32_t pf[MT][BN / 16][4];
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            const int r0 = w.q0 + wr + 16 * j;
+            st[j].template softmax<BN>(s[j], pf[j], k0, tile_full<BN>(k0, r0, w.seq_len, window), w.seq_len, window,
+                                       scale_log2, lane);
+        }
+
+        // O += P V.
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, vs + (kk * 16 + (lm & 1) * 8 + lr) * LD + (n + (lm >> 1)) * 8);
+#pragma unroll
+                for (int j = 0; j < MT; ++j) {
+                    Mma<T>::mma(st[j].o[n], pf[j][kk], b[0], b[1]);
+                    Mma<T>::mma(st[j].o[n + 1], pf[j][kk], b[2], b[3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < MT; ++j) st[j].store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);
 }
 
 #define ATTENTION_KERNEL(NAME, T, D, BN)                                                                      \
@@ -349,6 +480,13 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
         NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
              float scale_log2, int window) {                                                                   \
         attention_tile_pipelined<T, D, BN, WARPS>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window); \
+    }
+
+#define WIDE_KERNEL(NAME, T, D, BN, WARPS, MT)                                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
+        NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
+             float scale_log2, int window) {                                                                   \
+        attention_tile_wide<T, D, BN, WARPS, MT>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window);  \
     }
 
 // Keys per tile: 64, and 32 for head dimension 256 (Qwen3.5's full-attention layers), where a
@@ -373,3 +511,11 @@ PIPELINED_KERNEL(pipelined_attention_w8_bf16_d256, __nv_bfloat16, 256, 32, 8)
 PIPELINED_KERNEL(pipelined_attention_w8_f16_d64, __half, 64, 64, 8)
 PIPELINED_KERNEL(pipelined_attention_w8_f16_d128, __half, 128, 64, 8)
 PIPELINED_KERNEL(pipelined_attention_w8_f16_d256, __half, 256, 32, 8)
+// The wide kernel: 4 warps of 32 rows for head dims 64 and 128; for 256, where MT = 2 running
+// outputs would not fit in registers, 8 warps of 16 rows.
+WIDE_KERNEL(wide_attention_bf16_d64, __nv_bfloat16, 64, 64, 4, 2)
+WIDE_KERNEL(wide_attention_bf16_d128, __nv_bfloat16, 128, 64, 4, 2)
+WIDE_KERNEL(wide_attention_bf16_d256, __nv_bfloat16, 256, 32, 8, 1)
+WIDE_KERNEL(wide_attention_f16_d64, __half, 64, 64, 4, 2)
+WIDE_KERNEL(wide_attention_f16_d128, __half, 128, 64, 4, 2)
+WIDE_KERNEL(wide_attention_f16_d256, __half, 256, 32, 8, 1)

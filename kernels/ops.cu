@@ -57,25 +57,98 @@ extern "C" __global__ void add_f32_bf16(const float* x, const __nv_bfloat16* y, 
 }
 extern "C" __global__ void add_f32_f16(const float* x, const __half* y, float* out, size_t n) { add_f32(x, y, out, n); }
 
-// RMSNorm of an f32 row with a 16-bit weight, written in the weight's type: out = x / rms(x) * w,
-// all in f32 and rounded once. One block per row.
+// Four consecutive 16-bit values as f32 (one 8-byte load), and back.
 template <typename T>
-__device__ void rms_norm_f32(const float* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int cols,
-                             float eps) {
-    const float* xr = x + (size_t)blockIdx.x * cols;
-    T* orow = out + (size_t)blockIdx.x * cols;
+__device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = to_f32(h[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
+    uint2 raw;
+    T* h = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = from_f32<T>(v[j]);
+    *reinterpret_cast<uint2*>(p) = raw;
+}
+
+__device__ __forceinline__ bool aligned(const void* p, int bytes) { return (uintptr_t)p % bytes == 0; }
+
+// RMSNorm of an f32 row with a 16-bit weight, written in the weight's type: out = x / rms(x) * w,
+// all in f32 and rounded once; with ADD, the residual add first: x_out = x + y (y the sublayer's
+// 16-bit output) is written and normalised, in one pass over x and y (x_out is read back from
+// the thread's own writes, out of cache). One block per row. A row of a multiple of 4 columns
+// whose pointers allow it goes 4 columns at a time (thread t takes columns 4t.., 4(t + blockDim)..),
+// another one at a time (t, t + blockDim, ..); the sum of squares is taken in the same order
+// with or without ADD, so the fused kernel is bitwise add_f32 then this one.
+template <typename T, bool ADD>
+__device__ void norm_row(const float* __restrict__ x, const T* __restrict__ y, const T* __restrict__ w,
+                         float* __restrict__ x_out, T* __restrict__ out, int cols, float eps) {
+    const size_t base = (size_t)blockIdx.x * cols;
+    const float* xr = x + base;
+    T* orow = out + base;
+    const bool vec = cols % 4 == 0 && aligned(xr, 16) && aligned(orow, 8) && aligned(w, 8) &&
+                     (!ADD || (aligned(x_out + base, 16) && aligned(y + base, 8)));
     float ss = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    if (vec) {
+        for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x) {
+            float4 v = *reinterpret_cast<const float4*>(xr + c);
+            if (ADD) {
+                float a[4];
+                load4(y + base + c, a);
+                v.x += a[0];
+                v.y += a[1];
+                v.z += a[2];
+                v.w += a[3];
+                *reinterpret_cast<float4*>(x_out + base + c) = v;
+            }
+            ss += v.x * v.x;
+            ss += v.y * v.y;
+            ss += v.z * v.z;
+            ss += v.w * v.w;
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = xr[c];
+            if (ADD) {
+                v += to_f32(y[base + c]);
+                x_out[base + c] = v;
+            }
+            ss += v * v;
+        }
+    }
     const float inv = rsqrtf(block_sum(ss) / cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f32<T>(xr[c] * inv * to_f32(w[c]));
+    const float* src = ADD ? x_out + base : xr;
+    if (vec) {
+        for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x) {
+            const float4 v = *reinterpret_cast<const float4*>(src + c);
+            float wv[4];
+            load4(w + c, wv);
+            const float o[4] = {v.x * inv * wv[0], v.y * inv * wv[1], v.z * inv * wv[2], v.w * inv * wv[3]};
+            store4(orow + c, o);
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = from_f32<T>(src[c] * inv * to_f32(w[c]));
+    }
 }
 
 extern "C" __global__ void rms_norm_f32_bf16(const float* x, const __nv_bfloat16* w, __nv_bfloat16* out, int cols,
                                              float eps) {
-    rms_norm_f32(x, w, out, cols, eps);
+    norm_row<__nv_bfloat16, false>(x, nullptr, w, nullptr, out, cols, eps);
 }
 extern "C" __global__ void rms_norm_f32_f16(const float* x, const __half* w, __half* out, int cols, float eps) {
-    rms_norm_f32(x, w, out, cols, eps);
+    norm_row<__half, false>(x, nullptr, w, nullptr, out, cols, eps);
+}
+extern "C" __global__ void add_rms_norm_f32_bf16(const float* x, const __nv_bfloat16* y, const __nv_bfloat16* w,
+                                                 float* x_out, __nv_bfloat16* normed, int cols, float eps) {
+    norm_row<__nv_bfloat16, true>(x, y, w, x_out, normed, cols, eps);
+}
+extern "C" __global__ void add_rms_norm_f32_f16(const float* x, const __half* y, const __half* w, float* x_out,
+                                                __half* normed, int cols, float eps) {
+    norm_row<__half, true>(x, y, w, x_out, normed, cols, eps);
 }
 
 // f32 -> fp8 (E4M3, finite only): round to nearest even, saturating at +-448 (NaN stays NaN).
@@ -88,29 +161,62 @@ extern "C" __global__ void f32_to_fp8_e4m3(const float* __restrict__ x, uint8_t*
     }
 }
 
+// E consecutive 16-bit values as f32, in one load (4, 8 or 16 bytes), and back.
+template <int BYTES> struct Raw;
+template <> struct Raw<4> { using type = uint32_t; };
+template <> struct Raw<8> { using type = uint2; };
+template <> struct Raw<16> { using type = uint4; };
+
+template <typename T, int E>
+__device__ __forceinline__ void load_e(const T* p, float (&x)[E]) {
+    using R = typename Raw<E * sizeof(T)>::type;
+    const R raw = *reinterpret_cast<const R*>(p);
+    const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < E; ++j) x[j] = to_f32(h[j]);
+}
+
+template <typename T, int E>
+__device__ __forceinline__ void store_e(T* p, const float (&x)[E]) {
+    using R = typename Raw<E * sizeof(T)>::type;
+    R raw;
+    T* h = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < E; ++j) h[j] = from_f32<T>(x[j]);
+    *reinterpret_cast<R*>(p) = raw;
+}
+
 // The fused q/k/v projection's output split into contiguous q, k and v (and the attention output
 // gate, where q_proj holds per head the query then its gate), with the per-head RMSNorm of q and
 // k where the model has one (f32 weights: `w` or the zero-centred `1 + w`) and the rotary
 // embedding on the first `rot` dims of each q and k head (the halves rotated against each other),
 // all in f32 and rounded once. `norm` 0: no norm (`qn`, `kn` are then not read).
 //
-// `qkv` is [T, W]; `out` holds, one after the other, q [T, nq, hd], k [T, nkv, hd], v [T, nkv, hd]
-// and, if gated, the gate [T, nq, hd]. One block per token: its threads first compute the
-// token's cos/sin for the rot/2 frequencies into shared memory (from its position and the f32
-// inverse frequencies), then each warp takes head rows in turn. Lane l holds dims l, l + 32, ..
-// (E = hd / 32 of them), so a rotary pair (i, i + rot/2) stays in one lane: rot/2 must be a
-// multiple of 32 (or rot 0), rot/2 at most 128.
+// `qkv` is [T, W] (16-byte aligned); `out` holds, one after the other, q [T, nq, hd], k [T, nkv,
+// hd], v [T, nkv, hd] and, if gated, the gate [T, nq, hd]. One block per token; each warp takes
+// head rows in turn. Lane l holds dims E l .. E l + E - 1 (E = hd / 32; one load and one store per
+// row), so the rotary partner of its dims (i and i + rot/2) is lane l ^ (rot / 2 / E), reached
+// by a shuffle: rot/2 must be a multiple of E with rot / 2 / E a power of two (or rot 0). Each
+// lane makes the cos/sin of its own frequencies once, from the token's position and the f32
+// inverse frequencies.
 template <typename T, int E>
 __device__ void qkv_rope(const T* __restrict__ qkv, const uint32_t* __restrict__ pos, const float* __restrict__ inv_freq,
                          const float* __restrict__ qn, const float* __restrict__ kn, int norm, T* __restrict__ out,
                          int tokens, int nq, int nkv, int rot, int gated, float eps) {
     constexpr int hd = 32 * E;
-    __shared__ float cs[128], sn[128];
     const int tok = blockIdx.x;
-    const int half = rot / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) sincosf((float)pos[tok] * inv_freq[i], &sn[i], &cs[i]);
-    __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const int off = rot / 2 / E;  // lanes between rotary partners
+    const bool rotates = lane * E < rot;
+    const bool first = (lane & off) == 0;  // holds the first half of its pairs
+    float cs[E], sn[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) cs[j] = sn[j] = 0.f;
+    if (rotates) {
+        const int f0 = (lane & ~off) * E;
+#pragma unroll
+        for (int j = 0; j < E; ++j) sincosf((float)pos[tok] * inv_freq[f0 + j], &sn[j], &cs[j]);
+    }
     const size_t qw = (size_t)(gated ? 2 : 1) * nq * hd;
     const size_t W = qw + 2 * (size_t)nkv * hd;
     const T* row_in = qkv + (size_t)tok * W;
@@ -118,19 +224,19 @@ __device__ void qkv_rope(const T* __restrict__ qkv, const uint32_t* __restrict__
     T* k_out = q_out + (size_t)tokens * nq * hd;
     T* v_out = k_out + (size_t)tokens * nkv * hd;
     T* g_out = v_out + (size_t)tokens * nkv * hd;
+    using R = typename Raw<E * sizeof(T)>::type;
     for (int r = warp; r < nq + 2 * nkv; r += warps) {
         const T* src;
         T* dst;
         const float* w = nullptr;
-        bool rope = true;
+        bool rope = rot > 0;
         if (r < nq) {
             src = row_in + (size_t)r * (gated ? 2 : 1) * hd;
             dst = q_out + ((size_t)tok * nq + r) * hd;
             w = norm ? qn : nullptr;
             if (gated) {
                 T* g = g_out + ((size_t)tok * nq + r) * hd;
-#pragma unroll
-                for (int j = 0; j < E; ++j) g[lane + 32 * j] = src[hd + lane + 32 * j];
+                *reinterpret_cast<R*>(g + lane * E) = *reinterpret_cast<const R*>(src + hd + lane * E);
             }
         } else if (r < nq + nkv) {
             src = row_in + qw + (size_t)(r - nq) * hd;
@@ -142,8 +248,7 @@ __device__ void qkv_rope(const T* __restrict__ qkv, const uint32_t* __restrict__
             rope = false;
         }
         float x[E];
-#pragma unroll
-        for (int j = 0; j < E; ++j) x[j] = to_f32(src[lane + 32 * j]);
+        load_e<T, E>(src + lane * E, x);
         if (w != nullptr) {
             float ss = 0.f;
 #pragma unroll
@@ -151,22 +256,16 @@ __device__ void qkv_rope(const T* __restrict__ qkv, const uint32_t* __restrict__
             for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
             const float inv = rsqrtf(ss / hd + eps);
 #pragma unroll
-            for (int j = 0; j < E; ++j) x[j] = x[j] * inv * w[lane + 32 * j];
+            for (int j = 0; j < E; ++j) x[j] = x[j] * inv * w[lane * E + j];
         }
-        if (rope) {
-            const int hj = half / 32;  // the partner of element j is element j + hj
+        if (rope) {  // the same for the whole warp: every lane takes part in the shuffles
 #pragma unroll
             for (int j = 0; j < E; ++j) {
-                if (j < hj) {
-                    const float c = cs[lane + 32 * j], s = sn[lane + 32 * j];
-                    const float a = x[j], b = x[j + hj];
-                    x[j] = a * c - b * s;
-                    x[j + hj] = b * c + a * s;
-                }
+                const float p = __shfl_xor_sync(0xffffffff, x[j], off);
+                if (rotates) x[j] = first ? x[j] * cs[j] - p * sn[j] : x[j] * cs[j] + p * sn[j];
             }
         }
-#pragma unroll
-        for (int j = 0; j < E; ++j) dst[lane + 32 * j] = from_f32<T>(x[j]);
+        store_e<T, E>(dst + lane * E, x);
     }
 }
 

@@ -19,12 +19,15 @@ pub enum Variant {
     Pipelined4,
     /// The same with 8 warps, 128 rows: each K/V tile serves twice as many queries.
     Pipelined8,
+    /// 128 rows, each warp holding 32 of them (two groups of 16 sharing every K/V fragment it
+    /// reads), Q staged in shared memory; for head dim 256, 8 warps of 16 rows.
+    Wide,
 }
 
 impl Variant {
-    pub const ALL: [Variant; 3] = [Variant::Simple, Variant::Pipelined4, Variant::Pipelined8];
+    pub const ALL: [Variant; 4] = [Variant::Simple, Variant::Pipelined4, Variant::Pipelined8, Variant::Wide];
 
-    /// `LAYERTAP_ATTENTION_KERNEL=simple|w4|w8` picks one (for comparing them); the default is
+    /// `LAYERTAP_ATTENTION_KERNEL=simple|w4|w8|wide` picks one (for comparing them); the default is
     /// [`Variant::DEFAULT`].
     pub fn chosen() -> Variant {
         static CHOSEN: std::sync::OnceLock<Variant> = std::sync::OnceLock::new();
@@ -32,22 +35,27 @@ impl Variant {
             Ok("simple") => Variant::Simple,
             Ok("w4") => Variant::Pipelined4,
             Ok("w8") => Variant::Pipelined8,
+            Ok("wide") => Variant::Wide,
             _ => Variant::DEFAULT,
         })
     }
 
-    pub const DEFAULT: Variant = Variant::Pipelined4;
+    pub const DEFAULT: Variant = Variant::Wide;
 
     /// Query rows per block (`BM` in the kernel).
     pub fn rows(self) -> usize {
         match self {
             Variant::Simple | Variant::Pipelined4 => 64,
-            Variant::Pipelined8 => 128,
+            Variant::Pipelined8 | Variant::Wide => 128,
         }
     }
 
-    fn threads(self) -> u32 {
-        2 * self.rows() as u32
+    /// Threads per block for head dimension `d`.
+    fn threads(self, d: usize) -> u32 {
+        match self {
+            Variant::Wide if d != 256 => 128,
+            _ => 2 * self.rows() as u32,
+        }
     }
 
     fn prefix(self) -> &'static str {
@@ -55,15 +63,18 @@ impl Variant {
             Variant::Simple => "packed_attention",
             Variant::Pipelined4 => "pipelined_attention_w4",
             Variant::Pipelined8 => "pipelined_attention_w8",
+            Variant::Wide => "wide_attention",
         }
     }
 
     /// Dynamic shared memory per block for head dimension `d` (16-bit elements): two stages of a
-    /// K and a V tile of `keys(d)` rows of `d + 8`; the first kernel's is static.
+    /// K and a V tile of `keys(d)` rows of `d + 8`, and for the wide kernel the Q tile before
+    /// them; the first kernel's is static.
     fn shared_bytes(self, d: usize) -> usize {
         match self {
             Variant::Simple => 0,
-            _ => 2 * 2 * keys(d) * (d + 8) * 2,
+            Variant::Pipelined4 | Variant::Pipelined8 => 2 * 2 * keys(d) * (d + 8) * 2,
+            Variant::Wide => (self.rows() + 2 * 2 * keys(d)) * (d + 8) * 2,
         }
     }
 }
@@ -197,7 +208,7 @@ impl PackedAttention {
         b.arg(&window);
         let cfg = LaunchConfig {
             grid_dim: (self.n_tiles as u32, heads as u32, 1),
-            block_dim: (self.variant.threads(), 1, 1),
+            block_dim: (self.variant.threads(d), 1, 1),
             shared_mem_bytes: shared as u32,
         };
         if self.n_tiles > 0 {

@@ -4,7 +4,7 @@ use super::cuda_module::{kernel, OPS};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
 /// `silu(gate) * up` where `gu` is `[rows, 2 * inter]` holding the gate projection then the up
 /// projection (one matmul makes both). Returns `[rows, inter]`. `inter` must be a multiple of 8.
@@ -95,6 +95,85 @@ pub fn rms_norm_f32(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Ten
     let rows = x.elem_count() / cols.max(1);
     let y = x.contiguous()?.reshape((rows, cols))?.apply_op2_no_bwd(w, &RmsNormF32 { eps })?;
     y.reshape(x.dims())
+}
+
+/// The residual add and the RMSNorm after it in one kernel: for the f32 stream `x`, a 16-bit
+/// sublayer output `y` of its shape and a weight `w` of the same 16-bit type, returns `x + y`
+/// (f32) and its RMSNorm in `w`'s type, bitwise what [`add_f32`] then [`rms_norm_f32`] give,
+/// with one pass over memory instead of two.
+pub fn add_rms_norm_f32(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<(Tensor, Tensor)> {
+    use candle_core::op::BackpropOp;
+    use candle_core::Storage;
+    let cols = x.dim(candle_core::D::Minus1)?;
+    if x.dims() != y.dims() || w.dims() != [cols] || x.dtype() != DType::F32 || y.dtype() != w.dtype() {
+        candle_core::bail!(
+            "add_rms_norm_f32: x {:?} {:?}, y {:?} {:?}, w {:?} {:?} do not fit",
+            x.dims(),
+            x.dtype(),
+            y.dims(),
+            y.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    let Device::Cuda(dev) = x.device() else { candle_core::bail!("add_rms_norm_f32 runs on CUDA devices only") };
+    let (x, y) = (x.contiguous()?, y.contiguous()?);
+    let rows = x.elem_count() / cols.max(1);
+    // SAFETY: the kernel writes every element (one block per row, all of its columns).
+    let x_out = unsafe { dev.alloc::<f32>(rows * cols)? };
+    let normed = match w.dtype() {
+        DType::BF16 => {
+            CudaStorageSlice::BF16(add_rms_norm_launch::<half::bf16>(dev, "bf16", (&x, &y, w), &x_out, rows, eps)?)
+        }
+        DType::F16 => {
+            CudaStorageSlice::F16(add_rms_norm_launch::<half::f16>(dev, "f16", (&x, &y, w), &x_out, rows, eps)?)
+        }
+        d => candle_core::bail!("add_rms_norm_f32: the weight must be bf16 or f16, got {d:?}"),
+    };
+    let wrap = |slice| {
+        let storage = Storage::Cuda(CudaStorage { slice, device: dev.clone() });
+        Tensor::from_storage(storage, x.shape().clone(), BackpropOp::none(), false)
+    };
+    Ok((wrap(CudaStorageSlice::F32(x_out)), wrap(normed)))
+}
+
+/// Launches `add_rms_norm_f32_{suffix}` on contiguous `x` (f32), `y` and `w` (`T`), writing
+/// `x_out` and returning the normed rows.
+fn add_rms_norm_launch<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    suffix: &str,
+    (x, y, w): (&Tensor, &Tensor, &Tensor),
+    x_out: &CudaSlice<f32>,
+    rows: usize,
+    eps: f32,
+) -> candle_core::Result<CudaSlice<T>> {
+    use super::cuda_module::cuda_view;
+    let cols = w.elem_count();
+    let (xs, xl) = x.storage_and_layout();
+    let (ys, yl) = y.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let xv = cuda_view::<f32>(&xs, xl, "add_rms_norm_f32: x")?;
+    let yv = cuda_view::<T>(&ys, yl, "add_rms_norm_f32: y")?;
+    let wv = cuda_view::<T>(&ws, wl, "add_rms_norm_f32: w")?;
+    // SAFETY: the kernel writes every element.
+    let normed = unsafe { dev.alloc::<T>(rows * cols)? };
+    let func = kernel(dev, OPS, &format!("add_rms_norm_f32_{suffix}"))?;
+    let mut b = func.builder();
+    b.arg(&xv);
+    b.arg(&yv);
+    b.arg(&wv);
+    b.arg(x_out);
+    b.arg(&normed);
+    let (c, e) = (cols as i32, eps);
+    b.arg(&c);
+    b.arg(&e);
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    if rows * cols > 0 {
+        // SAFETY: argument types and order match the kernel; x, y and both outputs hold rows x
+        // cols elements and w cols, which covers every index it forms.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(normed)
 }
 
 fn contiguous<'a, T: DeviceRepr>(
@@ -314,7 +393,9 @@ pub struct QkvRope {
 
 impl QkvRope {
     /// Whether the kernel serves this shape: 16-bit, head dim 64, 128 or 256, rotary dims a
-    /// multiple of 64. `LAYERTAP_FUSED_ROPE=0` turns it off (for comparison).
+    /// multiple of 64 whose rotary partners are a power-of-two number of lanes apart
+    /// (`rotary_dim / 2 / (head_dim / 32)`; all but 192 of 256). `LAYERTAP_FUSED_ROPE=0` turns it
+    /// off (for comparison).
     pub fn supported(device: &candle_core::Device, dtype: DType, head_dim: usize, rotary_dim: usize) -> bool {
         static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_FUSED_ROPE").is_ok_and(|v| v == "0"));
@@ -324,6 +405,7 @@ impl QkvRope {
             && rotary_dim > 0
             && rotary_dim % 64 == 0
             && rotary_dim <= head_dim
+            && (rotary_dim / 2 / (head_dim / 32)).is_power_of_two()
     }
 
     /// `qkv`: the fused projection `[T, W]`; `pos`: each token's position in its sequence `[T]`
@@ -388,6 +470,9 @@ impl QkvRopeOp {
                 self.pos.dims(),
                 self.inv_freq.dims()
             );
+        }
+        if l.start_offset() % 8 != 0 {
+            candle_core::bail!("qkv_rope: qkv must start 16-byte aligned (offset {})", l.start_offset());
         }
         let src = contiguous(qkv, l, "qkv_rope: qkv")?;
         let (ps, pl) = self.pos.storage_and_layout();

@@ -54,15 +54,22 @@ impl Block {
         Ok(Block { input_norm: norm("input_layernorm")?, mixer, post_norm: norm("post_attention_layernorm")?, ffn })
     }
 
-    fn forward(&self, x: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
+    /// One layer on `x`, given `h`, its input norm of `x`. Returns the layer's output and, where
+    /// `next` is given, that norm of the output: each residual add is done together with the norm
+    /// that follows it (one kernel on CUDA).
+    fn forward(
+        &self,
+        x: &Tensor,
+        h: &Tensor,
+        next: Option<&RmsNorm>,
+        ctx: &BatchCtx,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let mut since = std::time::Instant::now();
-        let h = self.input_norm.forward(x)?;
         let mixed = match &self.mixer {
-            Mixer::Attention(a) => a.forward(&h, ctx, &mut since)?,
-            Mixer::GatedDeltaNet(g) => g.forward(&h, ctx, &mut since)?,
+            Mixer::Attention(a) => a.forward(h, ctx, &mut since)?,
+            Mixer::GatedDeltaNet(g) => g.forward(h, ctx, &mut since)?,
         };
-        let x = residual(x, &mixed)?;
-        let h = self.post_norm.forward(&x)?;
+        let (x, h) = self.post_norm.add_forward(x, &mixed)?;
         let y = match &self.ffn {
             Ffn::Dense(m) => m.forward(&h)?,
             Ffn::Moe(m) => {
@@ -72,7 +79,10 @@ impl Block {
                 y
             }
         };
-        let out = residual(&x, &y)?;
+        let out = match next {
+            Some(norm) => norm.add_forward(&x, &y).map(|(o, h)| (o, Some(h)))?,
+            None => (residual(&x, &y)?, None),
+        };
         profile::mark(x.device(), 3, &mut since);
         Ok(out)
     }
@@ -147,16 +157,34 @@ impl Decoder {
         if taps.contains(&0) {
             kept[0] = Some(x.clone());
         }
+        // The next layer's input norm of `x`, where the layer before made it with its last add.
+        let mut normed: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate().take(deepest) {
             cancel.check(*layers_run)?;
-            x = layer.forward(&x, pk)?;
-            *layers_run += 1;
             let idx = i + 1;
+            let h = match normed.take() {
+                Some(h) => h,
+                None => layer.input_norm.forward(&x)?,
+            };
+            // The norm after this layer: the next one's input norm, or the final norm after the last.
+            let next = match idx {
+                _ if idx == n => Some(&self.norm),
+                _ if idx < deepest => Some(&self.layers[idx].input_norm),
+                _ => None,
+            };
+            let (out, h_next) = layer.forward(&x, &h, next, pk)?;
+            x = out;
+            *layers_run += 1;
             if idx == n {
                 if taps.contains(&(n + 1)) {
                     kept[n + 1] = Some(x.clone());
                 }
-                x = self.norm.forward(&x)?;
+                x = match h_next {
+                    Some(h) => h,
+                    None => self.norm.forward(&x)?,
+                };
+            } else {
+                normed = h_next;
             }
             if taps.contains(&idx) {
                 kept[idx] = Some(x.clone());

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::linear::residual;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -41,6 +42,34 @@ impl RmsNorm {
         }
         candle_nn::ops::rms_norm(x, &self.weight, self.eps)
     }
+}
+
+impl RmsNorm {
+    /// `x + y` (the residual add) and this norm of it. On CUDA, for the f32 stream, a 16-bit
+    /// sublayer output and a 16-bit weight, one kernel does both, bitwise as the two ops
+    /// (`LAYERTAP_FUSED_ADD_NORM=0` keeps them separate, for comparison); elsewhere [`residual`]
+    /// then [`RmsNorm::forward`].
+    pub fn add_forward(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if self.zero_centred.is_none()
+            && x.device().is_cuda()
+            && x.dtype() == DType::F32
+            && matches!(self.weight.dtype(), DType::BF16 | DType::F16)
+            && y.dtype() == self.weight.dtype()
+            && fused_add_norm()
+        {
+            return crate::engine::cuda_ops::add_rms_norm_f32(x, y, &self.weight, self.eps);
+        }
+        let x = residual(x, y)?;
+        let h = self.forward(&x)?;
+        Ok((x, h))
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fused_add_norm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !std::env::var("LAYERTAP_FUSED_ADD_NORM").is_ok_and(|v| v == "0"))
 }
 
 /// `rms_norm(x) * w * silu(z)` over the last dimension, in f32 (the weight may be stored in

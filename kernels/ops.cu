@@ -94,6 +94,7 @@ __device__ void norm_row(const float* __restrict__ x, const T* __restrict__ y, c
                      (!ADD || (aligned(x_out + base, 16) && aligned(y + base, 8)));
     float ss = 0.f;
     if (vec) {
+#pragma unroll 4
         for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x) {
             float4 v = *reinterpret_cast<const float4*>(xr + c);
             if (ADD) {
@@ -123,6 +124,7 @@ __device__ void norm_row(const float* __restrict__ x, const T* __restrict__ y, c
     const float inv = rsqrtf(block_sum(ss) / cols + eps);
     const float* src = ADD ? x_out + base : xr;
     if (vec) {
+#pragma unroll 4
         for (int c = 4 * threadIdx.x; c < cols; c += 4 * blockDim.x) {
             const float4 v = *reinterpret_cast<const float4*>(src + c);
             float wv[4];
@@ -186,6 +188,16 @@ __device__ __forceinline__ void store_e(T* p, const float (&x)[E]) {
     *reinterpret_cast<R*>(p) = raw;
 }
 
+// Where head row `r` of a token starts in its fused q/k/v row: the nq query heads (each followed
+// by its gate when gated), then the nkv key heads, then the nkv value heads.
+template <typename T, int hd>
+__device__ __forceinline__ const T* head_row(const T* row_in, int r, int nq, int nkv, int gated) {
+    const size_t qw = (size_t)(gated ? 2 : 1) * nq * hd;
+    if (r < nq) return row_in + (size_t)r * (gated ? 2 : 1) * hd;
+    if (r < nq + nkv) return row_in + qw + (size_t)(r - nq) * hd;
+    return row_in + qw + (size_t)nkv * hd + (size_t)(r - nq - nkv) * hd;
+}
+
 // The fused q/k/v projection's output split into contiguous q, k and v (and the attention output
 // gate, where q_proj holds per head the query then its gate), with the per-head RMSNorm of q and
 // k where the model has one (f32 weights: `w` or the zero-centred `1 + w`) and the rotary
@@ -224,48 +236,58 @@ __device__ void qkv_rope(const T* __restrict__ qkv, const uint32_t* __restrict__
     T* k_out = q_out + (size_t)tokens * nq * hd;
     T* v_out = k_out + (size_t)tokens * nkv * hd;
     T* g_out = v_out + (size_t)tokens * nkv * hd;
-    using R = typename Raw<E * sizeof(T)>::type;
-    for (int r = warp; r < nq + 2 * nkv; r += warps) {
-        const T* src;
-        T* dst;
-        const float* w = nullptr;
-        bool rope = rot > 0;
-        if (r < nq) {
-            src = row_in + (size_t)r * (gated ? 2 : 1) * hd;
-            dst = q_out + ((size_t)tok * nq + r) * hd;
-            w = norm ? qn : nullptr;
-            if (gated) {
-                T* g = g_out + ((size_t)tok * nq + r) * hd;
-                *reinterpret_cast<R*>(g + lane * E) = *reinterpret_cast<const R*>(src + hd + lane * E);
+    // Each warp has U head rows in flight at once (all six of a token's rows per warp for the
+    // 8B shape): a row alone is too little memory traffic in flight to keep the device busy.
+    constexpr int U = 6;
+    const int rows = nq + 2 * nkv;
+    for (int r0 = warp; r0 < rows; r0 += U * warps) {
+        float x[U][E];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int r = r0 + u * warps;
+            if (r < rows) load_e<T, E>(head_row<T, hd>(row_in, r, nq, nkv, gated) + lane * E, x[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int r = r0 + u * warps;
+            if (r >= rows) continue;
+            T* dst;
+            const float* w = nullptr;
+            bool rope = rot > 0;
+            if (r < nq) {
+                dst = q_out + ((size_t)tok * nq + r) * hd;
+                w = norm ? qn : nullptr;
+                if (gated) {
+                    using R = typename Raw<E * sizeof(T)>::type;
+                    const T* src = head_row<T, hd>(row_in, r, nq, nkv, gated);
+                    T* g = g_out + ((size_t)tok * nq + r) * hd;
+                    *reinterpret_cast<R*>(g + lane * E) = *reinterpret_cast<const R*>(src + hd + lane * E);
+                }
+            } else if (r < nq + nkv) {
+                dst = k_out + ((size_t)tok * nkv + (r - nq)) * hd;
+                w = norm ? kn : nullptr;
+            } else {
+                dst = v_out + ((size_t)tok * nkv + (r - nq - nkv)) * hd;
+                rope = false;
             }
-        } else if (r < nq + nkv) {
-            src = row_in + qw + (size_t)(r - nq) * hd;
-            dst = k_out + ((size_t)tok * nkv + (r - nq)) * hd;
-            w = norm ? kn : nullptr;
-        } else {
-            src = row_in + qw + (size_t)nkv * hd + (size_t)(r - nq - nkv) * hd;
-            dst = v_out + ((size_t)tok * nkv + (r - nq - nkv)) * hd;
-            rope = false;
-        }
-        float x[E];
-        load_e<T, E>(src + lane * E, x);
-        if (w != nullptr) {
-            float ss = 0.f;
+            if (w != nullptr) {
+                float ss = 0.f;
 #pragma unroll
-            for (int j = 0; j < E; ++j) ss += x[j] * x[j];
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-            const float inv = rsqrtf(ss / hd + eps);
+                for (int j = 0; j < E; ++j) ss += x[u][j] * x[u][j];
+                for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+                const float inv = rsqrtf(ss / hd + eps);
 #pragma unroll
-            for (int j = 0; j < E; ++j) x[j] = x[j] * inv * w[lane * E + j];
-        }
-        if (rope) {  // the same for the whole warp: every lane takes part in the shuffles
-#pragma unroll
-            for (int j = 0; j < E; ++j) {
-                const float p = __shfl_xor_sync(0xffffffff, x[j], off);
-                if (rotates) x[j] = first ? x[j] * cs[j] - p * sn[j] : x[j] * cs[j] + p * sn[j];
+                for (int j = 0; j < E; ++j) x[u][j] = x[u][j] * inv * w[lane * E + j];
             }
+            if (rope) {  // the same for the whole warp: every lane takes part in the shuffles
+#pragma unroll
+                for (int j = 0; j < E; ++j) {
+                    const float p = __shfl_xor_sync(0xffffffff, x[u][j], off);
+                    if (rotates) x[u][j] = first ? x[u][j] * cs[j] - p * sn[j] : x[u][j] * cs[j] + p * sn[j];
+                }
+            }
+            store_e<T, E>(dst + lane * E, x[u]);
         }
-        store_e<T, E>(dst + lane * E, x);
     }
 }
 

@@ -55,8 +55,8 @@ impl Block {
     }
 
     /// One layer on `x`, given `h`, its input norm of `x`. Returns the layer's output and, where
-    /// `next` is given, that norm of the output: each residual add is done together with the norm
-    /// that follows it (one kernel on CUDA).
+    /// `next` is given and one kernel does the last residual add with it (CUDA), that norm of the
+    /// output; the post-attention norm comes with the first add the same way.
     fn forward(
         &self,
         x: &Tensor,
@@ -79,7 +79,9 @@ impl Block {
                 y
             }
         };
-        let out = match next {
+        // Where no kernel fuses them, the next norm waits for the next layer (this layer's
+        // temporaries are gone by then, as they always were).
+        let out = match next.filter(|n| n.fuses_add(&x, &y)) {
             Some(norm) => norm.add_forward(&x, &y).map(|(o, h)| (o, Some(h)))?,
             None => (residual(&x, &y)?, None),
         };
@@ -167,10 +169,12 @@ impl Decoder {
                 None => layer.input_norm.forward(&x)?,
             };
             // The norm after this layer: the next one's input norm, or the final norm after the last.
-            let next = match idx {
-                _ if idx == n => Some(&self.norm),
-                _ if idx < deepest => Some(&self.layers[idx].input_norm),
-                _ => None,
+            let next = if idx == n {
+                Some(&self.norm)
+            } else if idx < deepest {
+                Some(&self.layers[idx].input_norm)
+            } else {
+                None
             };
             let (out, h_next) = layer.forward(&x, &h, next, pk)?;
             x = out;

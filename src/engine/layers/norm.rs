@@ -42,27 +42,37 @@ impl RmsNorm {
         }
         candle_nn::ops::rms_norm(x, &self.weight, self.eps)
     }
-}
 
-impl RmsNorm {
     /// `x + y` (the residual add) and this norm of it. On CUDA, for the f32 stream, a 16-bit
     /// sublayer output and a 16-bit weight, one kernel does both, bitwise as the two ops
     /// (`LAYERTAP_FUSED_ADD_NORM=0` keeps them separate, for comparison); elsewhere [`residual`]
     /// then [`RmsNorm::forward`].
     pub fn add_forward(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
-        if self.zero_centred.is_none()
-            && x.device().is_cuda()
-            && x.dtype() == DType::F32
-            && matches!(self.weight.dtype(), DType::BF16 | DType::F16)
-            && y.dtype() == self.weight.dtype()
-            && fused_add_norm()
-        {
+        if self.fuses_add(x, y) {
             return crate::engine::cuda_ops::add_rms_norm_f32(x, y, &self.weight, self.eps);
         }
         let x = residual(x, y)?;
         let h = self.forward(&x)?;
         Ok((x, h))
+    }
+
+    /// Whether [`RmsNorm::add_forward`] runs the fused kernel for these inputs.
+    pub fn fuses_add(&self, x: &Tensor, y: &Tensor) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.zero_centred.is_none()
+                && x.device().is_cuda()
+                && x.dtype() == DType::F32
+                && matches!(self.weight.dtype(), DType::BF16 | DType::F16)
+                && y.dtype() == self.weight.dtype()
+                && fused_add_norm()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (x, y);
+            false
+        }
     }
 }
 

@@ -22,7 +22,8 @@
 //   products; both stay row-major [key][dim] and reach the tensor cores through ldmatrix (.trans
 //   for V). A warp skips the key tiles that none of its rows can see.
 // - `wide_attention_*` (128 query rows): the pipelined kernel with 32 rows per warp (two groups
-//   of 16 sharing every K/V fragment) and Q staged in shared memory; the default.
+//   of 16 sharing every K/V fragment) and Q staged in shared memory; the default for head dims
+//   64 and 128 (the host picks).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

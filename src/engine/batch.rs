@@ -143,7 +143,7 @@ impl BatchCtx {
         let mut masks = HashMap::new();
         #[cfg(feature = "cuda")]
         let tiles = if has(MixerKind::FullAttention) && super::cuda_attention::supported(device, dtype, cfg.head_dim) {
-            Some(super::cuda_attention::tiles(&seqs, device)?)
+            Some(super::cuda_attention::tiles(&seqs, device, cfg.head_dim)?)
         } else {
             None
         };

@@ -284,6 +284,37 @@ __device__ __forceinline__ void stage_rows(T* dst, const T* src, int rows, int r
     }
 }
 
+// Keys k0..k0+BN-1 of the block's sequence and KV head into one stage: the K tile, then the V
+// tile, BN rows each.
+template <typename T, int D, int BN, int THREADS, typename W>
+__device__ __forceinline__ void stage_kv(T* stage, const T* k, const T* v, const W& w, int k0) {
+    stage_rows<T, D, THREADS>(stage, k, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
+    stage_rows<T, D, THREADS>(stage + BN * (D + PAD), v, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
+}
+
+// O += P V for MT groups of 16 rows (`st[j]`, probabilities `pf[j]`) from the V tile `vs`
+// (row-major [key][dim], row stride D + PAD): one transposing ldmatrix gives the B fragments of
+// two 8-column output tiles, which every group uses.
+template <typename T, int D, int BN, int MT>
+__device__ __forceinline__ void pv_product(RowState<T, D>* st, const uint32_t (*pf)[BN / 16][4], const T* vs,
+                                           int lane) {
+    constexpr int LD = D + PAD, NT = RowState<T, D>::NT;
+    const int lm = lane >> 3, lr = lane & 7;
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, vs + (kk * 16 + (lm & 1) * 8 + lr) * LD + (n + (lm >> 1)) * 8);
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                Mma<T>::mma(st[j].o[n], pf[j][kk], b[0], b[1]);
+                Mma<T>::mma(st[j].o[n + 1], pf[j][kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // The pipelined kernel: 16 * WARPS query rows; dynamic shared memory of
 // 2 stages x (K, V) x BN x (D + PAD) elements (see `shared_bytes` on the host).
 template <typename T, int D, int BN, int WARPS>
@@ -302,17 +333,13 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
     const int w0 = w.q0 + warp * 16;  // the warp's first query row
 
     // Keys k0..k0+BN-1 (K then V) into stage `stage`.
-    auto load = [&](int stage, int k0) {
-        T* ks = smem + stage * STAGE;
-        stage_rows<T, D, WARPS * 32>(ks, k, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
-        stage_rows<T, D, WARPS * 32>(ks + BN * LD, v, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
-    };
+    auto load = [&](int stage, int k0) { stage_kv<T, D, BN, WARPS * 32>(smem + stage * STAGE, k, v, w, k0); };
 
     RowState<T, D> st;
     st.init(w0, lane);
     uint32_t qf[D / 16][4];
     load_q_frags<T, D>(qf, q, w.seq_start, w.seq_len, w0, w.head, w.q_stride, lane);
-    constexpr int KSTEPS = RowState<T, D>::KSTEPS, NT = RowState<T, D>::NT;
+    constexpr int KSTEPS = RowState<T, D>::KSTEPS;
     const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: this lane addresses row lr of matrix lm
 
     load(0, w.k_begin);
@@ -346,17 +373,7 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
         st.template softmax<BN>(s, pf, k0, tile_full<BN>(k0, w0, w.seq_len, window), w.seq_len, window, scale_log2,
                                 lane);
 
-        // O += P V: one transposing ldmatrix gives the B fragments of two 8-column output tiles.
-#pragma unroll
-        for (int n = 0; n < NT; n += 2) {
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, vs + (kk * 16 + (lm & 1) * 8 + lr) * LD + (n + (lm >> 1)) * 8);
-                Mma<T>::mma(st.o[n], pf[kk], b[0], b[1]);
-                Mma<T>::mma(st.o[n + 1], pf[kk], b[2], b[3]);
-            }
-        }
+        pv_product<T, D, BN, 1>(&st, &pf, vs, lane);
     }
     st.store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);
 }
@@ -383,16 +400,12 @@ __device__ void attention_tile_wide(const T* __restrict__ q, const T* __restrict
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int wr = warp * 16 * MT;  // the warp's first row within the tile
-    auto load = [&](int stage, int k0) {
-        T* ks = kv + stage * STAGE;
-        stage_rows<T, D, WARPS * 32>(ks, k, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
-        stage_rows<T, D, WARPS * 32>(ks + BN * LD, v, BN, k0, w.seq_start, w.seq_len, w.kv_stride, w.kv_head);
-    };
+    auto load = [&](int stage, int k0) { stage_kv<T, D, BN, WARPS * 32>(kv + stage * STAGE, k, v, w, k0); };
 
     RowState<T, D> st[MT];
 #pragma unroll
     for (int j = 0; j < MT; ++j) st[j].init(w.q0 + wr + 16 * j, lane);
-    constexpr int KSTEPS = RowState<T, D>::KSTEPS, NT = RowState<T, D>::NT;
+    constexpr int KSTEPS = RowState<T, D>::KSTEPS;
     const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: this lane addresses row lr of matrix lm
 
     stage_rows<T, D, WARPS * 32>(qs, q, BM, w.q0, w.seq_start, w.seq_len, w.q_stride, w.head);
@@ -450,20 +463,7 @@ __device__ void attention_tile_wide(const T* __restrict__ q, const T* __restrict
                                        scale_log2, lane);
         }
 
-        // O += P V.
-#pragma unroll
-        for (int n = 0; n < NT; n += 2) {
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, vs + (kk * 16 + (lm & 1) * 8 + lr) * LD + (n + (lm >> 1)) * 8);
-#pragma unroll
-                for (int j = 0; j < MT; ++j) {
-                    Mma<T>::mma(st[j].o[n], pf[j][kk], b[0], b[1]);
-                    Mma<T>::mma(st[j].o[n + 1], pf[j][kk], b[2], b[3]);
-                }
-            }
-        }
+        pv_product<T, D, BN, MT>(st, pf, vs, lane);
     }
 #pragma unroll
     for (int j = 0; j < MT; ++j) st[j].store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);

@@ -206,7 +206,7 @@ __device__ __forceinline__ const T* head_row(const T* row_in, int r, int nq, int
 //
 // `qkv` is [T, W] (16-byte aligned); `out` holds, one after the other, q [T, nq, hd], k [T, nkv,
 // hd], v [T, nkv, hd] and, if gated, the gate [T, nq, hd]. One block per token; each warp takes
-// head rows in turn. Lane l holds dims E l .. E l + E - 1 (E = hd / 32; one load and one store per
+// head rows in turn, six at a time. Lane l holds dims E l .. E l + E - 1 (E = hd / 32; one load and one store per
 // row), so the rotary partner of its dims (i and i + rot/2) is lane l ^ (rot / 2 / E), reached
 // by a shuffle: rot/2 must be a multiple of E with rot / 2 / E a power of two (or rot 0). Each
 // lane makes the cos/sin of its own frequencies once, from the token's position and the f32

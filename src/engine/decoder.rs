@@ -104,8 +104,24 @@ pub struct Decoder {
 impl Decoder {
     /// Loads every tensor the decoder needs (never `lm_head`, nor a vision tower or MTP head),
     /// with a progress callback per layer.
-    pub fn load(cfg: ModelConfig, w: &Weights, mut progress: impl FnMut(usize, usize)) -> Result<Self, EngineError> {
+    pub fn load(cfg: ModelConfig, w: &Weights, progress: impl FnMut(usize, usize)) -> Result<Self, EngineError> {
         let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
+        Self::load_with(cfg, w, embed, progress)
+    }
+
+    /// [`Decoder::load`] with only the embedding rows of `tokens`: token `tokens[i]` is then id
+    /// `i` (for a decoder that runs a few known sequences, such as the self-check's reference).
+    pub fn load_for_tokens(cfg: ModelConfig, w: &Weights, tokens: &[u32]) -> Result<Self, EngineError> {
+        let embed = w.get_rows("embed_tokens.weight", tokens, &[cfg.vocab_size, cfg.hidden_size])?;
+        Self::load_with(cfg, w, embed, |_, _| {})
+    }
+
+    fn load_with(
+        cfg: ModelConfig,
+        w: &Weights,
+        embed: Tensor,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self, EngineError> {
         let n = cfg.num_hidden_layers;
         let mut layers = Vec::with_capacity(n);
         for i in 0..n {

@@ -227,29 +227,48 @@ impl ModelFiles {
         }
     }
 
-    /// Loads the decoder onto `device` in `dtype`, with a progress bar on a terminal.
-    pub fn load(&self, device: &Device, dtype: DType) -> Result<LoadedModel, EngineError> {
-        let (source, config) = match &self.files {
-            Files::Hf { config, shards } => {
+    /// The checkpoint's tensors, read onto `device` in `dtype`, checked before anything is loaded.
+    fn weights(&self, device: &Device, dtype: DType) -> Result<Weights, EngineError> {
+        let source = match &self.files {
+            Files::Hf { shards, .. } => {
                 // SAFETY: the files are memory-mapped read-only; layertap does not modify them while loaded.
                 let tensors = unsafe { MmapedSafetensors::multi(shards) }
                     .map_err(|e| err(format!("cannot open safetensors shards: {e}")))?;
-                (TensorSource::Safetensors { files: shards.clone(), tensors }, config.clone())
+                TensorSource::Safetensors { files: shards.clone(), tensors }
             }
-            Files::Gguf { file, config } => {
-                (TensorSource::Gguf(GgufTensors::new(file.clone(), config)), config.clone())
-            }
+            Files::Gguf { file, config } => TensorSource::Gguf(GgufTensors::new(file.clone(), config)),
         };
         let weights = Weights::new(source, device.clone(), dtype);
+        weights.check_before_load()?;
+        Ok(weights)
+    }
+
+    /// Loads the decoder onto `device` in `dtype`, with a progress bar on a terminal.
+    pub fn load(&self, device: &Device, dtype: DType) -> Result<LoadedModel, EngineError> {
+        let config = self.config().clone();
+        let weights = self.weights(device, dtype)?;
         let bar = indicatif::ProgressBar::new(config.num_hidden_layers as u64).with_style(
             indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         bar.set_message(self.id.clone());
-        let decoder = Decoder::load(config.clone(), &weights, |_, _| bar.inc(1))?;
+        let decoder = Decoder::load(config.clone(), &weights, |_, _| bar.inc(1));
         bar.finish_and_clear();
+        let decoder = decoder?;
+        weights.check_unread()?;
         let info = ModelInfo::new(&self.id, &config, OutDType::from_candle(dtype));
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
+    }
+
+    /// The model's first `depth` decoder layers on the CPU in f32 (the portable path), with the
+    /// embedding rows of `tokens` only: token `tokens[i]` is id `i` for this engine. With
+    /// `depth` below the model's layer count, index `depth + 1` ("final_prenorm" of the
+    /// truncated decoder) is the output of layer `depth` and index `depth` is not that output
+    /// (it has the final norm applied).
+    pub fn load_prefix_f32(&self, depth: usize, tokens: &[u32]) -> Result<ModelEngine, EngineError> {
+        let config = self.config().truncated(depth);
+        let weights = self.weights(&Device::Cpu, DType::F32)?;
+        ModelEngine::new(Decoder::load_for_tokens(config, &weights, tokens)?)
     }
 }
 

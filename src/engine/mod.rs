@@ -68,9 +68,41 @@ impl From<candle_core::Error> for EngineError {
     fn from(e: candle_core::Error) -> Self {
         let text = e.to_string();
         if EngineError::is_out_of_memory_text(&text) {
-            EngineError::OutOfMemory(text)
+            EngineError::OutOfMemory(one_line(&e))
         } else {
             EngineError::Compute(e)
+        }
+    }
+}
+
+/// A candle error's message on one line, without the backtrace candle may have attached (a
+/// device error's backtrace is many lines of `<unknown>` frames, useless in a log line).
+fn one_line(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => one_line(inner),
+        candle_core::Error::Context { inner, context } => format!("{context}: {}", one_line(inner)),
+        other => other.to_string().split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; "),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_out_of_memory_error_is_one_line_without_its_backtrace() {
+        let inner = candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
+        let e = candle_core::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        }
+        .context("allocating 3 GiB");
+        assert!(e.to_string().lines().count() > 2, "candle's own text carries the backtrace");
+        match EngineError::from(e) {
+            EngineError::OutOfMemory(m) => {
+                assert_eq!(m, "allocating 3 GiB: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")")
+            }
+            other => panic!("not recognised as out of memory: {other}"),
         }
     }
 }

@@ -1,7 +1,9 @@
 //! Named tensors from safetensors files or from memory (GGUF), checked for shape and cast to the
 //! compute dtype and device.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
@@ -19,6 +21,35 @@ pub struct Weights {
     prefix: String,
     pub device: Device,
     pub dtype: DType,
+    /// Full names of the tensors read so far, for [`Weights::check_unread`].
+    read: Mutex<HashSet<String>>,
+}
+
+/// The dtypes the loader reads a parameter from: floating-point weights, cast to the compute
+/// dtype. Anything else (FP8, packed integers, scales) needs arithmetic the loader does not do.
+const FLOAT_DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::F64];
+
+/// Checkpoint parts outside the text decoder that are never read and may hold anything (a
+/// vision tower, a multi-token-prediction head, the output head).
+const IGNORED_PREFIXES: &[&str] = &[
+    "mtp.",
+    "model.mtp.",
+    "model.visual.",
+    "visual.",
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.vision_model.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+    "lm_head.",
+];
+
+/// Name parts of the tensors quantisation methods add (scales, packed weights, zero points).
+const QUANT_MARKERS: &[&str] = &["_scale", "scale_inv", "qweight", "qzeros", "scales", "g_idx", "absmax", "quant_"];
+
+/// Whether the last part of a tensor name marks it as quantisation data.
+fn is_quant_data(full: &str) -> bool {
+    full.rsplit('.').next().is_some_and(|last| QUANT_MARKERS.iter().any(|m| last.contains(m)))
 }
 
 impl Weights {
@@ -34,7 +65,7 @@ impl Weights {
                 .unwrap_or(""),
             TensorSource::Gguf(_) => "",
         };
-        Weights { source, prefix: prefix.into(), device, dtype }
+        Weights { source, prefix: prefix.into(), device, dtype, read: Mutex::default() }
     }
 
     /// `name` as the checkpoint spells it (with the decoder prefix).
@@ -79,23 +110,59 @@ impl Weights {
         let full = self.full_name(name);
         let t = match &self.source {
             TensorSource::Safetensors { tensors, .. } => {
-                if tensors.get(&full).is_err() {
+                let Ok(view) = tensors.get(&full) else {
                     return Err(self.missing(&full));
+                };
+                if !DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d)) {
+                    return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
                 }
+                self.mark_read(&full);
                 tensors.load(&full, &Device::Cpu)?
             }
             TensorSource::Gguf(g) => g.load(name)?.ok_or_else(|| self.missing(&full))?,
         };
         if t.dims() != shape {
-            return Err(EngineError::Load(format!(
-                "tensor {full:?} in {} has shape {:?}, but the model config implies {:?}; \
-                 the weights do not match the model config",
-                self.where_from(),
-                t.dims(),
-                shape
-            )));
+            return Err(self.shape_mismatch(&full, t.dims(), shape));
         }
         Ok(t.to_dtype(dtype)?.to_device(&self.device)?)
+    }
+
+    /// Rows `rows` of the `[n, cols]` tensor `name` (shape checked), in the compute dtype: only
+    /// those rows are read from a safetensors file.
+    pub fn get_rows(&self, name: &str, rows: &[u32], shape: &[usize]) -> Result<Tensor, EngineError> {
+        let full = self.full_name(name);
+        let [n, cols] = shape[..] else {
+            return Err(EngineError::Load(format!("{full:?}: rows of a 2-D tensor only")));
+        };
+        if let Some(r) = rows.iter().find(|&&r| r as usize >= n) {
+            return Err(EngineError::InvalidInput(format!("row {r} of {full:?} is past its {n} rows")));
+        }
+        let TensorSource::Safetensors { tensors, .. } = &self.source else {
+            let ids = Tensor::new(rows, &self.device)?;
+            return Ok(self.get_as(name, shape, self.dtype)?.index_select(&ids, 0)?);
+        };
+        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
+        let dtype = DType::try_from(view.dtype()).ok().filter(|d| FLOAT_DTYPES.contains(d));
+        let Some(dtype) = dtype else {
+            return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
+        };
+        if view.shape() != shape {
+            return Err(self.shape_mismatch(&full, view.shape(), shape));
+        }
+        self.mark_read(&full);
+        let row = cols * dtype.size_in_bytes();
+        let bytes: Vec<u8> =
+            rows.iter().flat_map(|&r| &view.data()[r as usize * row..(r as usize + 1) * row]).copied().collect();
+        let t = Tensor::from_raw_buffer(&bytes, dtype, &[rows.len(), cols], &Device::Cpu)?;
+        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+    }
+
+    fn shape_mismatch(&self, full: &str, have: &[usize], want: &[usize]) -> EngineError {
+        EngineError::Load(format!(
+            "tensor {full:?} in {} has shape {have:?}, but the model config implies {want:?}; the weights do not \
+             match the model config",
+            self.where_from(),
+        ))
     }
 
     pub fn get_opt(&self, name: &str, shape: &[usize], present: bool) -> Result<Option<Tensor>, EngineError> {
@@ -104,6 +171,100 @@ impl Weights {
         } else {
             Ok(None)
         }
+    }
+
+    fn mark_read(&self, full: &str) {
+        if let Ok(mut read) = self.read.lock() {
+            read.insert(full.to_string());
+        }
+    }
+
+    /// Before anything is loaded: refuses a checkpoint whose decoder holds a tensor in a dtype the
+    /// loader does not read (FP8, packed integers) or quantisation data (a scale, packed weights,
+    /// zero points) outside the parts that are never read ([`IGNORED_PREFIXES`]), naming the first.
+    /// So a quantised checkpoint is refused at once, not after minutes of loading.
+    pub fn check_before_load(&self) -> Result<(), EngineError> {
+        let TensorSource::Safetensors { tensors, .. } = &self.source else {
+            return Ok(());
+        };
+        let mut all = tensors.tensors();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, view) in &all {
+            if !self.must_be_read(name) {
+                continue;
+            }
+            let float = DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d));
+            if !float || is_quant_data(name) {
+                return Err(self.unreadable(name, &format!("{:?}", view.dtype())));
+            }
+        }
+        Ok(())
+    }
+
+    /// Once the decoder is loaded: the checkpoint's tensors that nothing read are listed (debug),
+    /// and refused when one belongs to the decoder (a layer, the embeddings or the final norm):
+    /// the decoder would run without something its checkpoint says it needs. GGUF files are read
+    /// by name mapping and dequantised whole; they are not checked.
+    pub fn check_unread(&self) -> Result<(), EngineError> {
+        let TensorSource::Safetensors { tensors, .. } = &self.source else {
+            return Ok(());
+        };
+        let read = self.read.lock().map(|r| r.clone()).unwrap_or_default();
+        let mut unread: Vec<(String, String)> = tensors
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| !read.contains(name))
+            .map(|(name, view)| (name, format!("{:?}", view.dtype())))
+            .collect();
+        unread.sort();
+        if unread.is_empty() {
+            return Ok(());
+        }
+        tracing::debug!(
+            count = unread.len(),
+            tensors = ?unread.iter().map(|(n, d)| format!("{n} ({d})")).collect::<Vec<_>>(),
+            "checkpoint tensors not read (outside the text decoder)"
+        );
+        match unread.iter().find(|(name, _)| self.must_be_read(name)) {
+            None => Ok(()),
+            Some((name, dtype)) => Err(self.unreadable(name, dtype)),
+        }
+    }
+
+    fn unreadable(&self, name: &str, dtype: &str) -> EngineError {
+        let part = match self.layer_of(name) {
+            Some(i) => format!("of decoder layer {i} (which runs)"),
+            None if name.starts_with(&self.prefix) && !is_quant_data(name) => "of the decoder".to_string(),
+            None => "(quantisation data)".to_string(),
+        };
+        EngineError::Load(format!(
+            "tensor {name:?} ({dtype}) {part} in {} cannot be read: layertap reads decoder parameters stored as \
+             float32, float16 or bfloat16 and no quantisation data (FP8 weights, scales, packed integers, zero \
+             points), so it refuses the checkpoint rather than return wrong hidden states",
+            self.where_from(),
+        ))
+    }
+
+    /// The decoder layer a full tensor name belongs to, if any.
+    fn layer_of(&self, full: &str) -> Option<usize> {
+        let rest = full.strip_prefix(&self.prefix)?.strip_prefix("layers.")?;
+        rest.split('.').next()?.parse().ok()
+    }
+
+    fn must_be_read(&self, full: &str) -> bool {
+        // A buffer some older checkpoints saved, recomputed by every implementation.
+        if full.ends_with(".rotary_emb.inv_freq") {
+            return false;
+        }
+        let decoder =
+            ["layers.", "embed_tokens.", "norm."].iter().any(|p| full.starts_with(&format!("{}{p}", self.prefix)));
+        if decoder {
+            return true;
+        }
+        if IGNORED_PREFIXES.iter().any(|p| full.starts_with(p)) {
+            return false;
+        }
+        is_quant_data(full)
     }
 
     fn missing(&self, full: &str) -> EngineError {

@@ -183,6 +183,7 @@ impl ModelConfig {
             Some(text) if matches!(family, Family::Qwen3_5 | Family::Qwen3_5Moe) => text,
             _ => root,
         };
+        super::quant::check(&[root, cfg])?;
         let hidden_size = req_usize(cfg, "hidden_size")?;
         let num_attention_heads = req_usize(cfg, "num_attention_heads")?;
         let num_key_value_heads = opt_usize(cfg, "num_key_value_heads").unwrap_or(num_attention_heads);

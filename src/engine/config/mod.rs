@@ -3,6 +3,7 @@
 //! feed-forward block it has.
 
 mod hf;
+pub mod quant;
 
 use serde::Serialize;
 
@@ -201,6 +202,15 @@ pub struct LayerKinds {
 }
 
 impl ModelConfig {
+    /// The same model with only its first `depth` decoder layers (at least one).
+    pub fn truncated(&self, depth: usize) -> Self {
+        let depth = depth.clamp(1, self.num_hidden_layers);
+        let mut c = self.clone();
+        c.num_hidden_layers = depth;
+        c.layers.truncate(depth);
+        c
+    }
+
     pub fn validate(&self) -> Result<(), EngineError> {
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return Err(bad("model config: head counts must be positive"));

@@ -220,6 +220,28 @@ pub struct BenchArgs {
     pub no_screen: bool,
 }
 
+/// What the start-up self-check does with its verdict (see `--selfcheck`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SelfCheckMode {
+    /// No self-check.
+    Off,
+    /// Run it, report it (metrics, /v1/info), and turn ready even when it fails (logged at WARN).
+    Warn,
+    /// Run it, report it, and stay unready when it fails (logged at ERROR).
+    #[default]
+    Enforce,
+}
+
+impl SelfCheckMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            SelfCheckMode::Off => "off",
+            SelfCheckMode::Warn => "warn",
+            SelfCheckMode::Enforce => "enforce",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -275,6 +297,12 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "LAYERTAP_LOG_FORMAT")]
     pub log_format: LogFormat,
+    /// Start-up self-check: before turning ready, each device runs a fixed probe (four short
+    /// sequences, packed) through its first layers and compares every hidden-state index with the
+    /// portable f32 path; `enforce` stays unready when an index is off by more than the compute
+    /// dtype's tolerance, `warn` only logs it, `off` skips it.
+    #[arg(long, value_enum, default_value_t = SelfCheckMode::Enforce, env = "LAYERTAP_SELFCHECK")]
+    pub selfcheck: SelfCheckMode,
     /// Most tokens in one request over all its inputs; more is refused with 413 before any work.
     /// Default: 65536, or --max-queue-tokens when that is smaller.
     #[arg(long, env = "LAYERTAP_MAX_REQUEST_TOKENS")]

@@ -1,8 +1,8 @@
 //! Prometheus collectors, on a registry owned by the application (never the global one).
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -25,6 +25,8 @@ pub struct Metrics {
     pub batches_cancelled: IntCounter,
     pub oom_retries: IntCounter,
     pub batch_token_budget: IntGauge,
+    pub selfcheck_error: GaugeVec,
+    pub selfcheck_seconds: GaugeVec,
     pub nonfinite: IntCounterVec,
     pub heap_in_use: IntGauge,
     pub answer_buffers_idle: IntGauge,
@@ -177,6 +179,30 @@ impl Metrics {
                 IntGauge::new(
                     "layertap_batch_token_budget",
                     "Most tokens per batch now (lowered when a batch runs out of device memory)",
+                )
+                .unwrap(),
+            ),
+            selfcheck_error: reg(
+                &r,
+                GaugeVec::new(
+                    Opts::new(
+                        "layertap_selfcheck_relative_error",
+                        "Start-up self-check: relative error of the serving path against the portable f32 path, per \
+                         device and hidden-state index (+Inf where the serving path returned a non-finite value)",
+                    ),
+                    &["device", "index"],
+                )
+                .unwrap(),
+            ),
+            selfcheck_seconds: reg(
+                &r,
+                GaugeVec::new(
+                    Opts::new(
+                        "layertap_selfcheck_seconds",
+                        "Start-up self-check: seconds it took per device (the probe, and the reference where this \
+                         device computed it)",
+                    ),
+                    &["device"],
                 )
                 .unwrap(),
             ),

@@ -9,10 +9,13 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::batching::{spawn_worker, Queue, WorkerHandle};
-use crate::cli::ServeArgs;
+use crate::cli::{SelfCheckMode, ServeArgs};
 use crate::engine::loader::ModelFiles;
-use crate::engine::{parse_device, tokens_for_memory, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType};
-use crate::http::{app, conn, AppState, Limits};
+use crate::engine::selfcheck::{self, Probe, Reference, Report};
+use crate::engine::{
+    layer_name, parse_device, tokens_for_memory, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType,
+};
+use crate::http::{app, conn, AppState, Limits, SelfCheckState};
 use crate::metrics::Metrics;
 use crate::tokenizer::TextTokenizer;
 
@@ -182,6 +185,9 @@ pub struct Setup {
     pub api_keys: Vec<String>,
     /// Size the batch budget from free device memory once loaded (CUDA without --max-batch-tokens).
     pub auto_batch_tokens: bool,
+    /// What a failed start-up self-check does (each device's engine factory runs it and hands
+    /// its report over with the engine).
+    pub selfcheck: SelfCheckMode,
 }
 
 /// Builds a device's engine on its worker thread.
@@ -223,6 +229,7 @@ where
         memory: Default::default(),
         draining: Arc::new(AtomicBool::new(false)),
         abandon: CancellationToken::new(),
+        selfcheck: Arc::new(SelfCheckState::new(setup.selfcheck)),
     };
     let shutdown = CancellationToken::new();
     // Readiness flips once every worker has its model; a failed load stops the server.
@@ -236,6 +243,9 @@ where
         let auto_size = setup.auto_batch_tokens;
         let n = setup.devices.len();
         let stop = shutdown.clone();
+        let selfcheck = state.selfcheck.clone();
+        let metrics = state.metrics.clone();
+        let num_layers = state.info.num_layers;
         std::thread::spawn(move || {
             let mut fits: Option<usize> = None;
             for _ in 0..n {
@@ -244,6 +254,12 @@ where
                         tracing::info!(device = %l.device, fits_tokens = ?l.max_batch_tokens, "model loaded");
                         if let Some(t) = l.max_batch_tokens {
                             fits = Some(fits.map_or(t, |f| f.min(t)));
+                        }
+                        if let Some(r) = l.selfcheck {
+                            record_selfcheck(&r, &metrics, num_layers);
+                            if let Ok(mut reports) = selfcheck.reports.lock() {
+                                reports.push(r);
+                            }
                         }
                         if let Ok(mut p) = probes.lock() {
                             p.push((l.device, l.memory));
@@ -277,6 +293,9 @@ where
                      bytes per token (all layers kept, q/k/v, MLP)"
                 );
             }
+            if !selfcheck_allows_readiness(&selfcheck, num_layers) {
+                return;
+            }
             loaded.store(true, Ordering::SeqCst);
             tracing::info!("ready");
         });
@@ -284,6 +303,91 @@ where
     let addr = listener.local_addr()?;
     let task = tokio::spawn(serve(listener, state.clone(), workers, shutdown.clone(), drain_timeout));
     Ok(Running { addr, state, shutdown, task, load_error })
+}
+
+/// Exports one device's self-check and logs its figures.
+fn record_selfcheck(r: &Report, metrics: &Metrics, num_layers: usize) {
+    for &(index, e) in &r.errors {
+        metrics.selfcheck_error.with_label_values(&[&r.device, &layer_name(index, num_layers)]).set(e);
+    }
+    metrics.selfcheck_seconds.with_label_values(&[&r.device]).set(r.seconds + r.reference_seconds);
+    let (index, worst) = r.worst();
+    tracing::info!(
+        device = %r.device,
+        worst_relative_error = worst,
+        worst_index = %layer_name(index, num_layers),
+        tolerance = r.tolerance,
+        probe_seconds = r.seconds,
+        reference_seconds = r.reference_seconds,
+        "self-check done"
+    );
+}
+
+/// Whether the self-check's reports let the server turn ready: a failure refuses readiness
+/// under `enforce` (logged once at ERROR; `/ready` answers selfcheck_failed) and is logged at
+/// WARN under `warn`.
+fn selfcheck_allows_readiness(s: &SelfCheckState, num_layers: usize) -> bool {
+    let reports = s.reports.lock().map(|r| r.clone()).unwrap_or_default();
+    let failed: Vec<String> = reports
+        .iter()
+        .filter(|r| !r.passed())
+        .map(|r| {
+            let (index, e) = r.worst();
+            format!(
+                "{}: index {} is off by {e:.3e} (relative), tolerance {:.1e} for {}",
+                r.device,
+                layer_name(index, num_layers),
+                r.tolerance,
+                r.dtype.name()
+            )
+        })
+        .collect();
+    if failed.is_empty() {
+        return true;
+    }
+    let why = failed.join("; ");
+    if s.mode == SelfCheckMode::Enforce {
+        s.refused.store(true, Ordering::SeqCst);
+        tracing::error!(
+            "self-check failed, readiness refused: the serving path does not compute what the portable f32 path \
+             computes for this checkpoint ({why}); its hidden states would be wrong. Report it with the model's \
+             config.json; --selfcheck warn serves anyway"
+        );
+        false
+    } else {
+        tracing::warn!("self-check failed ({why}); serving anyway because of --selfcheck warn");
+        true
+    }
+}
+
+/// Runs the start-up self-check of `engine` on `device`: the probe through the engine, against
+/// the portable f32 path, computed once for every device (`reference`), or by `engine` itself
+/// when it already is that path (the CPU in f32).
+pub fn run_selfcheck(
+    engine: &mut dyn Engine,
+    files: &ModelFiles,
+    device: &str,
+    dtype: OutDType,
+    reference: &std::sync::OnceLock<Result<Reference, String>>,
+) -> Result<Report, EngineError> {
+    let probe = Probe::new(files.config());
+    let mut computed_here = 0.0;
+    let own;
+    let reference = if device == "cpu" && dtype == OutDType::Float32 {
+        own = Reference::from_engine(engine, &probe)?;
+        computed_here = own.seconds;
+        &own
+    } else {
+        let r = reference.get_or_init(|| {
+            Reference::portable(files, &probe)
+                .inspect(|r| computed_here = r.seconds)
+                .map_err(|e| format!("the self-check's reference could not be computed: {e}"))
+        });
+        r.as_ref().map_err(|e| EngineError::Load(e.clone()))?
+    };
+    let mut report = selfcheck::check(engine, &probe, reference, device, dtype)?;
+    report.reference_seconds = computed_here;
+    Ok(report)
 }
 
 /// `layertap serve`.
@@ -329,20 +433,28 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
     let dtype: OutDType = args.dtype;
+    let mode = args.selfcheck;
+    let reference = Arc::new(std::sync::OnceLock::new());
     let make = move |d: &str| -> EngineFactory {
         let files = files.clone();
+        let reference = reference.clone();
         let d = d.to_string();
         Box::new(move || {
             let device = parse_device(&d)?;
-            let m = files.load(&device, dtype.candle())?;
+            let mut engine = files.load(&device, dtype.candle())?.engine;
+            let selfcheck = match mode {
+                SelfCheckMode::Off => None,
+                _ => Some(run_selfcheck(&mut engine, &files, &d, dtype, &reference)?),
+            };
             let memory = MemoryProbe::new(&device);
             let fits = memory.sample().map(|(used, total)| {
                 tokens_for_memory(files.config(), dtype.candle(), total.saturating_sub(used), max_input_tokens)
             });
-            Ok(LoadedEngine { engine: Box::new(m.engine), max_batch_tokens: fits, memory })
+            Ok(LoadedEngine { engine: Box::new(engine), max_batch_tokens: fits, memory, selfcheck })
         })
     };
-    let setup = Setup { info, tokenizer, devices, limits, api_keys: args.keys(), auto_batch_tokens };
+    let setup =
+        Setup { info, tokenizer, devices, limits, api_keys: args.keys(), auto_batch_tokens, selfcheck: args.selfcheck };
     let running = start(listener, setup, make, Duration::from_secs(args.shutdown_timeout_s))?;
     let stop = running.shutdown.clone();
     let abandon = running.state.abandon.clone();

@@ -68,6 +68,12 @@ async fn the_binary_serves_then_drains_on_sigterm() {
     let info: Value = c.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
     assert_eq!(info["architecture"], "LlamaForCausalLM");
     assert_eq!(info["max_input_tokens"], 64, "the LAYERTAP_ env variable is read");
+    // The binary self-checks by default before turning ready (the CPU in f32: packed against alone).
+    let sc = &info["selfcheck"];
+    assert_eq!((sc["mode"].as_str(), sc["passed"].as_bool()), (Some("enforce"), Some(true)), "{sc}");
+    assert!(sc["worst_relative_error"].as_f64().unwrap() < 1e-5, "{sc}");
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("layertap_selfcheck_relative_error{device=\"cpu\",index=\"2\"}"), "{metrics}");
     let t = hidden(
         &base,
         json!({"inputs": [{"text": "hello world"}, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],

@@ -14,6 +14,8 @@ pub struct Loaded {
     /// Tokens per batch that fit in the device's free memory, where that can be measured.
     pub max_batch_tokens: Option<usize>,
     pub memory: MemoryProbe,
+    /// The start-up self-check of the device's serving path, unless it is off.
+    pub selfcheck: Option<crate::engine::selfcheck::Report>,
 }
 
 /// A device worker thread. Join it after closing the queue.
@@ -47,7 +49,12 @@ where
     let join = std::thread::Builder::new().name(format!("layertap-{device}")).spawn(move || {
         let mut engine = match make_engine() {
             Ok(l) => {
-                let report = Loaded { device: name.clone(), max_batch_tokens: l.max_batch_tokens, memory: l.memory };
+                let report = Loaded {
+                    device: name.clone(),
+                    max_batch_tokens: l.max_batch_tokens,
+                    memory: l.memory,
+                    selfcheck: l.selfcheck,
+                };
                 let _ = loaded.send(Ok(report));
                 drop(loaded);
                 l.engine

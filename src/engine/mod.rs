@@ -20,6 +20,7 @@ pub mod layers;
 pub mod loader;
 pub mod output;
 pub mod profile;
+pub mod selfcheck;
 pub mod weights;
 
 use candle_core::Tensor;
@@ -355,6 +356,8 @@ pub struct LoadedEngine {
     /// Tokens per batch that fit in the device's free memory, where that can be measured.
     pub max_batch_tokens: Option<usize>,
     pub memory: MemoryProbe,
+    /// The start-up self-check of this device's serving path, unless it is off.
+    pub selfcheck: Option<selfcheck::Report>,
 }
 
 /// How many tokens one forward pass can hold in `free_bytes` of device memory: a conservative

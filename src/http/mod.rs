@@ -103,6 +103,24 @@ pub struct AppState {
     /// The drain deadline has passed (or a second signal came): handlers stop waiting for the
     /// queue and answer 503 with Retry-After.
     pub abandon: tokio_util::sync::CancellationToken,
+    /// The start-up self-check: its mode, each device's report, and whether it refused readiness.
+    pub selfcheck: Arc<SelfCheckState>,
+}
+
+/// What the start-up self-check found, shared with the handlers.
+#[derive(Debug, Default)]
+pub struct SelfCheckState {
+    pub mode: crate::cli::SelfCheckMode,
+    /// One per device, as each finishes loading.
+    pub reports: std::sync::Mutex<Vec<crate::engine::selfcheck::Report>>,
+    /// The check failed under `enforce`: the server stays unready.
+    pub refused: AtomicBool,
+}
+
+impl SelfCheckState {
+    pub fn new(mode: crate::cli::SelfCheckMode) -> Self {
+        SelfCheckState { mode, ..Default::default() }
+    }
 }
 
 impl AppState {

@@ -7,7 +7,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
 
-use super::types::{InfoResponse, StatusResponse};
+use super::types::{InfoResponse, SelfCheckInfo, StatusResponse};
 use super::{status_code_ok, AppState};
 use crate::codec::CONVENTION;
 
@@ -18,11 +18,14 @@ pub async fn health() -> Json<StatusResponse> {
 }
 
 #[utoipa::path(get, path = "/ready", tag = "operations",
-    description = "200 when every device has loaded the model and the server is not draining; 503 otherwise.",
+    description = "200 when every device has loaded the model, passed the start-up self-check (unless it is off or \
+        warn-only) and the server is not draining; 503 otherwise (status loading, draining or selfcheck_failed).",
     responses((status = 200, body = StatusResponse), (status = 503, body = StatusResponse)))]
 pub async fn ready(State(s): State<AppState>) -> impl IntoResponse {
     let status = if s.draining.load(Ordering::SeqCst) {
         "draining"
+    } else if s.selfcheck.refused.load(Ordering::SeqCst) {
+        "selfcheck_failed"
     } else if !s.loaded.load(Ordering::SeqCst) {
         "loading"
     } else {
@@ -61,7 +64,29 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         has_tokenizer: s.tokenizer.is_some(),
         has_chat_template: s.tokenizer.as_ref().is_some_and(|t| t.has_chat_template()),
         convention: CONVENTION.into(),
+        selfcheck: selfcheck_info(&s),
         version: env!("CARGO_PKG_VERSION").into(),
+    })
+}
+
+/// The self-check's worst figure over the devices that have reported (None while none has, or
+/// when it is off).
+fn selfcheck_info(s: &AppState) -> Option<SelfCheckInfo> {
+    let reports = s.selfcheck.reports.lock().ok()?;
+    let (report, (index, error)) =
+        reports.iter().map(|r| (r, r.worst())).fold(None, |w: Option<(&_, (usize, f64))>, c| match w {
+            Some(w) if !(c.1 .1 > w.1 .1 || c.1 .1.is_nan()) => Some(w),
+            _ => Some(c),
+        })?;
+    Some(SelfCheckInfo {
+        mode: s.selfcheck.mode.name().into(),
+        passed: reports.iter().all(|r| r.passed()),
+        worst_relative_error: Some(error).filter(|e| e.is_finite()),
+        worst_device: report.device.clone(),
+        worst_index: crate::engine::layer_name(index, s.info.num_layers),
+        tolerance: report.tolerance,
+        devices_checked: reports.len(),
+        seconds: reports.iter().map(|r| r.seconds + r.reference_seconds).fold(0.0, f64::max),
     })
 }
 

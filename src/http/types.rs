@@ -146,12 +146,35 @@ pub struct InfoResponse {
     pub has_chat_template: bool,
     /// The layer-index convention.
     pub convention: String,
+    /// The start-up self-check's worst figure, once a device has run it (absent when it is off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selfcheck: Option<SelfCheckInfo>,
     pub version: String,
+}
+
+/// The start-up self-check in `/v1/info`: the worst relative error over every device and index
+/// (the serving path against the portable f32 path on a fixed probe).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SelfCheckInfo {
+    /// off, warn or enforce.
+    pub mode: String,
+    /// Every device's every index within the tolerance.
+    pub passed: bool,
+    /// The worst relative error; null when the serving path returned a non-finite value.
+    pub worst_relative_error: Option<f64>,
+    pub worst_device: String,
+    /// The hidden-state index of the worst error ("final_prenorm" by name).
+    pub worst_index: String,
+    /// The tolerance of the compute dtype.
+    pub tolerance: f64,
+    pub devices_checked: usize,
+    /// The longest any device took, its share of the reference included.
+    pub seconds: f64,
 }
 
 /// `GET /health` and `GET /ready`.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct StatusResponse {
-    /// ok, loading or draining.
+    /// ok, loading, draining or selfcheck_failed.
     pub status: String,
 }

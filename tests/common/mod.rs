@@ -272,6 +272,7 @@ pub fn fake_setup(limits: Limits) -> Setup {
         limits,
         api_keys: vec![],
         auto_batch_tokens: false,
+        selfcheck: layertap::cli::SelfCheckMode::Enforce,
     }
 }
 
@@ -291,6 +292,7 @@ pub async fn fake_server_with(setup: Setup, drain: Duration) -> FakeServer {
                     engine: Box::new(FakeEngine(c)),
                     max_batch_tokens: None,
                     memory: MemoryProbe::new(&Device::Cpu),
+                    selfcheck: None,
                 })
             })
         },
@@ -373,7 +375,8 @@ pub fn unzstd(bytes: &[u8]) -> Vec<u8> {
 }
 
 /// A real server on 127.0.0.1:0 with the real engine: fixture folder `model` (under
-/// tests/fixtures), on the CPU in f32; returns once it is ready.
+/// tests/fixtures), on the CPU in f32, self-checked as `layertap serve` does; returns once it is
+/// ready.
 pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
     use layertap::engine::loader::ModelFiles;
     use layertap::engine::DType;
@@ -382,16 +385,30 @@ pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
     let info = ModelInfo::new(&files.id, &cfg, OutDType::Float32);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let setup =
-        Setup { info, tokenizer, devices: vec!["cpu".into()], limits, api_keys: vec![], auto_batch_tokens: false };
+    let setup = Setup {
+        info,
+        tokenizer,
+        devices: vec!["cpu".into()],
+        limits,
+        api_keys: vec![],
+        auto_batch_tokens: false,
+        selfcheck: layertap::cli::SelfCheckMode::Enforce,
+    };
     let running = start(
         listener,
         setup,
         move |_| {
             let f = files.clone();
             Box::new(move || {
-                let engine = Box::new(f.load(&Device::Cpu, DType::F32)?.engine);
-                Ok(LoadedEngine { engine, max_batch_tokens: None, memory: MemoryProbe::new(&Device::Cpu) })
+                let mut engine = f.load(&Device::Cpu, DType::F32)?.engine;
+                let reference = std::sync::OnceLock::new();
+                let report = layertap::server::run_selfcheck(&mut engine, &f, "cpu", OutDType::Float32, &reference)?;
+                Ok(LoadedEngine {
+                    engine: Box::new(engine),
+                    max_batch_tokens: None,
+                    memory: MemoryProbe::new(&Device::Cpu),
+                    selfcheck: Some(report),
+                })
             })
         },
         Duration::from_secs(10),

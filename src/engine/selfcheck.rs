@@ -1,0 +1,212 @@
+//! The start-up self-check: a fixed probe (a few sequences of different lengths) runs packed in
+//! one batch through the serving path of each device, and each sequence alone through the
+//! portable f32 path (the CPU), for the first layers of the model — as many as it takes to meet
+//! every kind of layer it has. The relative error per hidden-state index says whether the
+//! device computes what the model is: a checkpoint read wrongly, a kernel wrong for this shape or
+//! state leaking between packed sequences shows as an error far above the compute dtype's noise.
+
+use std::time::Instant;
+
+use super::loader::ModelFiles;
+use super::{Batch, Engine, EngineError, ModelConfig, OutDType};
+
+/// Lengths of the probe's sequences: one token, a few, and lengths past the Gated DeltaNet chunk
+/// (64 tokens) and the attention kernels' 64- and 128-row tiles.
+pub const PROBE_LENGTHS: [usize; 4] = [1, 5, 65, 129];
+
+/// The largest relative error per index the self-check accepts for a compute dtype, set from
+/// the figures measured with it (bench/RESULTS.md, "The start-up self-check"): bf16 and f16
+/// carry their rounding through every layer; f32 only summation order.
+pub fn tolerance(dtype: OutDType) -> f64 {
+    match dtype {
+        OutDType::Float32 => 1e-3,
+        OutDType::Float16 => 0.05,
+        OutDType::Bfloat16 | OutDType::Float8E4M3 => 0.1,
+    }
+}
+
+/// What the probe runs: its sequences and the hidden-state indices compared.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub seqs: Vec<Vec<u32>>,
+    /// Decoder layers the reference runs.
+    pub depth: usize,
+    /// Hidden-state indices compared: `0..=depth`, and the pre-norm final state when the
+    /// reference runs the whole model.
+    pub indices: Vec<usize>,
+}
+
+impl Probe {
+    /// The probe for a model: fixed pseudo-random token ids in its vocabulary, and the fewest
+    /// leading layers that include every kind of layer (mixer and feed-forward) the model has,
+    /// at least two.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let n = cfg.num_hidden_layers;
+        let mut seen = Vec::new();
+        let mut depth = n.min(2);
+        for (i, spec) in cfg.layers.iter().enumerate() {
+            if !seen.contains(spec) {
+                seen.push(*spec);
+                depth = depth.max(i + 1);
+            }
+        }
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let vocab = cfg.vocab_size as u64;
+        let seqs = PROBE_LENGTHS
+            .iter()
+            .map(|&len| {
+                (0..len)
+                    .map(|_| {
+                        // xorshift64*: the same ids on every machine.
+                        state ^= state >> 12;
+                        state ^= state << 25;
+                        state ^= state >> 27;
+                        (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as u32 % vocab as u32
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut indices: Vec<usize> = (0..=depth).collect();
+        if depth == n {
+            indices.push(n + 1);
+        }
+        Probe { seqs, depth, indices }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.seqs.iter().map(Vec::len).sum()
+    }
+}
+
+/// The probe's states from the reference path: per index, every probe token's row, in f32.
+#[derive(Clone, Debug)]
+pub struct Reference {
+    /// `states[k]`: `[tokens, hidden]` of `probe.indices[k]`, sequences in order.
+    states: Vec<Vec<f32>>,
+    pub seconds: f64,
+}
+
+impl Reference {
+    /// The portable f32 path on the CPU: the model's first `probe.depth` layers, loaded in f32
+    /// with only the probe's embedding rows, each sequence run alone.
+    pub fn portable(files: &ModelFiles, probe: &Probe) -> Result<Self, EngineError> {
+        let start = Instant::now();
+        let n = files.config().num_hidden_layers;
+        let mut tokens: Vec<u32> = probe.seqs.iter().flatten().copied().collect();
+        tokens.sort_unstable();
+        tokens.dedup();
+        let mut engine = files.load_prefix_f32(probe.depth, &tokens)?;
+        // The truncated decoder's last layer output is its pre-norm final state.
+        let truncated = probe.depth < n;
+        let engine_index = |i: usize| if truncated && i == probe.depth { probe.depth + 1 } else { i };
+        let local = |seq: &[u32]| seq.iter().map(|t| tokens.binary_search(t).unwrap_or(0) as u32).collect::<Vec<_>>();
+        let mut r = Self::run(&mut engine, probe, local, engine_index)?;
+        r.seconds = start.elapsed().as_secs_f64();
+        Ok(r)
+    }
+
+    /// `engine` itself, each sequence alone: for a serving path that already is the portable
+    /// f32 path (the CPU in f32), so that no second copy of the weights is loaded.
+    pub fn from_engine(engine: &mut dyn Engine, probe: &Probe) -> Result<Self, EngineError> {
+        let start = Instant::now();
+        let mut r = Self::run(engine, probe, <[u32]>::to_vec, |i| i)?;
+        r.seconds = start.elapsed().as_secs_f64();
+        Ok(r)
+    }
+
+    fn run(
+        engine: &mut dyn Engine,
+        probe: &Probe,
+        ids: impl Fn(&[u32]) -> Vec<u32>,
+        engine_index: impl Fn(usize) -> usize,
+    ) -> Result<Self, EngineError> {
+        let layers: Vec<usize> = probe.indices.iter().map(|&i| engine_index(i)).collect();
+        let mut states = vec![Vec::new(); layers.len()];
+        for seq in &probe.seqs {
+            let taps = engine.forward(&Batch::new(ids(seq), vec![0, seq.len()], layers.clone()))?;
+            for (k, s) in states.iter_mut().enumerate() {
+                s.extend(taps.gather(0, seq.len(), &layers[k..k + 1], OutDType::Float32)?.to_f32());
+            }
+        }
+        Ok(Reference { states, seconds: 0.0 })
+    }
+}
+
+/// One device's self-check: the relative error of its serving path per index.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub device: String,
+    pub dtype: OutDType,
+    /// `(index, ||serving - reference|| / ||reference||)` over the probe's tokens; infinite where
+    /// the serving path returned a non-finite value.
+    pub errors: Vec<(usize, f64)>,
+    pub tolerance: f64,
+    /// The serving path's share: the probe through the device, and the comparison.
+    pub seconds: f64,
+    /// The reference's share, where this device computed it (the first to ask does).
+    pub reference_seconds: f64,
+}
+
+impl Report {
+    /// The worst index and its error.
+    pub fn worst(&self) -> (usize, f64) {
+        self.errors.iter().copied().fold((0, 0.0), |w, e| if e.1 > w.1 || e.1.is_nan() { e } else { w })
+    }
+
+    pub fn passed(&self) -> bool {
+        self.errors.iter().all(|&(_, e)| e <= self.tolerance)
+    }
+}
+
+/// The probe packed in one batch through `serving`, compared index by index with `reference`.
+pub fn check(
+    serving: &mut dyn Engine,
+    probe: &Probe,
+    reference: &Reference,
+    device: &str,
+    dtype: OutDType,
+) -> Result<Report, EngineError> {
+    let start = Instant::now();
+    let ids: Vec<u32> = probe.seqs.iter().flatten().copied().collect();
+    let mut cu = vec![0];
+    for s in &probe.seqs {
+        cu.push(cu.last().copied().unwrap_or(0) + s.len());
+    }
+    let t = ids.len();
+    let taps = serving.forward(&Batch::new(ids, cu, probe.indices.clone()))?;
+    let errors = probe
+        .indices
+        .iter()
+        .enumerate()
+        .map(|(k, &index)| {
+            let got = taps.gather(0, t, &[index], OutDType::Float32)?.to_f32();
+            Ok((index, relative_error(&got, &reference.states[k])))
+        })
+        .collect::<Result<Vec<_>, EngineError>>()?;
+    Ok(Report {
+        device: device.into(),
+        dtype,
+        errors,
+        tolerance: tolerance(dtype),
+        seconds: start.elapsed().as_secs_f64(),
+        reference_seconds: 0.0,
+    })
+}
+
+/// `||a - b|| / ||b||` in f64 (`||a - b||` where `b` is zero); infinite when `a` holds a
+/// non-finite value or the lengths differ.
+pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() || a.iter().any(|x| !x.is_finite()) {
+        return f64::INFINITY;
+    }
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        diff += (x as f64 - y as f64).powi(2);
+        norm += (y as f64).powi(2);
+    }
+    if norm > 0.0 {
+        (diff / norm).sqrt()
+    } else {
+        diff.sqrt()
+    }
+}

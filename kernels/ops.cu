@@ -303,3 +303,26 @@ QKV_ROPE(qkv_rope_bf16_d256, __nv_bfloat16, 8)
 QKV_ROPE(qkv_rope_f16_d64, __half, 2)
 QKV_ROPE(qkv_rope_f16_d128, __half, 4)
 QKV_ROPE(qkv_rope_f16_d256, __half, 8)
+
+// Row copies with 64-bit indices (candle's own copy and gather kernels index in 32 bits, which
+// wraps past 2^32 elements): dst[r * dst_s + c] = src[s(r) * src_s + c] for r < rows, c < cols,
+// with s(r) = idx[r], or r itself when idx is null. Elements of 1, 2 or 4 bytes (the values are
+// moved, never converted). Blocks take rows in turn, threads the columns of a row.
+template <typename E>
+__device__ void copy_rows(const E* __restrict__ src, const uint32_t* __restrict__ idx, E* __restrict__ dst,
+                          size_t rows, size_t cols, size_t src_s, size_t dst_s) {
+    for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const E* s = src + (idx != nullptr ? (size_t)idx[r] : r) * src_s;
+        E* d = dst + r * dst_s;
+        for (size_t c = threadIdx.x; c < cols; c += blockDim.x) d[c] = s[c];
+    }
+}
+
+#define COPY_ROWS(NAME, E)                                                                                     \
+    extern "C" __global__ void NAME(const E* src, const uint32_t* idx, E* dst, size_t rows, size_t cols,      \
+                                    size_t src_s, size_t dst_s) {                                            \
+        copy_rows<E>(src, idx, dst, rows, cols, src_s, dst_s);                                               \
+    }
+COPY_ROWS(copy_rows_b1, uint8_t)
+COPY_ROWS(copy_rows_b2, uint16_t)
+COPY_ROWS(copy_rows_b4, uint32_t)

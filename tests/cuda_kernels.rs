@@ -701,3 +701,178 @@ fn moe_combine_matches_the_weighted_sum() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Long batches: sizes past the 32-bit indices of candle's kernels (2^31, 2^32 elements) and past
+// the 65,535 blocks of grid z. Each test compares rows at the start and the end of the large
+// result with the same op on those rows alone (where 32-bit indices are exact), bit for bit.
+// Run with `cargo test --release --features cuda --test cuda_kernels -- long_`.
+
+/// `a` and `b` (small: a few rows) are bitwise equal: compared on the host as f32, which holds
+/// every bf16, f16, fp8 and u8 value exactly.
+fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
+    let host = |x: &Tensor| {
+        let x = x.contiguous().unwrap().to_device(&candle_core::Device::Cpu).unwrap();
+        x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+    let (a, b) = (host(a), host(b));
+    let bad = a.iter().zip(&b).position(|(x, y)| x.to_bits() != y.to_bits());
+    assert!(bad.is_none(), "{what}: element {bad:?} differs");
+}
+
+/// The scan launches over slices of the sequence table: a batch of 70,000 sequences (past grid
+/// z's 65,535) gives every sequence, on both sides of the 65,535th, the bits it has alone.
+#[test]
+fn long_gdn_scan_takes_more_than_65535_sequences() {
+    use layertap::engine::cuda_gdn::Products;
+    let Some(dev) = device() else { return };
+    let d = gdn_dims(1, 2, 16, 16);
+    let lens: Vec<usize> = (0..70_000).map(|i| 1 + i % 3).collect();
+    let seqs = packed(&lens);
+    let t: usize = lens.iter().sum();
+    let case = gdn_on(&gdn_case(&d, t, DType::BF16, 23), &dev);
+    for products in [Products::F32, Products::Tf32] {
+        let all = gdn_kernel(&case, &seqs, &d, products);
+        for i in [0usize, 1, 65_534, 65_535, 65_536, 69_999] {
+            let (start, len) = seqs[i];
+            let part = |x: &Tensor| x.narrow(0, start, len).unwrap();
+            let alone = GdnCase {
+                qkv: part(&case.qkv),
+                b: part(&case.b),
+                a: part(&case.a),
+                conv: case.conv.clone(),
+                neg_a: case.neg_a.clone(),
+                dt_bias: case.dt_bias.clone(),
+            };
+            let one = gdn_kernel(&alone, &[(0, len)], &d, products);
+            assert_same(&part(&all), &one, &format!("{products:?}: sequence {i}"));
+        }
+    }
+}
+
+/// The taps of 262,144 tokens x 5 layers x 4,096 (5.4 G elements, past 2^32) stacked, gathered,
+/// screened and quantised to fp8: the first and last rows equal the same ops on those rows
+/// alone, and an infinity in the last row is flagged.
+#[test]
+fn long_stacked_taps_past_2_pow_32() {
+    use layertap::engine::cuda_ops::{copy_rows, stack_rows};
+    use layertap::engine::output::{prepare, Output, Rows};
+    let Some(dev) = device() else { return };
+    let (t, h, layers) = (262_144usize, 4_096usize, 5usize);
+    let base = {
+        let body = Tensor::randn(0f32, 1.0, (t - 1, h), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let inf = Tensor::full(f32::INFINITY, (1, h), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        Tensor::cat(&[&body, &inf], 0).unwrap()
+    };
+    let parts: Vec<Tensor> = (0..layers).map(|l| base.affine(1.0, l as f64).unwrap()).collect();
+    drop(base);
+    let stacked = stack_rows(&parts).unwrap();
+    assert_eq!(stacked.dims(), &[t, layers, h]);
+    let ends = [0usize, 1, t - 2, t - 1];
+    for &r in &ends {
+        let small: Vec<Tensor> = parts.iter().map(|p| p.narrow(0, r, 1).unwrap()).collect();
+        assert_same(&stacked.narrow(0, r, 1).unwrap(), &Tensor::stack(&small, 1).unwrap(), &format!("stacked row {r}"));
+    }
+    drop(parts);
+
+    let pick = [t - 1, 0, t - 2, 5];
+    let idx = Tensor::new(pick.map(|r| r as u32).as_slice(), &dev).unwrap();
+    let flat = stacked.reshape((t, layers * h)).unwrap();
+    let gathered = copy_rows(&flat, Some(&idx)).unwrap();
+    for (i, &r) in pick.iter().enumerate() {
+        assert_same(&gathered.narrow(0, i, 1).unwrap(), &flat.narrow(0, r, 1).unwrap(), &format!("gathered row {r}"));
+    }
+    drop((flat, gathered));
+
+    let out = Output { plain: Rows::Only(ends.map(|r| r as u32).to_vec()), fp8: Rows::All, screen: true };
+    let got = prepare(&stacked, &out).unwrap();
+    let plain = got.plain.expect("selected rows");
+    let fp8 = got.fp8.expect("every row in fp8");
+    assert_eq!(fp8.states.dims(), &[t, layers, h]);
+    for (i, &r) in ends.iter().enumerate() {
+        assert_same(
+            &plain.states.narrow(0, i, 1).unwrap(),
+            &stacked.narrow(0, r, 1).unwrap(),
+            &format!("plain row {r}"),
+        );
+    }
+    let flags = plain.nonfinite.to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    assert_eq!(flags, vec![vec![0; layers], vec![0; layers], vec![0; layers], vec![1; layers]]);
+    for r0 in [0usize, t - 2] {
+        let want = prepare(&stacked.narrow(0, r0, 2).unwrap(), &Output::all_fp8()).unwrap().fp8.unwrap();
+        let at = |x: &Tensor| x.narrow(0, r0, 2).unwrap();
+        assert_same(&at(&fp8.states), &want.states, &format!("fp8 rows {r0}.."));
+        assert_same(&at(fp8.scale.as_ref().unwrap()), want.scale.as_ref().unwrap(), &format!("scales {r0}.."));
+        assert_same(&at(&fp8.nonfinite), &want.nonfinite, &format!("flags {r0}.."));
+    }
+    let last = fp8.nonfinite.narrow(0, t - 1, 1).unwrap().to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    assert_eq!(last, vec![vec![1; layers]], "the infinity in the last row");
+}
+
+/// The fused projection of the 27B hybrid's Gated DeltaNet (10,240 + 6,144 + 48 + 48 columns) at
+/// 262,144 tokens: 4.3 G elements, past 2^32. Its parts are the columns of the fused output,
+/// bit for bit, at the first and last rows.
+#[test]
+fn long_fused_projection_parts_past_2_pow_32() {
+    use layertap::engine::layers::linear::{Linear, Projections};
+    let Some(dev) = device() else { return };
+    let (t, k) = (262_144usize, 16usize);
+    let widths = [10_240usize, 6_144, 48, 48];
+    let x = Tensor::randn(0f32, 1.0, (t, k), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let linears: Vec<Linear> = widths
+        .iter()
+        .map(|&w| {
+            let weight = Tensor::randn(0f32, 0.3, (w, k), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+            Linear::from_weight(weight, None).unwrap()
+        })
+        .collect();
+    let proj = Projections::new(linears, true).unwrap();
+    let parts = proj.forward(&x).unwrap();
+    let joined = proj.joined(&x).unwrap().expect("fused");
+    assert_eq!(joined.dims(), &[t, widths.iter().sum::<usize>()]);
+    let mut at = 0;
+    for (part, &w) in parts.iter().zip(&widths) {
+        assert_eq!(part.dims(), &[t, w]);
+        assert!(part.is_contiguous());
+        for r in [0usize, 1, t - 2, t - 1] {
+            let want = joined.narrow(0, r, 1).unwrap().narrow(1, at, w).unwrap();
+            assert_same(&part.narrow(0, r, 1).unwrap(), &want, &format!("columns {at}.. of row {r}"));
+        }
+        at += w;
+    }
+}
+
+/// The embedding gather of 1,048,576 tokens x 4,608 (4.8 G elements), then candle's cast and
+/// RMSNorm over it in slices of rows: the first and last rows are those of each op on the rows
+/// alone.
+#[test]
+fn long_gather_cast_and_norm_past_2_pow_32() {
+    use layertap::engine::cuda_ops::copy_rows;
+    use layertap::engine::large::map_rows;
+    let Some(dev) = device() else { return };
+    let (t, h, vocab) = (1_048_576usize, 4_608usize, 1_000usize);
+    let table = Tensor::randn(0f32, 1.0, (vocab, h), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let ids: Vec<u32> = (0..t).map(|i| ((i * 7_919 + 13) % vocab) as u32).collect();
+    let ids = Tensor::new(ids.as_slice(), &dev).unwrap();
+    let x = copy_rows(&table, Some(&ids)).unwrap();
+    assert_eq!(x.dims(), &[t, h]);
+    let ends = [0usize, 1, t - 2, t - 1];
+    for &r in &ends {
+        let want = table.index_select(&ids.narrow(0, r, 1).unwrap(), 0).unwrap();
+        assert_same(&x.narrow(0, r, 1).unwrap(), &want, &format!("embedding row {r}"));
+    }
+    let xf = map_rows(&x, |x| x.to_dtype(DType::F32)).unwrap();
+    assert_eq!(xf.dims(), &[t, h]);
+    for &r in &ends {
+        let want = x.narrow(0, r, 1).unwrap().to_dtype(DType::F32).unwrap();
+        assert_same(&xf.narrow(0, r, 1).unwrap(), &want, &format!("f32 row {r}"));
+    }
+    drop(xf);
+    let w = Tensor::randn(1f32, 0.2, h, &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let normed = map_rows(&x, |x| candle_nn::ops::rms_norm(x, &w, 1e-6)).unwrap();
+    for &r in &ends {
+        let want = candle_nn::ops::rms_norm(&x.narrow(0, r, 1).unwrap(), &w, 1e-6).unwrap();
+        assert_same(&normed.narrow(0, r, 1).unwrap(), &want, &format!("normed row {r}"));
+    }
+}

@@ -106,13 +106,7 @@ impl GdnPlan {
             steps,
             chunks: chunk,
             #[cfg(feature = "cuda")]
-            // The scan's grid holds one block row per sequence, at most 65,535 (past that, the
-            // portable path).
-            cuda: if device.is_cuda() && seqs.len() <= super::cuda_gdn::MAX_SEQUENCES {
-                Some(super::cuda_gdn::Tables::new(seqs, device)?)
-            } else {
-                None
-            },
+            cuda: if device.is_cuda() { Some(super::cuda_gdn::Tables::new(seqs, device)?) } else { None },
         })
     }
 }

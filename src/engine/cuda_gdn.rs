@@ -19,8 +19,9 @@ use super::profile;
 const BV: usize = 32;
 const BVT: usize = 64;
 const THREADS: u32 = 256;
-/// The most sequences one batch may hold for the kernels (the scan's grid z dimension).
-pub const MAX_SEQUENCES: usize = 65535;
+/// The most sequences one scan launch takes (its grid z dimension, capped at 65,535 by the
+/// device); a batch of more launches the scan over slices of its sequence table.
+const SEQS_PER_SCAN: usize = 65535;
 /// The most dynamic shared memory one block may use on sm_80 and newer.
 const MAX_SHARED: usize = 227 * 1024;
 
@@ -337,26 +338,32 @@ impl GdnOp {
         let f = kernel(dev, GDN, &format!("gdn_chunk_scan{tc}"))?;
         let bytes = if self.tensor_cores { scan_tc_shared(dk) } else { scan_shared(dk) };
         f.max_dynamic_shared(bytes)?;
-        let mut l = f.builder();
-        l.arg(&mixed);
-        l.arg(&seqs);
-        l.arg(&gcum);
-        l.arg(&wk);
-        l.arg(&u);
-        l.arg(&p);
-        l.arg(&out);
-        l.arg(&nk_i);
-        l.arg(&nv_i);
-        l.arg(&dk_i);
-        l.arg(&dv_i);
-        let cfg = LaunchConfig {
-            grid_dim: (dv.div_ceil(if self.tensor_cores { BVT } else { BV }) as u32, nv as u32, self.n_seqs as u32),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: bytes as u32,
-        };
         let timed = Timer::start();
-        // SAFETY: as above; the sequence table's chunks are those of the chunk table.
-        unsafe { l.launch(cfg) }.w()?;
+        // Every sequence's entry holds its own first token and first chunk, so a slice of the
+        // table is scanned as the whole one would be.
+        for s0 in (0..self.n_seqs).step_by(SEQS_PER_SCAN) {
+            let n = SEQS_PER_SCAN.min(self.n_seqs - s0);
+            let part = seqs.slice(3 * s0..3 * (s0 + n));
+            let mut l = f.builder();
+            l.arg(&mixed);
+            l.arg(&part);
+            l.arg(&gcum);
+            l.arg(&wk);
+            l.arg(&u);
+            l.arg(&p);
+            l.arg(&out);
+            l.arg(&nk_i);
+            l.arg(&nv_i);
+            l.arg(&dk_i);
+            l.arg(&dv_i);
+            let cfg = LaunchConfig {
+                grid_dim: (dv.div_ceil(if self.tensor_cores { BVT } else { BV }) as u32, nv as u32, n as u32),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: bytes as u32,
+            };
+            // SAFETY: as above; the sequence table's chunks are those of the chunk table.
+            unsafe { l.launch(cfg) }.w()?;
+        }
         timed.stop(dev, 11)?;
         Ok(out)
     }

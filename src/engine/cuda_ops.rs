@@ -35,9 +35,11 @@ impl SiluMul {
         // SAFETY: the kernel writes every element of the output.
         let out = unsafe { dev.alloc::<T>(rows * inter)? };
         let func = kernel(dev, OPS, name)?;
-        let vecs = (rows * inter / vec) as u32;
+        // The count in usize: an f32 [1M, 2 x 17408] input has 4.6 G vectors, past u32 (the
+        // kernel strides over the grid with size_t indices).
+        let vecs = rows * inter / vec;
         let cfg = LaunchConfig {
-            grid_dim: (vecs.div_ceil(256).clamp(1, 65535 * 8), 1, 1),
+            grid_dim: (vecs.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -561,4 +563,125 @@ impl candle_core::CustomOp1 for QkvRopeOp {
         let parts = self.nq + 2 * self.nkv + if self.gated { self.nq } else { 0 };
         Ok((CudaStorage { slice, device: dev.clone() }, Shape::from(t * parts * self.hd)))
     }
+}
+
+/// Rows of a 2-D tensor copied by a kernel that indexes in 64 bits (candle's copy and gather
+/// kernels index in 32, and wrap past 2^32 elements): `src` `[R, C]` with unit stride along its
+/// rows and any row stride (a column slice of a wider tensor is fine). With `idx` (`[n]` u32 on
+/// the same device, each below R) row `idx[i]` of `src` becomes row `i`; without, every row is
+/// copied in order. Returns a new contiguous `[n, C]` (or `[R, C]`), bitwise the rows it copied.
+pub fn copy_rows(src: &Tensor, idx: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let Device::Cuda(dev) = src.device() else { candle_core::bail!("copy_rows runs on CUDA devices only") };
+    let cols = src.dim(1)?;
+    let rows = match idx {
+        Some(i) => i.dim(0)?,
+        None => src.dim(0)?,
+    };
+    macro_rules! run {
+        ($t:ty) => {{
+            // SAFETY: the kernel writes every element (each of the rows, all of its columns).
+            let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
+            copy_rows_into::<$t>(dev, src, idx, &mut out, 0, cols)?;
+            let storage = candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+            Ok(Tensor::from_storage(storage, (rows, cols), candle_core::op::BackpropOp::none(), false))
+        }};
+    }
+    match src.dtype() {
+        DType::BF16 => run!(half::bf16),
+        DType::F16 => run!(half::f16),
+        DType::F32 => run!(f32),
+        DType::U32 => run!(u32),
+        DType::U8 => run!(u8),
+        DType::F8E4M3 => run!(float8::F8E4M3),
+        d => candle_core::bail!("copy_rows: unsupported dtype {d:?}"),
+    }
+}
+
+/// `[T, L, H]` from `L` tensors `[T, H]` of one dtype: what `Tensor::stack(parts, 1)` gives, by
+/// one row-copy launch per part (64-bit indices: the stack of many long taps passes 2^32
+/// elements, where candle's copy wraps).
+pub fn stack_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
+    let Some(first) = parts.first() else { candle_core::bail!("stack_rows: no tensors") };
+    let Device::Cuda(dev) = first.device() else { candle_core::bail!("stack_rows runs on CUDA devices only") };
+    let (t, h) = first.dims2()?;
+    let l = parts.len();
+    if parts.iter().any(|p| p.dims() != [t, h] || p.dtype() != first.dtype()) {
+        candle_core::bail!("stack_rows: every part must be [{t}, {h}] {:?}", first.dtype());
+    }
+    macro_rules! run {
+        ($t:ty) => {{
+            // SAFETY: part `j` writes columns j H .. (j + 1) H of every row: together, every element.
+            let mut out = unsafe { dev.alloc::<$t>(t * l * h)? };
+            for (j, p) in parts.iter().enumerate() {
+                copy_rows_into::<$t>(dev, p, None, &mut out, j * h, l * h)?;
+            }
+            let storage = candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+            Ok(Tensor::from_storage(storage, (t, l, h), candle_core::op::BackpropOp::none(), false))
+        }};
+    }
+    match first.dtype() {
+        DType::BF16 => run!(half::bf16),
+        DType::F16 => run!(half::f16),
+        DType::F32 => run!(f32),
+        DType::U8 => run!(u8),
+        d => candle_core::bail!("stack_rows: unsupported dtype {d:?}"),
+    }
+}
+
+/// Copies the rows of `src` (`[R, C]`, unit column stride), or those `idx` picks, into `dst`:
+/// row `i` at `dst[dst_offset + i * dst_s ..][..C]`.
+fn copy_rows_into<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    src: &Tensor,
+    idx: Option<&Tensor>,
+    dst: &mut CudaSlice<T>,
+    dst_offset: usize,
+    dst_s: usize,
+) -> candle_core::Result<()> {
+    use super::cuda_module::cuda_view;
+    let (src_rows, cols) = src.dims2()?;
+    let st = src.stride();
+    if cols > 1 && st[1] != 1 {
+        candle_core::bail!("copy_rows: the source needs unit stride along its rows, got strides {st:?}");
+    }
+    let src_s = if src_rows > 1 { st[0] } else { cols };
+    let rows = match idx {
+        Some(i) => i.dim(0)?,
+        None => src_rows,
+    };
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    if src_rows == 0 || dst_offset + (rows - 1) * dst_s + cols > dst.len() {
+        candle_core::bail!("copy_rows: {rows} rows of {cols} do not fit the source or the destination");
+    }
+    let (ss, sl) = src.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*ss else { candle_core::bail!("copy_rows: the source must be on the GPU") };
+    let start = sl.start_offset();
+    let sv = cs.as_cuda_slice::<T>()?.slice(start..start + (src_rows - 1) * src_s + cols);
+    let held = idx.map(|i| i.storage_and_layout());
+    let iv = match &held {
+        Some((s, l)) => Some(cuda_view::<u32>(s, l, "copy_rows: the row indices")?),
+        None => None,
+    };
+    let mut dv = dst.slice_mut(dst_offset..);
+    let func = kernel(dev, OPS, &format!("copy_rows_b{}", std::mem::size_of::<T>()))?;
+    let mut b = func.builder();
+    let null = 0u64;
+    b.arg(&sv);
+    match &iv {
+        Some(v) => b.arg(v),
+        None => b.arg(&null),
+    };
+    b.arg(&mut dv);
+    b.arg(&rows);
+    b.arg(&cols);
+    b.arg(&src_s);
+    b.arg(&dst_s);
+    let cfg = LaunchConfig { grid_dim: (rows.min(1 << 20) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: argument types and order match the kernel (two pointers, an index pointer or null,
+    // four size_t); the source view holds every row it reads (indices are the caller's to keep
+    // below R), and the check above keeps every row written inside `dst`.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }

@@ -168,9 +168,9 @@ impl Decoder {
         // Index n + 1 is the last layer's output before the final norm: every layer runs.
         let deepest = taps.iter().copied().max().unwrap_or(0).min(n);
         let mut kept: Vec<Option<Tensor>> = vec![None; n + 2];
-        let mut x = self.embed.index_select(ids, 0)?;
+        let mut x = embed(&self.embed, ids)?;
         if self.f32_residual {
-            x = x.to_dtype(DType::F32)?;
+            x = super::large::map_rows(&x, |x| x.to_dtype(DType::F32))?;
         }
         if taps.contains(&0) {
             kept[0] = Some(x.clone());
@@ -217,8 +217,18 @@ impl Decoder {
                     .get(i)
                     .and_then(|k| k.as_ref())
                     .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
-                Ok(t.to_dtype(self.dtype())?)
+                Ok(super::large::map_rows(t, |t| t.to_dtype(self.dtype()))?)
             })
             .collect()
     }
+}
+
+/// The embedding rows of `ids`. Candle's gather indexes its output in 32 bits; past that (a
+/// million tokens of a 4,096-wide model) a kernel of ours on CUDA copies the rows.
+fn embed(table: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if table.device().is_cuda() && ids.elem_count().saturating_mul(table.dim(1)?) > super::large::MAX_ELEMS {
+        return super::cuda_ops::copy_rows(table, Some(ids));
+    }
+    table.index_select(ids, 0)
 }

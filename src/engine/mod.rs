@@ -16,6 +16,7 @@ pub mod cuda_ops;
 pub mod decoder;
 pub mod gguf;
 pub mod host;
+pub mod large;
 pub mod layers;
 pub mod loader;
 pub mod output;
@@ -540,6 +541,15 @@ impl Engine for ModelEngine {
         let packing = self.decoder.packing(cu)?;
         let mut layers_run = 0;
         let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run, cancel)?;
+        // Candle's stack copies with 32-bit indices, which wrap once the taps pass 2^32 elements
+        // (262,144 tokens x 5 layers x 4,096); on CUDA a kernel of ours indexes in 64 bits.
+        #[cfg(feature = "cuda")]
+        let stacked = if device.is_cuda() && !states.is_empty() && states.iter().all(|s| s.rank() == 2) {
+            cuda_ops::stack_rows(&states)?
+        } else {
+            Tensor::stack(&states, 1)?
+        };
+        #[cfg(not(feature = "cuda"))]
         let stacked = Tensor::stack(&states, 1)?;
         drop(states);
         let layers = batch.layers.clone();

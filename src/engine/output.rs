@@ -87,6 +87,14 @@ fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> 
         Rows::Only(r) if r.is_empty() => Ok(None),
         Rows::Only(r) => {
             let idx = Tensor::new(r.as_slice(), stacked.device())?;
+            // Candle's gather indexes its source in 32 bits, which wraps once the stacked taps
+            // pass 2^31 elements; a kernel of ours copies the rows there.
+            #[cfg(feature = "cuda")]
+            if stacked.device().is_cuda() && stacked.elem_count() > super::large::MAX_ELEMS {
+                let (rows, layers, hidden) = stacked.dims3()?;
+                let flat = stacked.reshape((rows, layers * hidden))?;
+                return Ok(Some(super::cuda_ops::copy_rows(&flat, Some(&idx))?.reshape((r.len(), layers, hidden))?));
+            }
             Ok(Some(stacked.index_select(&idx, 0)?))
         }
     }
@@ -97,7 +105,12 @@ fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> 
 /// keeps; NaN is the only value not equal to itself. One layer at a time, so the temporaries
 /// stay a fraction of the taps.
 pub fn nonfinite(states: &Tensor) -> candle_core::Result<Tensor> {
-    let (_, layers, _) = states.dims3()?;
+    let (rows, layers, hidden) = states.dims3()?;
+    // Candle's kernels index in 32 bits: long batches are screened in slices of rows.
+    let slice = |r0, n| nonfinite(&states.narrow(0, r0, n)?);
+    if let Some(flags) = super::large::by_rows(states.device(), rows, layers * hidden, slice)? {
+        return Ok(flags);
+    }
     let cols = (0..layers)
         .map(|c| {
             let s = states.narrow(1, c, 1)?.affine(0.0, 0.0)?.sum(D::Minus1)?.to_dtype(DType::F32)?;
@@ -111,7 +124,18 @@ pub fn nonfinite(states: &Tensor) -> candle_core::Result<Tensor> {
 /// magnitude maps to 448. Returns the fp8 values and the f32 scales `[rows, layers]` (0 for an
 /// all-zero row). One layer at a time, so the f32 temporaries stay a fraction of the taps.
 pub fn quantize_fp8(states: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-    let (_, layers, _) = states.dims3()?;
+    let (rows, layers, hidden) = states.dims3()?;
+    // Candle's kernels index in 32 bits: long batches are quantised in slices of rows (each row's
+    // scale is its own, so the values are the same).
+    if let Some(slices) = super::large::slices(states.device(), rows, layers * hidden) {
+        let (mut qs, mut scales) = (Vec::with_capacity(slices.len()), Vec::with_capacity(slices.len()));
+        for (r0, n) in slices {
+            let (q, s) = quantize_fp8(&states.narrow(0, r0, n)?)?;
+            qs.push(q);
+            scales.push(s);
+        }
+        return Ok((Tensor::cat(&qs, 0)?, Tensor::cat(&scales, 0)?));
+    }
     let max = Tensor::new(FP8_MAX, states.device())?;
     let (mut qs, mut scales) = (Vec::with_capacity(layers), Vec::with_capacity(layers));
     for c in 0..layers {

@@ -111,7 +111,8 @@ impl Attention {
         let (mut q, gate) = if self.gated {
             // Per head: the query, then its gate (interleaved by head, not two halves).
             let qg = q.reshape((t, nq, 2 * hd))?;
-            (qg.narrow(2, 0, hd)?.contiguous()?, Some(qg.narrow(2, hd, hd)?.reshape((t, nq * hd))?))
+            let half = |at| crate::engine::large::map_rows(&qg.narrow(2, at, hd)?, |h| h.contiguous());
+            (half(0)?, Some(half(hd)?.reshape((t, nq * hd))?))
         } else {
             (q.reshape((t, nq, hd))?, None)
         };
@@ -142,7 +143,7 @@ impl Attention {
         let attn = self.attend(q, k, v, scale, ctx)?;
         profile::mark(q.device(), 2, since);
         let attn = match gate {
-            Some(g) => (attn * candle_nn::ops::sigmoid(&g)?)?,
+            Some(g) => gate_output(&attn, &g)?,
             None => attn,
         };
         self.o.forward(&attn)
@@ -175,5 +176,18 @@ impl Attention {
         let out = if outs.len() == 1 { outs.swap_remove(0) } else { Tensor::cat(&outs, 0)? };
         debug_assert_eq!(out.dim(0)?, t);
         Ok(out)
+    }
+}
+
+/// `attn * sigmoid(gate)`, both `[T, heads * head_dim]`; on CUDA past 2^31 elements in slices
+/// of rows (candle's element-wise kernels index in 32 bits).
+fn gate_output(attn: &Tensor, gate: &Tensor) -> candle_core::Result<Tensor> {
+    use crate::engine::large;
+    let gated = |a: &Tensor, g: &Tensor| a * candle_nn::ops::sigmoid(g)?;
+    let extent = large::row_extent(attn).max(large::row_extent(gate));
+    let slice = |r0, n| gated(&attn.narrow(0, r0, n)?, &gate.narrow(0, r0, n)?);
+    match large::by_rows(attn.device(), attn.dim(0)?, extent, slice)? {
+        Some(y) => Ok(y),
+        None => gated(attn, gate),
     }
 }

@@ -51,7 +51,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = matmul(x, &self.weight_t)?;
         match &self.bias {
-            Some(b) => y.broadcast_add(b),
+            Some(b) => crate::engine::large::map_rows(&y, |y| y.broadcast_add(b)),
             None => Ok(y),
         }
     }
@@ -90,7 +90,7 @@ impl Projections {
                 widths
                     .iter()
                     .map(|&w| {
-                        let part = y.narrow(1, at, w)?.contiguous();
+                        let part = split_part(&y, at, w);
                         at += w;
                         part
                     })
@@ -100,11 +100,30 @@ impl Projections {
     }
 }
 
+/// Columns `at..at + w` of the fused output `y` `[T, W]`, contiguous. Candle's copy indexes the
+/// source in 32 bits, which wraps once `T * W` passes 2^32 (the Gated DeltaNet's four
+/// projections of a 27B hybrid at 262,144 tokens); on CUDA past 2^31, a kernel of ours copies.
+fn split_part(y: &Tensor, at: usize, w: usize) -> candle_core::Result<Tensor> {
+    let part = y.narrow(1, at, w)?;
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() && y.elem_count() > crate::engine::large::MAX_ELEMS {
+        return crate::engine::cuda_ops::copy_rows(&part, None);
+    }
+    part.contiguous()
+}
+
 /// `x + y` for the residual stream: same dtypes, or an f32 stream plus a 16-bit sublayer output.
 pub fn residual(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if x.dtype() == DType::F32 && y.dtype() != DType::F32 {
         return crate::engine::cuda_ops::add_f32(x, y);
+    }
+    if x.rank() > 0 && x.dims() == y.dims() {
+        let extent = crate::engine::large::row_extent(x).max(crate::engine::large::row_extent(y));
+        let sum = |r0, n| x.narrow(0, r0, n)? + y.narrow(0, r0, n)?;
+        if let Some(s) = crate::engine::large::by_rows(x.device(), x.dim(0)?, extent, sum)? {
+            return Ok(s);
+        }
     }
     x + y
 }

@@ -33,6 +33,18 @@ impl RmsNorm {
     /// In the weight's dtype; an f32 input with a 16-bit weight (the f32 residual stream on
     /// CUDA) is normalised in f32 and rounded once.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // Candle's CUDA norm and casts index in 32 bits: long batches go in slices of rows
+        // (the f32 stream's own kernel needs none).
+        #[cfg(feature = "cuda")]
+        if x.rank() > 0 && (self.zero_centred.is_some() || x.dtype() != DType::F32 || self.weight.dtype() == DType::F32)
+        {
+            let slice = |r0, n| self.forward(&x.narrow(0, r0, n)?);
+            if let Some(y) =
+                crate::engine::large::by_rows(x.device(), x.dim(0)?, crate::engine::large::row_extent(x), slice)?
+            {
+                return Ok(y);
+            }
+        }
         if let Some(out) = self.zero_centred {
             return candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &self.weight, self.eps)?.to_dtype(out);
         }

@@ -268,12 +268,15 @@ pub struct ServeArgs {
     /// Most tokens in one forward pass (a longer input runs alone). Default: 1024 on CPU; on CUDA sized from free memory after loading.
     #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]
     pub max_batch_tokens: Option<usize>,
-    /// Longest single input in tokens; longer ones are refused with 413.
-    #[arg(long, default_value_t = 8192, env = "LAYERTAP_MAX_INPUT_TOKENS")]
-    pub max_input_tokens: usize,
+    /// Longest single input in tokens; longer ones are refused with 413. Default: on CUDA the
+    /// model's context length (max_position_embeddings: an input longer than the batch budget
+    /// runs in a batch of its own), on the CPU 8192.
+    #[arg(long, env = "LAYERTAP_MAX_INPUT_TOKENS")]
+    pub max_input_tokens: Option<usize>,
     /// Most tokens waiting in the queue; past it requests are refused with 429 and Retry-After.
-    #[arg(long, default_value_t = 131072, env = "LAYERTAP_MAX_QUEUE_TOKENS")]
-    pub max_queue_tokens: usize,
+    /// Default: 131072, or the longest input when that is longer.
+    #[arg(long, env = "LAYERTAP_MAX_QUEUE_TOKENS")]
+    pub max_queue_tokens: Option<usize>,
     /// Bearer tokens accepted on /v1 routes (comma-separated or repeated). None: no auth.
     #[arg(long = "api-key", env = "LAYERTAP_API_KEY", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
@@ -304,7 +307,7 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = SelfCheckMode::Enforce, env = "LAYERTAP_SELFCHECK")]
     pub selfcheck: SelfCheckMode,
     /// Most tokens in one request over all its inputs; more is refused with 413 before any work.
-    /// Default: 65536, or --max-queue-tokens when that is smaller.
+    /// Default: 65536 (or --max-queue-tokens when that is smaller), at least the longest input.
     #[arg(long, env = "LAYERTAP_MAX_REQUEST_TOKENS")]
     pub max_request_tokens: Option<usize>,
     /// Most inputs in one request.
@@ -333,33 +336,23 @@ pub struct ServeArgs {
     pub max_connections: usize,
 }
 
+/// The longest input on the CPU unless `--max-input-tokens` says otherwise.
+pub const CPU_MAX_INPUT_TOKENS: usize = 8192;
+/// The queue's size in tokens unless `--max-queue-tokens` (or a longer input) says otherwise.
+pub const DEFAULT_MAX_QUEUE_TOKENS: usize = 131072;
+
+/// The token limits in force once the model is known: one input, the queue, one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenLimits {
+    pub input: usize,
+    pub queue: usize,
+    pub request: usize,
+}
+
 impl ServeArgs {
-    /// Checks that the limits are consistent; the message says which flag to change.
+    /// Checks that the limits other than the token limits are consistent ([`ServeArgs::token_limits`]
+    /// checks those once the model is known); the message says which flag to change.
     pub fn validate(&self) -> Result<(), String> {
-        if self.max_input_tokens == 0 {
-            return Err("--max-input-tokens must be positive".into());
-        }
-        if let Some(b) = self.max_batch_tokens {
-            if b < self.max_input_tokens {
-                return Err(format!(
-                    "--max-batch-tokens ({b}) must be at least --max-input-tokens ({})",
-                    self.max_input_tokens
-                ));
-            }
-        }
-        if self.max_queue_tokens < self.max_input_tokens {
-            return Err(format!(
-                "--max-queue-tokens ({}) must be at least --max-input-tokens ({})",
-                self.max_queue_tokens, self.max_input_tokens
-            ));
-        }
-        let r = self.request_tokens();
-        if r < self.max_input_tokens || r > self.max_queue_tokens {
-            return Err(format!(
-                "--max-request-tokens ({r}) must be at least --max-input-tokens ({}) and at most --max-queue-tokens ({})",
-                self.max_input_tokens, self.max_queue_tokens
-            ));
-        }
         if self.max_inputs == 0 || self.max_messages == 0 || self.max_answer_bytes == 0 {
             return Err("--max-inputs, --max-messages and --max-answer-bytes must be positive".into());
         }
@@ -374,9 +367,29 @@ impl ServeArgs {
         Ok(())
     }
 
-    /// The per-request token limit in force.
-    pub fn request_tokens(&self) -> usize {
-        self.max_request_tokens.unwrap_or(self.max_queue_tokens.min(65536).max(self.max_input_tokens))
+    /// The token limits for a model of `context` tokens (its max_position_embeddings), served on
+    /// GPUs (`gpu`) or the CPU, with the defaults filled in: the longest input is the model's
+    /// context on GPUs and [`CPU_MAX_INPUT_TOKENS`] on the CPU; the queue holds
+    /// [`DEFAULT_MAX_QUEUE_TOKENS`] or the longest input; a request 65536 tokens (at most the
+    /// queue, at least the longest input). Checked for consistency; the message says which flag
+    /// to change.
+    pub fn token_limits(&self, context: usize, gpu: bool) -> Result<TokenLimits, String> {
+        let input = self.max_input_tokens.unwrap_or(if gpu { context.max(1) } else { CPU_MAX_INPUT_TOKENS });
+        if input == 0 {
+            return Err("--max-input-tokens must be positive".into());
+        }
+        let queue = self.max_queue_tokens.unwrap_or(DEFAULT_MAX_QUEUE_TOKENS.max(input));
+        if queue < input {
+            return Err(format!("--max-queue-tokens ({queue}) must be at least --max-input-tokens ({input})"));
+        }
+        let request = self.max_request_tokens.unwrap_or(queue.min(65536).max(input));
+        if request < input || request > queue {
+            return Err(format!(
+                "--max-request-tokens ({request}) must be at least --max-input-tokens ({input}) and at most \
+                 --max-queue-tokens ({queue})"
+            ));
+        }
+        Ok(TokenLimits { input, queue, request })
     }
 
     /// The API keys as they will be compared: surrounding whitespace removed (`--api-key 'k1, k2'`
@@ -485,6 +498,26 @@ mod tests {
             Command::Serve(a) => a.validate().map(|_| a),
             _ => Err("not serve".into()),
         }
+    }
+
+    /// The longest input follows the model's context on GPUs and stays 8192 on the CPU; the
+    /// queue and request limits make room for it; explicit flags win and are checked.
+    #[test]
+    fn token_limits_follow_the_model_on_gpus() {
+        let t = |extra: &[&str], context, gpu| serve(extra).unwrap().token_limits(context, gpu);
+        let limits = |input, queue, request| Ok(TokenLimits { input, queue, request });
+        assert_eq!(t(&[], 262_144, true), limits(262_144, 262_144, 262_144));
+        assert_eq!(t(&[], 40_960, true), limits(40_960, 131_072, 65_536));
+        assert_eq!(t(&[], 262_144, false), limits(8192, 131_072, 65_536));
+        assert_eq!(t(&["--max-input-tokens", "1000"], 262_144, true), limits(1000, 131_072, 65_536));
+        assert_eq!(
+            t(&["--max-queue-tokens", "4096"], 40_960, false),
+            Err("--max-queue-tokens (4096) must be at least --max-input-tokens (8192)".to_string())
+        );
+        // An input longer than the batch budget runs in a batch of its own.
+        assert_eq!(t(&["--max-batch-tokens", "32768"], 262_144, true), limits(262_144, 262_144, 262_144));
+        let e = t(&["--max-request-tokens", "10"], 262_144, false).unwrap_err();
+        assert!(e.contains("--max-request-tokens (10)"), "{e}");
     }
 
     /// zstd's fast levels (-7 to -1) and its ordinary ones (1 to 22) are accepted, as separate

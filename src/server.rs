@@ -284,7 +284,8 @@ where
                 }
             }
             if let (true, Some(t)) = (auto_size, fits) {
-                let t = t.max(limits.max_input_tokens);
+                // Inputs longer than the budget run alone; the floor keeps packing short ones.
+                let t = t.max(CPU_MAX_BATCH_TOKENS.min(limits.max_input_tokens));
                 scheduler.set_max_batch_tokens(t);
                 tracing::info!(
                     max_batch_tokens = t,
@@ -409,19 +410,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let gpu = devices.iter().any(|d| d != "cpu");
+    let tokens = args.token_limits(cfg.max_position_embeddings, gpu).map_err(anyhow::Error::msg)?;
     let max_batch_tokens = args.max_batch_tokens.unwrap_or(CPU_MAX_BATCH_TOKENS);
     let auto_batch_tokens = args.max_batch_tokens.is_none() && devices.iter().any(|d| d != "cpu");
-    let max_input_tokens = args.max_input_tokens;
+    let max_input_tokens = tokens.input;
     let info = ModelInfo::new(&files.id, &cfg, args.dtype);
     let limits = Limits {
         max_batch_tokens,
-        max_input_tokens: args.max_input_tokens,
-        max_queue_tokens: args.max_queue_tokens,
+        max_input_tokens: tokens.input,
+        max_queue_tokens: tokens.queue,
         max_body_bytes: args.max_body_bytes,
         max_json_values: args.max_json_values,
         zstd_level: args.zstd_level,
         request_timeout: Duration::from_secs(args.request_timeout_s),
-        max_request_tokens: args.request_tokens(),
+        max_request_tokens: tokens.request,
         max_inputs: args.max_inputs,
         max_messages: args.max_messages,
         max_answer_bytes: args.max_answer_bytes,
@@ -448,7 +451,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             };
             let memory = MemoryProbe::new(&device);
             let fits = memory.sample().map(|(used, total)| {
-                tokens_for_memory(files.config(), dtype.candle(), total.saturating_sub(used), max_input_tokens)
+                tokens_for_memory(files.config(), &device, dtype.candle(), total.saturating_sub(used), max_input_tokens)
             });
             Ok(LoadedEngine { engine: Box::new(engine), max_batch_tokens: fits, memory, selfcheck })
         })

@@ -178,3 +178,37 @@ fn selection_fp8_screen_and_prenorm_on_the_gpu() {
         println!("{name}: fp8 on the GPU: {off_by_one} of {values} values one step from the host's rounding");
     }
 }
+
+/// The start-up self-check passes on the GPU for every family, in f32 and bf16, against the
+/// portable f32 path (the figures are printed: they set the tolerances).
+#[test]
+fn the_selfcheck_passes_on_the_gpu_for_every_family() {
+    use layertap::engine::selfcheck::{check, Probe, Reference};
+    let Some(dev) = common::cuda_device() else { return };
+    for dir in common::fixture_models() {
+        let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+        let probe = Probe::new(files.config());
+        let reference = Reference::portable(&files, &probe).unwrap();
+        for (dtype, out) in [(DType::F32, OutDType::Float32), (DType::BF16, OutDType::Bfloat16)] {
+            let mut m = files.load(&dev, dtype).unwrap();
+            let r = check(&mut m.engine, &probe, &reference, "cuda:0", out).unwrap();
+            eprintln!("selfcheck {} {:?}: {:?}", dir.display(), dtype, r.errors);
+            assert!(r.passed(), "{}: {:?} {:?}", dir.display(), dtype, r.errors);
+        }
+    }
+}
+
+/// On CUDA the attention kernels keep the scores on chip: a long allowed input does not shrink
+/// the batch budget there as it does on the portable path.
+#[test]
+fn the_batch_budget_counts_no_attention_scores_for_the_cuda_kernels() {
+    let Some(dev) = common::cuda_device() else { return };
+    let files = ModelFiles::locate(&common::fixtures().join("tiny/qwen3_qknorm").to_string_lossy()).unwrap();
+    let gib = 1u64 << 30;
+    let cuda = layertap::engine::tokens_for_memory(files.config(), &dev, DType::BF16, gib, 262_144);
+    let short = layertap::engine::tokens_for_memory(files.config(), &dev, DType::BF16, gib, 1024);
+    let cpu =
+        layertap::engine::tokens_for_memory(files.config(), &layertap::engine::Device::Cpu, DType::BF16, gib, 262_144);
+    assert_eq!(cuda, short, "the longest input does not enter the CUDA budget");
+    assert!(cpu < cuda, "{cpu} {cuda}");
+}

@@ -189,13 +189,13 @@ fn the_batch_budget_grows_with_free_memory_and_counts_the_attention_chunk() {
     let files = ModelFiles::locate(&fixtures().join("tiny/qwen3_qknorm").to_string_lossy()).unwrap();
     let cfg = files.config();
     let gib = 1u64 << 30;
-    let small = layertap::engine::tokens_for_memory(cfg, DType::BF16, gib, 4096);
-    let large = layertap::engine::tokens_for_memory(cfg, DType::BF16, 8 * gib, 4096);
+    let small = layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::BF16, gib, 4096);
+    let large = layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::BF16, 8 * gib, 4096);
     assert!(small > 0 && large > 7 * small, "{small} {large}");
     assert!(
-        layertap::engine::tokens_for_memory(cfg, DType::F32, gib, 4096)
-            < layertap::engine::tokens_for_memory(cfg, DType::BF16, gib, 4096)
+        layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::F32, gib, 4096)
+            < layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::BF16, gib, 4096)
     );
     // Nothing fits when the attention scores of one chunk alone exceed the budget.
-    assert_eq!(layertap::engine::tokens_for_memory(cfg, DType::F32, 1 << 20, 1 << 20), 0);
+    assert_eq!(layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::F32, 1 << 20, 1 << 20), 0);
 }

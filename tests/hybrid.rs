@@ -248,8 +248,8 @@ fn the_batch_budget_counts_linear_attention_and_expert_activations() {
     assert!(top8 > top2, "more experts per token, more activations: {top8} vs {top2}");
     // And the budget follows: a hybrid fits fewer tokens than the same shape with attention only.
     let gib = 1u64 << 30;
-    let hybrid = layertap::engine::tokens_for_memory(&cfg, DType::BF16, gib, 4096);
+    let hybrid = layertap::engine::tokens_for_memory(&cfg, &Device::Cpu, DType::BF16, gib, 4096);
     cfg.layers = vec![spec(MixerKind::FullAttention, FfnKind::Moe); cfg.num_hidden_layers];
-    let dense_attention = layertap::engine::tokens_for_memory(&cfg, DType::BF16, gib, 4096);
+    let dense_attention = layertap::engine::tokens_for_memory(&cfg, &Device::Cpu, DType::BF16, gib, 4096);
     assert!(hybrid > 0 && hybrid < dense_attention, "{hybrid} vs {dense_attention}");
 }

@@ -19,11 +19,13 @@ Output layout (default: tests/fixtures/tiny relative to the repository root):
                                                  (transformers run in bfloat16, for comparison)
     <out>/<variant>/reference.json
 
-Variants (hidden 32, 4 layers, vocab 512):
+Variants (hidden 32, 4 layers unless said otherwise, vocab 512):
 
     qwen3_5_hybrid          Qwen3_5ForConditionalGeneration (tiny vision tower), text weights under
                             model.language_model., layer_types [lin, lin, lin, full], fake mtp.*
                             tensors in the file that must be ignored; float32.
+    qwen3_5_deep            as qwen3_5_hybrid but 6 layers, [lin, full, lin, lin, full, lin] (each kind more
+                            than once, a linear-attention layer last), no mtp.* tensors; float32.
     qwen3_5_moe_fused       Qwen3_5MoeForConditionalGeneration, no layer_types in config.json but
                             full_attention_interval 2 ([lin, full, lin, full]); experts FUSED
                             (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]);
@@ -193,6 +195,23 @@ def qwen3_5_hybrid_config():
     )
 
 
+DEEP_LAYER_TYPES = [LIN, FULL, LIN, LIN, FULL, LIN]
+
+
+def qwen3_5_deep_config():
+    return Qwen3_5Config(
+        text_config=dict(
+            COMMON_TEXT, **ATTN, **GDN,
+            num_hidden_layers=len(DEEP_LAYER_TYPES),
+            intermediate_size=64,
+            layer_types=list(DEEP_LAYER_TYPES),
+            rope_parameters=dict(ROPE_MROPE),
+        ),
+        vision_config=dict(VISION),
+        tie_word_embeddings=False,
+    )
+
+
 def qwen3_5_moe_config():
     return Qwen3_5MoeConfig(
         text_config=dict(
@@ -246,6 +265,20 @@ VARIANTS = {
         experts="none",
         storage="float32",
         extra_tensors=FAKE_MTP,
+    ),
+    "qwen3_5_deep": dict(
+        config_fn=qwen3_5_deep_config,
+        model_cls=Qwen3_5ForConditionalGeneration,
+        layer_types=list(DEEP_LAYER_TYPES),
+        moe_layers=[],
+        experts="none",
+        storage="float32",
+        # model.double() is not float64 throughout: transformers' Qwen3.5 code casts the norms, the
+        # gated norm, the gates, the delta rule and the attention softmax to float32 explicitly, so
+        # the drift measured against it carries that rounding too. With those casts turned to float64
+        # as well, this fixture's f32 references stay within 1.9e-6 of the float64 result (so do the
+        # engine's f32 states); against model.double() the worst is 3.7e-6.
+        max_f32_drift=5e-6,
     ),
     "qwen3_5_moe_fused": dict(
         config_fn=qwen3_5_moe_config,
@@ -706,7 +739,8 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
         assert min_gap > MIN_ROUTER_GAP, min_gap
     drift = f32_drift(model, seqs, refs)
     print(f"  {name}: transformers f32 vs f64, worst relative error over all indices {drift:.2e}")
-    assert drift <= MAX_F32_DRIFT, f"{name}: f32 references drift {drift:.2e} from f64 (> {MAX_F32_DRIFT})"
+    max_drift = spec.get("max_f32_drift", MAX_F32_DRIFT)
+    assert drift <= max_drift, f"{name}: f32 references drift {drift:.2e} from f64 (> {max_drift})"
     n_expert_checks = check_expert_split(model) if moe_layers else 0
     vision_out = check_vision_tower(model) if hasattr(model.model, "visual") else None
     if vision_out is not None:  # the vision check must not leave state behind

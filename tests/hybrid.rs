@@ -14,8 +14,8 @@ use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Device, Engine, ModelEngine, OutDType};
 use serde_json::{json, Value};
 
-const HYBRIDS: [&str; 5] =
-    ["qwen3_5_hybrid", "qwen3_5_moe_fused", "qwen3_next_per_expert", "qwen3_moe", "qwen3_5_text"];
+const HYBRIDS: [&str; 6] =
+    ["qwen3_5_hybrid", "qwen3_5_moe_fused", "qwen3_next_per_expert", "qwen3_moe", "qwen3_5_text", "qwen3_5_deep"];
 
 fn dir(name: &str) -> PathBuf {
     fixtures().join("tiny").join(name)
@@ -93,6 +93,32 @@ fn extract_matches_transformers_for_every_hybrid_family() {
             assert!(e <= 1e-5, "{name} index {idx}: relative error {e:.3e}");
         }
     }
+}
+
+/// A deeper Qwen3.5 stack (6 layers, each kind more than once, linear attention last) on the
+/// 65-token sequence (two chunks): every index, and the last layer's output before the final
+/// norm, within 1e-5 of transformers. Its f32 references are within 1.9e-6 of a float64 run, so
+/// the tolerance measures the engine, not the model's sensitivity to rounding.
+#[test]
+fn a_deeper_hybrid_stack_matches_at_every_index() {
+    let d = dir("qwen3_5_deep");
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let mut engine = load(&d);
+    let n = engine.decoder.cfg.num_hidden_layers;
+    assert_eq!(n, 6);
+    let seq = ids(&reference, 4);
+    let all: Vec<usize> = (0..=n + 1).collect();
+    let got = f32_of(&run(&mut engine, std::slice::from_ref(&seq), &all).remove(0));
+    let hs = &reference["seq4.hidden_states"];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    assert_eq!(t, 65);
+    let at = |idx: usize| -> Vec<f32> { (0..t).flat_map(|r| got[(r * (n + 2) + idx) * h..][..h].to_vec()).collect() };
+    for idx in 0..=n {
+        let e = rel_err(&at(idx), &hs.f32[idx * t * h..(idx + 1) * t * h]);
+        assert!(e <= 1e-5, "index {idx}: relative error {e:.3e}");
+    }
+    let e = rel_err(&at(n + 1), &reference["seq4.final_prenorm"].f32);
+    assert!(e <= 1e-5, "before the final norm: relative error {e:.3e}");
 }
 
 /// A real server on a hybrid MoE checkpoint: `/v1/info` reports the layer kinds, and the

@@ -372,6 +372,12 @@ pub fn run_selfcheck(
     reference: &std::sync::OnceLock<Result<Reference, String>>,
 ) -> Result<Report, EngineError> {
     let probe = Probe::new(files.config());
+    tracing::info!(
+        device,
+        layers = probe.depth,
+        tokens = probe.tokens(),
+        "self-check: the probe through this device and through the portable f32 path"
+    );
     let mut computed_here = 0.0;
     let own;
     let reference = if device == "cpu" && dtype == OutDType::Float32 {

@@ -96,12 +96,14 @@ impl Reference {
         tokens.sort_unstable();
         tokens.dedup();
         let mut engine = files.load_prefix_f32(probe.depth, &tokens)?;
+        let loaded = start.elapsed().as_secs_f64();
         // The truncated decoder's last layer output is its pre-norm final state.
         let truncated = probe.depth < n;
         let engine_index = |i: usize| if truncated && i == probe.depth { probe.depth + 1 } else { i };
         let local = |seq: &[u32]| seq.iter().map(|t| tokens.binary_search(t).unwrap_or(0) as u32).collect::<Vec<_>>();
         let mut r = Self::run(&mut engine, probe, local, engine_index)?;
         r.seconds = start.elapsed().as_secs_f64();
+        tracing::debug!(load_seconds = loaded, run_seconds = r.seconds - loaded, "self-check reference computed");
         Ok(r)
     }
 

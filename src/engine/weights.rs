@@ -124,7 +124,37 @@ impl Weights {
         if t.dims() != shape {
             return Err(self.shape_mismatch(&full, t.dims(), shape));
         }
+        if dtype == DType::F32 && self.device.is_cpu() {
+            if let Some(wide) = crate::engine::layers::cpu_ops::widened(&t)? {
+                return Ok(wide);
+            }
+        }
         Ok(t.to_dtype(dtype)?.to_device(&self.device)?)
+    }
+
+    /// On the CPU in f32, the `[in, out]` transpose of the `[out, in]` safetensors weight `name`
+    /// (shape checked): what a projection keeps, read, widened and transposed from the
+    /// memory-mapped file in one pass on every core, so a large model's first layers load in
+    /// seconds for the self-check's reference. `None` elsewhere (then [`Weights::get`]).
+    pub fn get_transposed_f32(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, EngineError> {
+        let (TensorSource::Safetensors { tensors, .. }, [rows, cols], DType::F32, true) =
+            (&self.source, shape, self.dtype, self.device.is_cpu())
+        else {
+            return Ok(None);
+        };
+        let full = self.full_name(name);
+        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
+        let Some(dtype) = DType::try_from(view.dtype()).ok().filter(|d| FLOAT_DTYPES.contains(d)) else {
+            return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
+        };
+        if view.shape() != shape {
+            return Err(self.shape_mismatch(&full, view.shape(), shape));
+        }
+        let t = crate::engine::layers::cpu_ops::transposed_f32_from_bytes(view.data(), dtype, *rows, *cols)?;
+        if t.is_some() {
+            self.mark_read(&full);
+        }
+        Ok(t)
     }
 
     /// Rows `rows` of the `[n, cols]` tensor `name` (shape checked), in the compute dtype: only

@@ -12,15 +12,22 @@ pub struct Linear {
 
 impl Linear {
     pub fn load(w: &Weights, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, EngineError> {
-        let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
+        let (weight, shape) = (format!("{name}.weight"), [out, inp]);
         let bias = w.get_opt(&format!("{name}.bias"), &[out], bias)?;
-        Ok(Self::from_weight(weight, bias)?)
+        match w.get_transposed_f32(&weight, &shape)? {
+            Some(weight_t) => Ok(Linear { weight_t, bias }),
+            None => Ok(Self::from_weight(w.get(&weight, &shape)?, bias)?),
+        }
     }
 
     /// From an `[out, in]` weight, stored transposed once so every forward is a plain
     /// `[T, in] x [in, out]` matmul.
     pub fn from_weight(weight: Tensor, bias: Option<Tensor>) -> candle_core::Result<Self> {
-        Ok(Linear { weight_t: weight.t()?.contiguous()?, bias })
+        let weight_t = match super::cpu_ops::transposed(&weight)? {
+            Some(t) => t,
+            None => weight.t()?.contiguous()?,
+        };
+        Ok(Linear { weight_t, bias })
     }
 
     /// Output features.

@@ -24,7 +24,12 @@
 #           ENCODINGS × CONCURRENCIES as in http), and transformers + hooks at each budget in
 #           HF_BUDGETS (with fla when PYTHONPATH holds it; grouped_mm experts for the MoE model;
 #           HF_BUDGETS= skips it)
-# Each step appends one JSON line to $OUT_DIR/results.jsonl.
+# long:     long context (bench/gpu/long_context.py): one sequence through the server against transformers
+#           bf16 + hooks at rows of its start, middle and end: the dense Qwen3-8B shape at 131,072 tokens
+#           and the Qwen3.5-27B hybrid width at 262,144 (4 layers each); relative error per layer and row
+#           group, the request's time and batch memory, transformers' time and peak memory; LONG_ARGS passes
+#           its flags (e.g. "--case dense --tolerance 0.03"); fails on an error over the tolerance
+# Each step appends one JSON line to $OUT_DIR/results.jsonl (long: one per case, layer and row group).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL_DIR="${MODEL_DIR:-/tmp/qwen3-8b-random}"
@@ -127,4 +132,9 @@ if [[ "$step" == hybrid ]]; then
         "${experts[@]}" | sed "$tag" | tee -a "$results"
     done
   done
+fi
+if [[ "$step" == long ]]; then
+  # shellcheck disable=SC2086
+  python3 bench/gpu/long_context.py --bin "$BIN" --work "${LONG_WORK:-/tmp/layertap-long}" --log-dir "$OUT_DIR" \
+    --port "$PORT" ${LONG_ARGS:-} | tee -a "$results"
 fi

@@ -5,18 +5,13 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{fixture_models, fixtures, limits, wait_ready};
+use common::{fixture_models, fixtures, limits, real_server_with, wait_ready};
 use layertap::cli::SelfCheckMode;
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::selfcheck::{check, tolerance, Probe, Reference, PROBE_LENGTHS};
-use layertap::engine::{
-    Batch, DType, Device, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType, Taps,
-};
-use layertap::server::{run_selfcheck, start, Setup};
-use layertap::tokenizer::TextTokenizer;
+use layertap::engine::{Batch, DType, Device, Engine, EngineError, OutDType, Taps};
 
 #[test]
 fn the_probe_reaches_the_first_layer_of_every_kind_and_stays_short() {
@@ -90,50 +85,6 @@ impl Engine for Leaky {
     }
 }
 
-/// A server on the real tiny model whose engine is `wrap(real engine)`, self-checked as
-/// `layertap serve` does, under `mode`. Returns its base URL and the server.
-async fn server(
-    model: &str,
-    mode: SelfCheckMode,
-    wrap: fn(Box<dyn Engine>) -> Box<dyn Engine>,
-) -> (layertap::server::Running, String) {
-    let files = Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
-    let info = ModelInfo::new(&files.id, files.config(), OutDType::Float32);
-    let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let setup = Setup {
-        info,
-        tokenizer,
-        devices: vec!["cpu".into()],
-        limits: limits(),
-        api_keys: vec![],
-        auto_batch_tokens: false,
-        selfcheck: mode,
-    };
-    let running = start(
-        listener,
-        setup,
-        move |_| {
-            let f = files.clone();
-            Box::new(move || {
-                let mut engine = wrap(Box::new(f.load(&Device::Cpu, DType::F32)?.engine));
-                let reference = std::sync::OnceLock::new();
-                let report = run_selfcheck(engine.as_mut(), &f, "cpu", OutDType::Float32, &reference)?;
-                Ok(LoadedEngine {
-                    engine,
-                    max_batch_tokens: None,
-                    memory: MemoryProbe::new(&Device::Cpu),
-                    selfcheck: Some(report),
-                })
-            })
-        },
-        Duration::from_secs(5),
-    )
-    .unwrap();
-    let base = format!("http://{}", running.addr);
-    (running, base)
-}
-
 /// `/v1/info` once the self-check has reported.
 async fn info_after_check(base: &str) -> serde_json::Value {
     let c = common::client();
@@ -156,7 +107,8 @@ fn metric(text: &str, series: &str) -> f64 {
 
 #[tokio::test]
 async fn a_fault_in_the_serving_path_fails_the_check_and_readiness_is_refused() {
-    let (running, base) = server("tiny/qwen3_qknorm", SelfCheckMode::Enforce, |e| Box::new(Leaky(e))).await;
+    let (running, base) =
+        real_server_with("tiny/qwen3_qknorm", limits(), SelfCheckMode::Enforce, |e| Box::new(Leaky(e)));
     let info = info_after_check(&base).await;
     let sc = &info["selfcheck"];
     assert_eq!(sc["passed"], false, "{sc}");
@@ -182,11 +134,11 @@ async fn a_fault_in_the_serving_path_fails_the_check_and_readiness_is_refused() 
 
 #[tokio::test]
 async fn warn_serves_a_failed_check_and_a_healthy_engine_passes_under_enforce() {
-    let (warned, base) = server("tiny/qwen3_qknorm", SelfCheckMode::Warn, |e| Box::new(Leaky(e))).await;
+    let (warned, base) = real_server_with("tiny/qwen3_qknorm", limits(), SelfCheckMode::Warn, |e| Box::new(Leaky(e)));
     wait_ready(&base).await;
     assert_eq!(info_after_check(&base).await["selfcheck"]["passed"], false);
     warned.shutdown.cancel();
-    let (healthy, base) = server("tiny/qwen3_5_hybrid", SelfCheckMode::Enforce, |e| e).await;
+    let (healthy, base) = real_server_with("tiny/qwen3_5_hybrid", limits(), SelfCheckMode::Enforce, |e| e);
     wait_ready(&base).await;
     let sc = info_after_check(&base).await["selfcheck"].clone();
     assert_eq!(sc["passed"], true, "{sc}");

@@ -378,13 +378,28 @@ pub fn unzstd(bytes: &[u8]) -> Vec<u8> {
 /// tests/fixtures), on the CPU in f32, self-checked as `layertap serve` does; returns once it is
 /// ready.
 pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
+    let (running, base) = real_server_with(model, limits, layertap::cli::SelfCheckMode::Enforce, |e| e);
+    wait_ready(&base).await;
+    (running, base)
+}
+
+/// [`real_server`] with the self-check under `mode` and the engine `wrap(real engine)` (a test's
+/// fault goes there); returns at once, ready or not.
+pub fn real_server_with(
+    model: &str,
+    limits: Limits,
+    mode: layertap::cli::SelfCheckMode,
+    wrap: fn(Box<dyn layertap::engine::Engine>) -> Box<dyn layertap::engine::Engine>,
+) -> (Running, String) {
     use layertap::engine::loader::ModelFiles;
     use layertap::engine::DType;
     let files = Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
     let cfg = files.config().clone();
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
     let info = ModelInfo::new(&files.id, &cfg, OutDType::Float32);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
     let setup = Setup {
         info,
         tokenizer,
@@ -392,7 +407,7 @@ pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
         limits,
         api_keys: vec![],
         auto_batch_tokens: false,
-        selfcheck: layertap::cli::SelfCheckMode::Enforce,
+        selfcheck: mode,
     };
     let running = start(
         listener,
@@ -400,11 +415,12 @@ pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
         move |_| {
             let f = files.clone();
             Box::new(move || {
-                let mut engine = f.load(&Device::Cpu, DType::F32)?.engine;
+                let mut engine = wrap(Box::new(f.load(&Device::Cpu, DType::F32)?.engine));
                 let reference = std::sync::OnceLock::new();
-                let report = layertap::server::run_selfcheck(&mut engine, &f, "cpu", OutDType::Float32, &reference)?;
+                let report =
+                    layertap::server::run_selfcheck(engine.as_mut(), &f, "cpu", OutDType::Float32, &reference)?;
                 Ok(LoadedEngine {
-                    engine: Box::new(engine),
+                    engine,
                     max_batch_tokens: None,
                     memory: MemoryProbe::new(&Device::Cpu),
                     selfcheck: Some(report),
@@ -415,7 +431,6 @@ pub async fn real_server(model: &str, limits: Limits) -> (Running, String) {
     )
     .unwrap();
     let base = format!("http://{}", running.addr);
-    wait_ready(&base).await;
     (running, base)
 }
 

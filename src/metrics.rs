@@ -199,8 +199,8 @@ impl Metrics {
                 GaugeVec::new(
                     Opts::new(
                         "layertap_selfcheck_seconds",
-                        "Start-up self-check: seconds it took per device (the probe, and the reference where this \
-                         device computed it)",
+                        "Start-up self-check: seconds it added to each device's start (the probe, and any wait for \
+                         the reference past the device's own load)",
                     ),
                     &["device"],
                 )

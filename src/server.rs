@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::batching::{spawn_worker, Queue, WorkerHandle};
 use crate::cli::{SelfCheckMode, ServeArgs};
 use crate::engine::loader::ModelFiles;
-use crate::engine::selfcheck::{self, Probe, Reference, Report};
+use crate::engine::selfcheck::{self, Probe, Reference, Report, SharedReference};
 use crate::engine::{
     layer_name, parse_device, tokens_for_memory, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType,
 };
@@ -311,7 +311,7 @@ fn record_selfcheck(r: &Report, metrics: &Metrics, num_layers: usize) {
     for &(index, e) in &r.errors {
         metrics.selfcheck_error.with_label_values(&[&r.device, &layer_name(index, num_layers)]).set(e);
     }
-    metrics.selfcheck_seconds.with_label_values(&[&r.device]).set(r.seconds + r.reference_seconds);
+    metrics.selfcheck_seconds.with_label_values(&[&r.device]).set(r.seconds + r.waited_seconds);
     let (index, worst) = r.worst();
     tracing::info!(
         device = %r.device,
@@ -320,6 +320,7 @@ fn record_selfcheck(r: &Report, metrics: &Metrics, num_layers: usize) {
         tolerance = r.tolerance,
         probe_seconds = r.seconds,
         reference_seconds = r.reference_seconds,
+        waited_for_reference_seconds = r.waited_seconds,
         "self-check done"
     );
 }
@@ -362,14 +363,14 @@ fn selfcheck_allows_readiness(s: &SelfCheckState, num_layers: usize) -> bool {
 }
 
 /// Runs the start-up self-check of `engine` on `device`: the probe through the engine, against
-/// the portable f32 path, computed once for every device (`reference`), or by `engine` itself
-/// when it already is that path (the CPU in f32).
+/// the portable f32 path (`reference`, shared by every device), or against `engine` itself, each
+/// sequence alone, where it already is that path (the CPU in f32).
 pub fn run_selfcheck(
     engine: &mut dyn Engine,
     files: &ModelFiles,
     device: &str,
     dtype: OutDType,
-    reference: &std::sync::OnceLock<Result<Reference, String>>,
+    reference: &SharedReference,
 ) -> Result<Report, EngineError> {
     let probe = Probe::new(files.config());
     tracing::info!(
@@ -378,23 +379,24 @@ pub fn run_selfcheck(
         tokens = probe.tokens(),
         "self-check: the probe through this device and through the portable f32 path"
     );
-    let mut computed_here = 0.0;
+    let waiting = std::time::Instant::now();
     let own;
-    let reference = if device == "cpu" && dtype == OutDType::Float32 {
+    let reference = if is_portable(device, dtype) {
         own = Reference::from_engine(engine, &probe)?;
-        computed_here = own.seconds;
         &own
     } else {
-        let r = reference.get_or_init(|| {
-            Reference::portable(files, &probe)
-                .inspect(|r| computed_here = r.seconds)
-                .map_err(|e| format!("the self-check's reference could not be computed: {e}"))
-        });
-        r.as_ref().map_err(|e| EngineError::Load(e.clone()))?
+        let r = reference.get(files, &probe).as_ref();
+        r.map_err(|e| EngineError::Load(format!("the self-check's reference could not be computed: {e}")))?
     };
+    let waited = waiting.elapsed().as_secs_f64();
     let mut report = selfcheck::check(engine, &probe, reference, device, dtype)?;
-    report.reference_seconds = computed_here;
+    report.waited_seconds = waited;
     Ok(report)
+}
+
+/// Whether `device` in `dtype` runs the portable f32 path itself.
+fn is_portable(device: &str, dtype: OutDType) -> bool {
+    device == "cpu" && dtype == OutDType::Float32
 }
 
 /// `layertap serve`.
@@ -443,7 +445,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
     let dtype: OutDType = args.dtype;
     let mode = args.selfcheck;
-    let reference = Arc::new(std::sync::OnceLock::new());
+    // Computed on the CPU while the devices load, unless no device needs it.
+    let reference = Arc::new(if mode != SelfCheckMode::Off && devices.iter().any(|d| !is_portable(d, dtype)) {
+        SharedReference::start(files.clone())
+    } else {
+        SharedReference::default()
+    });
     let make = move |d: &str| -> EngineFactory {
         let files = files.clone();
         let reference = reference.clone();

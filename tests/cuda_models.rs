@@ -203,12 +203,18 @@ fn the_selfcheck_passes_on_the_gpu_for_every_family() {
 #[test]
 fn the_batch_budget_counts_no_attention_scores_for_the_cuda_kernels() {
     let Some(dev) = common::cuda_device() else { return };
-    let files = ModelFiles::locate(&common::fixtures().join("tiny/qwen3_qknorm").to_string_lossy()).unwrap();
+    // A head dim the CUDA attention kernels take (the tiny fixtures' are smaller).
+    let cfg = layertap::engine::ModelConfig::from_hf_json(&serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 4,
+        "vocab_size": 1000
+    }))
+    .unwrap();
     let gib = 1u64 << 30;
-    let cuda = layertap::engine::tokens_for_memory(files.config(), &dev, DType::BF16, gib, 262_144);
-    let short = layertap::engine::tokens_for_memory(files.config(), &dev, DType::BF16, gib, 1024);
-    let cpu =
-        layertap::engine::tokens_for_memory(files.config(), &layertap::engine::Device::Cpu, DType::BF16, gib, 262_144);
+    let budget =
+        |d: &layertap::engine::Device, longest| layertap::engine::tokens_for_memory(&cfg, d, DType::BF16, gib, longest);
+    let (cuda, short) = (budget(&dev, 262_144), budget(&dev, 1024));
+    let cpu = budget(&layertap::engine::Device::Cpu, 262_144);
     assert_eq!(cuda, short, "the longest input does not enter the CUDA budget");
     assert!(cpu < cuda, "{cpu} {cuda}");
 }

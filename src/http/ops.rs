@@ -86,7 +86,7 @@ fn selfcheck_info(s: &AppState) -> Option<SelfCheckInfo> {
         worst_index: crate::engine::layer_name(index, s.info.num_layers),
         tolerance: report.tolerance,
         devices_checked: reports.len(),
-        seconds: reports.iter().map(|r| r.seconds + r.reference_seconds).fold(0.0, f64::max),
+        seconds: reports.iter().map(|r| r.seconds + r.waited_seconds).fold(0.0, f64::max),
     })
 }
 

@@ -168,7 +168,8 @@ pub struct SelfCheckInfo {
     /// The tolerance of the compute dtype.
     pub tolerance: f64,
     pub devices_checked: usize,
-    /// The longest any device took, its share of the reference included.
+    /// What the check added to the slowest device's start: its probe, and any wait for the
+    /// reference past its own load (the reference is computed on the CPU while devices load).
     pub seconds: f64,
 }
 

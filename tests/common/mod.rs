@@ -416,7 +416,7 @@ pub fn real_server_with(
             let f = files.clone();
             Box::new(move || {
                 let mut engine = wrap(Box::new(f.load(&Device::Cpu, DType::F32)?.engine));
-                let reference = std::sync::OnceLock::new();
+                let reference = layertap::engine::selfcheck::SharedReference::default();
                 let report =
                     layertap::server::run_selfcheck(engine.as_mut(), &f, "cpu", OutDType::Float32, &reference)?;
                 Ok(LoadedEngine {

@@ -352,6 +352,21 @@ struct GdnCase {
     dt_bias: Tensor,
 }
 
+impl GdnCase {
+    /// Tokens `start..start + len` of the case alone (the weights shared).
+    fn rows(&self, start: usize, len: usize) -> GdnCase {
+        let part = |x: &Tensor| x.narrow(0, start, len).unwrap();
+        GdnCase {
+            qkv: part(&self.qkv),
+            b: part(&self.b),
+            a: part(&self.a),
+            conv: self.conv.clone(),
+            neg_a: self.neg_a.clone(),
+            dt_bias: self.dt_bias.clone(),
+        }
+    }
+}
+
 fn gdn_case(d: &layertap::engine::config::LinearAttentionConfig, t: usize, dtype: DType, seed: u64) -> GdnCase {
     let cpu = candle_core::Device::Cpu;
     let c = d.conv_dim();
@@ -475,14 +490,7 @@ fn gdn_kernels_are_batch_invariant() {
         let all = gdn_kernel(&case, &seqs, &d, products);
         for &(start, len) in &seqs {
             let part = |x: &Tensor| x.narrow(0, start, len).unwrap();
-            let alone = GdnCase {
-                qkv: part(&case.qkv),
-                b: part(&case.b),
-                a: part(&case.a),
-                conv: case.conv.clone(),
-                neg_a: case.neg_a.clone(),
-                dt_bias: case.dt_bias.clone(),
-            };
+            let alone = case.rows(start, len);
             let one = gdn_kernel(&alone, &[(0, len)], &d, products);
             let diff = max_abs_diff(&part(&all), &one);
             assert_eq!(diff, 0.0, "{products:?}: sequence of {len} tokens differs alone by {diff}");
@@ -737,14 +745,7 @@ fn long_gdn_scan_takes_more_than_65535_sequences() {
         for i in [0usize, 1, 65_534, 65_535, 65_536, 69_999] {
             let (start, len) = seqs[i];
             let part = |x: &Tensor| x.narrow(0, start, len).unwrap();
-            let alone = GdnCase {
-                qkv: part(&case.qkv),
-                b: part(&case.b),
-                a: part(&case.a),
-                conv: case.conv.clone(),
-                neg_a: case.neg_a.clone(),
-                dt_bias: case.dt_bias.clone(),
-            };
+            let alone = case.rows(start, len);
             let one = gdn_kernel(&alone, &[(0, len)], &d, products);
             assert_same(&part(&all), &one, &format!("{products:?}: sequence {i}"));
         }

@@ -290,8 +290,9 @@ where
                 tracing::info!(
                     max_batch_tokens = t,
                     "batch budget sized from free device memory after loading: 80% of the smallest free memory \
-                     over the devices, less one attention chunk of the longest input, divided by the activation \
-                     bytes per token (all layers kept, q/k/v, MLP)"
+                     over the devices (less one attention chunk of the longest input where the portable attention \
+                     runs), divided by the activation bytes per token (all layers kept, q/k/v, MLP); longer inputs \
+                     run alone"
                 );
             }
             if !selfcheck_allows_readiness(&selfcheck, num_layers) {

@@ -239,7 +239,7 @@ impl ModelFiles {
             Files::Gguf { file, config } => TensorSource::Gguf(GgufTensors::new(file.clone(), config)),
         };
         let weights = Weights::new(source, device.clone(), dtype);
-        weights.check_before_load()?;
+        weights.check_before_load(self.config().num_hidden_layers)?;
         Ok(weights)
     }
 
@@ -255,7 +255,7 @@ impl ModelFiles {
         let decoder = Decoder::load(config.clone(), &weights, |_, _| bar.inc(1));
         bar.finish_and_clear();
         let decoder = decoder?;
-        weights.check_unread()?;
+        weights.check_unread(config.num_hidden_layers)?;
         let info = ModelInfo::new(&self.id, &config, OutDType::from_candle(dtype));
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }

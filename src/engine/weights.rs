@@ -212,15 +212,16 @@ impl Weights {
     /// Before anything is loaded: refuses a checkpoint whose decoder holds a tensor in a dtype the
     /// loader does not read (FP8, packed integers) or quantisation data (a scale, packed weights,
     /// zero points) outside the parts that are never read ([`IGNORED_PREFIXES`]), naming the first.
-    /// So a quantised checkpoint is refused at once, not after minutes of loading.
-    pub fn check_before_load(&self) -> Result<(), EngineError> {
+    /// So a quantised checkpoint is refused at once, not after minutes of loading. Layers from
+    /// `layers` on (past the config's `num_hidden_layers`) never run and are not checked.
+    pub fn check_before_load(&self, layers: usize) -> Result<(), EngineError> {
         let TensorSource::Safetensors { tensors, .. } = &self.source else {
             return Ok(());
         };
         let mut all = tensors.tensors();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, view) in &all {
-            if !self.must_be_read(name) {
+            if !self.must_be_read(name, layers) {
                 continue;
             }
             let float = DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d));
@@ -234,8 +235,9 @@ impl Weights {
     /// Once the decoder is loaded: the checkpoint's tensors that nothing read are listed (debug),
     /// and refused when one belongs to the decoder (a layer, the embeddings or the final norm):
     /// the decoder would run without something its checkpoint says it needs. GGUF files are read
-    /// by name mapping and dequantised whole; they are not checked.
-    pub fn check_unread(&self) -> Result<(), EngineError> {
+    /// by name mapping and dequantised whole; they are not checked. Layers from `layers` on never
+    /// run and are only listed.
+    pub fn check_unread(&self, layers: usize) -> Result<(), EngineError> {
         let TensorSource::Safetensors { tensors, .. } = &self.source else {
             return Ok(());
         };
@@ -255,7 +257,7 @@ impl Weights {
             tensors = ?unread.iter().map(|(n, d)| format!("{n} ({d})")).collect::<Vec<_>>(),
             "checkpoint tensors not read (outside the text decoder)"
         );
-        match unread.iter().find(|(name, _)| self.must_be_read(name)) {
+        match unread.iter().find(|(name, _)| self.must_be_read(name, layers)) {
             None => Ok(()),
             Some((name, dtype)) => Err(self.unreadable(name, dtype)),
         }
@@ -281,9 +283,13 @@ impl Weights {
         rest.split('.').next()?.parse().ok()
     }
 
-    fn must_be_read(&self, full: &str) -> bool {
+    /// Whether `full` is something the decoder of `layers` layers must read (or else refuse).
+    fn must_be_read(&self, full: &str, layers: usize) -> bool {
         // A buffer some older checkpoints saved, recomputed by every implementation.
         if full.ends_with(".rotary_emb.inv_freq") {
+            return false;
+        }
+        if self.layer_of(full).is_some_and(|i| i >= layers) {
             return false;
         }
         let decoder =

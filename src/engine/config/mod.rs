@@ -215,19 +215,19 @@ impl ModelConfig {
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return Err(bad("model config: head counts must be positive"));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(bad(format!(
                 "model config: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             )));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(bad(format!("model config: head_dim {} must be even and positive", self.head_dim)));
         }
         if self.num_hidden_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return Err(bad("model config: layers, hidden size and vocab size must be positive"));
         }
-        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return Err(bad(format!(
                 "model config: the rotary dimension {} (head_dim x partial_rotary_factor) must be even, positive \
                  and at most head_dim {}",

@@ -3,7 +3,9 @@
 and text, messages (list of {role, content}) and ids (list of int64) columns, with the bad rows
 tests/bulk.rs expects (a null text, a null and an empty list, a message with a null content).
 Row groups of 2 rows, and each column compressed with another codec (zstd, snappy, gzip), so the
-reader is proven on all three.
+reader is proven on all three. Also tests/fixtures/bulk/sharegpt.parquet: ShareGPT chats
+(`conversations`, lists of {from, value}) of the same messages as mixed.parquet's rows a and d,
+and a row whose speaker is unknown.
 
     python3 -m venv /tmp/pq && /tmp/pq/bin/pip install pyarrow
     /tmp/pq/bin/python scripts/make_parquet_fixture.py
@@ -48,5 +50,22 @@ pq.write_table(
     out,
     row_group_size=2,
     compression={"id": "snappy", "text": "zstd", "messages": "snappy", "ids": "gzip"},
+)
+print(f"{out}: {out.stat().st_size} bytes, pyarrow {pa.__version__}")
+
+SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
+turn = pa.struct([("from", pa.string()), ("value", pa.string())])
+shared = [
+    ("a", [{"from": SHAREGPT_FROM[a], "value": b} for a, b in ROWS[0][2]]),
+    ("d", [{"from": SHAREGPT_FROM[a], "value": b} for a, b in ROWS[3][2]]),
+    ("odd", [{"from": "narrator", "value": "Once"}]),
+]
+out = out.parent / "sharegpt.parquet"
+pq.write_table(
+    pa.table(
+        {"id": [r[0] for r in shared], "conversations": [r[1] for r in shared]},
+        schema=pa.schema([("id", pa.string()), ("conversations", pa.list_(turn))]),
+    ),
+    out,
 )
 print(f"{out}: {out.stat().st_size} bytes, pyarrow {pa.__version__}")

@@ -47,7 +47,8 @@ pub struct BulkArgs {
     /// Column of the text to extract (JSONL: the key read as "text").
     #[arg(long)]
     pub text_column: Option<String>,
-    /// Column of the chats to extract, lists of {role, content} (JSONL: the key read as "messages").
+    /// Column of the chats to extract, lists of {role, content} or ShareGPT's {from, value} (JSONL:
+    /// the key read as "messages").
     #[arg(long)]
     pub messages_column: Option<String>,
     /// Column of the token ids to extract, lists of integers (JSONL: the key read as "input_ids").

@@ -603,6 +603,51 @@ async fn tokens_assistant_and_last_k_keep_the_selected_rows_and_their_positions(
     assert!(partial, "the chat sample has rows outside the assistant turn");
 }
 
+/// A ShareGPT chat (`conversations` of `{from, value}`, read with `--messages-column
+/// conversations`) gives the same tokens, loss mask and states as the same chat in `{role,
+/// content}`; an unknown speaker is a failed sample naming it, and the rest land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharegpt_conversations_extract_as_the_same_chat_in_roles() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (roles, sharegpt) = (dir.path().join("roles.jsonl"), dir.path().join("sharegpt.jsonl"));
+    let chat = serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there, how are you?"},
+        {"role": "assistant", "content": "Very well, thank you."}]);
+    let shared = serde_json::json!([
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi there, how are you?"},
+        {"from": "gpt", "value": "Very well, thank you."}]);
+    let odd = serde_json::json!([{"from": "narrator", "value": "Once"}]);
+    std::fs::write(&roles, serde_json::json!({"id": "c", "messages": chat}).to_string() + "\n").unwrap();
+    let lines = [
+        serde_json::json!({"id": "c", "conversations": shared}),
+        serde_json::json!({"id": "odd", "conversations": odd}),
+    ];
+    std::fs::write(&sharegpt, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+    let (out_roles, out_sharegpt) = (dir.path().join("out-roles"), dir.path().join("out-sharegpt"));
+    let (code, err) = run_extract(&s.base, &roles, &out_roles, "2,-1", &[]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let (code, err) =
+        run_extract(&s.base, &sharegpt, &out_sharegpt, "2,-1", &["--messages-column", "conversations"]).await;
+    assert_eq!(code, Some(1), "the unknown speaker fails its sample: {err}");
+    let failures = failures_of(&out_sharegpt, "failures.jsonl");
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0]["id"], "odd");
+    let error = failures[0]["error"].as_str().unwrap();
+    assert!(error.contains("message 0: its from is \"narrator\", not one of human"), "{error}");
+    let read = |out: &std::path::Path| {
+        read_safetensors_bytes(&std::fs::read(out.join("shard-00000/c.safetensors")).unwrap()).0
+    };
+    let (a, b) = (read(&out_roles), read(&out_sharegpt));
+    assert!(b["loss_mask"].i64.contains(&1) && b["loss_mask"].i64.contains(&0), "a chat's loss mask");
+    for name in ["input_ids", "loss_mask"] {
+        assert_eq!(a[name].i64, b[name].i64, "{name}");
+    }
+    assert_eq!(a["hidden_states"].f32, b["hidden_states"].f32);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Parquet input, --shard I/N and several servers
 // ---------------------------------------------------------------------------------------------
@@ -1051,6 +1096,34 @@ async fn a_parquet_file_written_by_pyarrow_reads_its_text_messages_and_ids_colum
             assert!(t["input_ids"].1[0] > 0, "{column} {id}");
             assert_eq!(t, tensors_of(&out_j, &mj, id), "{column} {id}: Parquet and JSONL agree");
         }
+    }
+}
+
+/// tests/fixtures/bulk/sharegpt.parquet (scripts/make_parquet_fixture.py): ShareGPT chats of
+/// `{from, value}` read with `--messages-column conversations` give the same files as
+/// mixed.parquet's `{role, content}` chats of the same messages; the unknown speaker is a
+/// failed row naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_file_of_sharegpt_conversations_reads_as_the_same_chats_in_roles() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (out, out_roles) = (dir.path().join("sharegpt"), dir.path().join("roles"));
+    let input = fixtures().join("bulk/sharegpt.parquet");
+    let (code, err) = run_extract(&s.base, &input, &out, "2", &["--messages-column", "conversations"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let f = failures_of(&out, "failures.jsonl");
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!((f[0]["id"].as_str(), f[0]["row"].as_u64()), (Some("odd"), Some(2)));
+    assert!(f[0]["error"].as_str().unwrap().contains("message 0: its from is \"narrator\""), "{}", f[0]);
+    let roles = fixtures().join("bulk/mixed.parquet");
+    let (code, err) = run_extract(&s.base, &roles, &out_roles, "2", &["--messages-column", "messages"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let (m, mr) = (manifest(&out), manifest(&out_roles));
+    assert_eq!(ids_of(&m).len(), 2, "{m:?}");
+    for id in ["a", "d"] {
+        let t = tensors_of(&out, &m, id);
+        assert!(t["input_ids"].1[0] > 0, "{id}");
+        assert_eq!(t, tensors_of(&out_roles, &mr, id), "{id}: ShareGPT and roles agree");
     }
 }
 

@@ -140,6 +140,11 @@ impl Input {
                 }
             }
         }
+        if let Some(msgs) = obj.get_mut("messages") {
+            if let Err(e) = sharegpt_to_chat(msgs) {
+                return bad(id, e);
+            }
+        }
         Row::Ok(Sample { index, id, input: v })
     }
 
@@ -281,7 +286,10 @@ fn convert(kind: Kind, f: &Field) -> Result<Value, String> {
                 .enumerate()
                 .map(|(i, e)| match e {
                     Field::Group(m) => message(m).map_err(|err| format!("message {i}: {err}")),
-                    other => Err(format!("message {i} is {}, not a {{role, content}} struct", type_of(other))),
+                    other => Err(format!(
+                        "message {i} is {}, not a {{role, content}} or {{from, value}} struct",
+                        type_of(other)
+                    )),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             Ok(Value::Array(msgs))
@@ -292,11 +300,15 @@ fn convert(kind: Kind, f: &Field) -> Result<Value, String> {
     }
 }
 
-/// One chat message: its string fields `role` and `content` (others are left out).
+/// One chat message: its string fields `role` and `content`, or ShareGPT's `from` and `value`
+/// (others are left out).
 fn message(m: &PqRow) -> Result<Value, String> {
+    let get = |key: &str| m.get_column_iter().find(|(n, _)| n.as_str() == key).map(|(_, f)| f);
+    let sharegpt = get("role").is_none() && get("from").is_some();
+    let keys = if sharegpt { ["from", "value"] } else { ["role", "content"] };
     let mut out = Map::new();
-    for key in ["role", "content"] {
-        match m.get_column_iter().find(|(n, _)| n.as_str() == key).map(|(_, f)| f) {
+    for key in keys {
+        match get(key) {
             Some(Field::Str(s)) => {
                 out.insert(key.into(), Value::String(s.clone()));
             }
@@ -304,5 +316,106 @@ fn message(m: &PqRow) -> Result<Value, String> {
             None => return Err(format!("it has no {key}")),
         }
     }
-    Ok(Value::Object(out))
+    let mut msg = Value::Object(out);
+    if sharegpt {
+        sharegpt_message(&mut msg)?;
+    }
+    Ok(msg)
+}
+
+/// ShareGPT's speakers as chat roles.
+const SHAREGPT_ROLES: [(&str, &str); 6] = [
+    ("human", "user"),
+    ("user", "user"),
+    ("gpt", "assistant"),
+    ("assistant", "assistant"),
+    ("system", "system"),
+    ("tool", "tool"),
+];
+
+/// A ShareGPT message `{from, value}` rewritten as `{role, content}` in place; other messages
+/// are left as they are.
+fn sharegpt_message(msg: &mut Value) -> Result<(), String> {
+    let Some(obj) = msg.as_object_mut() else { return Ok(()) };
+    if obj.contains_key("role") || !obj.contains_key("from") {
+        return Ok(());
+    }
+    let from = match obj.remove("from") {
+        Some(Value::String(s)) => s,
+        other => return Err(format!("its from is {}, not a string", json_type(other.as_ref()))),
+    };
+    let role =
+        SHAREGPT_ROLES.iter().find(|(f, _)| f.eq_ignore_ascii_case(&from)).map(|(_, r)| *r).ok_or_else(|| {
+            let known: Vec<&str> = SHAREGPT_ROLES.iter().map(|(f, _)| *f).collect();
+            format!("its from is {from:?}, not one of {}", known.join(", "))
+        })?;
+    match obj.remove("value") {
+        Some(v @ Value::String(_)) => {
+            obj.insert("content".into(), v);
+        }
+        other => return Err(format!("its value is {}, not a string", json_type(other.as_ref()))),
+    }
+    obj.insert("role".into(), Value::String(role.into()));
+    Ok(())
+}
+
+/// Every ShareGPT message of a JSONL chat rewritten as `{role, content}` (see
+/// [`sharegpt_message`]); anything else is left for the server to judge.
+fn sharegpt_to_chat(msgs: &mut Value) -> Result<(), String> {
+    if let Some(list) = msgs.as_array_mut() {
+        for (i, m) in list.iter_mut().enumerate() {
+            sharegpt_message(m).map_err(|e| format!("message {i}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// A JSON value's kind, for messages.
+fn json_type(v: Option<&Value>) -> &'static str {
+    match v {
+        None => "missing",
+        Some(Value::Null) => "null",
+        Some(Value::Bool(_)) => "a boolean",
+        Some(Value::Number(_)) => "a number",
+        Some(Value::String(_)) => "a string",
+        Some(Value::Array(_)) => "a list",
+        Some(Value::Object(_)) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// ShareGPT's `{from, value}` become `{role, content}` with the speakers mapped; chats that
+    /// already have roles pass unchanged; an unknown speaker or a non-string value is refused
+    /// with the message's position.
+    #[test]
+    fn sharegpt_conversations_become_role_content_chats() {
+        let mut chat = json!([
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+            {"from": "tool", "value": "{}"},
+        ]);
+        sharegpt_to_chat(&mut chat).unwrap();
+        assert_eq!(
+            chat,
+            json!([
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "tool", "content": "{}"},
+            ])
+        );
+        let mut already = json!([{"role": "user", "content": "x", "from": "human"}]);
+        let before = already.clone();
+        sharegpt_to_chat(&mut already).unwrap();
+        assert_eq!(already, before);
+        let mut unknown = json!([{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]);
+        let err = sharegpt_to_chat(&mut unknown).unwrap_err();
+        assert!(err.starts_with("message 1: its from is \"bot\", not one of human"), "{err}");
+        let mut number = json!([{"from": "gpt", "value": 3}]);
+        assert_eq!(sharegpt_to_chat(&mut number).unwrap_err(), "message 0: its value is a number, not a string");
+    }
 }

@@ -301,26 +301,26 @@ fn convert(kind: Kind, f: &Field) -> Result<Value, String> {
 }
 
 /// One chat message: its string fields `role` and `content`, or ShareGPT's `from` and `value`
-/// (others are left out).
+/// read as them (others are left out).
 fn message(m: &PqRow) -> Result<Value, String> {
     let get = |key: &str| m.get_column_iter().find(|(n, _)| n.as_str() == key).map(|(_, f)| f);
     let sharegpt = get("role").is_none() && get("from").is_some();
-    let keys = if sharegpt { ["from", "value"] } else { ["role", "content"] };
+    let keys =
+        if sharegpt { [("from", "role"), ("value", "content")] } else { [("role", "role"), ("content", "content")] };
     let mut out = Map::new();
-    for key in keys {
+    for (key, name) in keys {
         match get(key) {
+            Some(Field::Str(s)) if key == "from" => {
+                out.insert(name.into(), sharegpt_role(s)?.into());
+            }
             Some(Field::Str(s)) => {
-                out.insert(key.into(), Value::String(s.clone()));
+                out.insert(name.into(), Value::String(s.clone()));
             }
             Some(other) => return Err(format!("its {key} is {}, not a string", type_of(other))),
             None => return Err(format!("it has no {key}")),
         }
     }
-    let mut msg = Value::Object(out);
-    if sharegpt {
-        sharegpt_message(&mut msg)?;
-    }
-    Ok(msg)
+    Ok(Value::Object(out))
 }
 
 /// ShareGPT's speakers as chat roles.
@@ -333,6 +333,14 @@ const SHAREGPT_ROLES: [(&str, &str); 6] = [
     ("tool", "tool"),
 ];
 
+/// The chat role of a ShareGPT speaker (`from`), or why there is none.
+fn sharegpt_role(from: &str) -> Result<&'static str, String> {
+    SHAREGPT_ROLES.iter().find(|(f, _)| f.eq_ignore_ascii_case(from)).map(|(_, r)| *r).ok_or_else(|| {
+        let known: Vec<&str> = SHAREGPT_ROLES.iter().map(|(f, _)| *f).collect();
+        format!("its from is {from:?}, not one of {}", known.join(", "))
+    })
+}
+
 /// A ShareGPT message `{from, value}` rewritten as `{role, content}` in place; other messages
 /// are left as they are.
 fn sharegpt_message(msg: &mut Value) -> Result<(), String> {
@@ -340,22 +348,17 @@ fn sharegpt_message(msg: &mut Value) -> Result<(), String> {
     if obj.contains_key("role") || !obj.contains_key("from") {
         return Ok(());
     }
-    let from = match obj.remove("from") {
-        Some(Value::String(s)) => s,
+    let role = match obj.remove("from") {
+        Some(Value::String(s)) => sharegpt_role(&s)?,
         other => return Err(format!("its from is {}, not a string", json_type(other.as_ref()))),
     };
-    let role =
-        SHAREGPT_ROLES.iter().find(|(f, _)| f.eq_ignore_ascii_case(&from)).map(|(_, r)| *r).ok_or_else(|| {
-            let known: Vec<&str> = SHAREGPT_ROLES.iter().map(|(f, _)| *f).collect();
-            format!("its from is {from:?}, not one of {}", known.join(", "))
-        })?;
     match obj.remove("value") {
         Some(v @ Value::String(_)) => {
             obj.insert("content".into(), v);
         }
         other => return Err(format!("its value is {}, not a string", json_type(other.as_ref()))),
     }
-    obj.insert("role".into(), Value::String(role.into()));
+    obj.insert("role".into(), role.into());
     Ok(())
 }
 

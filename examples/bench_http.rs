@@ -84,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
                                 dctx.decompress_to_buffer(&body[..], out.as_mut_vec())?;
                                 check(&out, len, n_layers, hidden)?
                             }
-                            None => check(&layertap::codec::unzstd(&body)?, len, n_layers, hidden)?,
+                            None => check(&layertap::answer::codec::unzstd(&body)?, len, n_layers, hidden)?,
                         }
                     } else {
                         check(&body, len, n_layers, hidden)?

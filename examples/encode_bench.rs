@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use layertap::codec::{self, AnswerParts};
+use layertap::answer::codec::{self, AnswerParts};
 use layertap::engine::OutDType;
 
 fn arg(name: &str, default: f64) -> f64 {

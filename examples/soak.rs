@@ -503,7 +503,7 @@ async fn run_one(client: &reqwest::Client, url: &str, addr: &str, p: &Plan, refs
             let decoded = if p.json {
                 from_json(&body)
             } else if encoding.as_deref() == Some("zstd") {
-                layertap::codec::unzstd(&body[..])
+                layertap::answer::codec::unzstd(&body[..])
                     .map_err(|e| format!("bad zstd: {e}"))
                     .and_then(|raw| from_safetensors(&raw))
             } else {

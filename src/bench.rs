@@ -15,10 +15,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::answer::{Assembly, LayerSet};
 use crate::batching::Part;
 use crate::cli::BenchArgs;
 use crate::engine::loader::ModelFiles;
 use crate::engine::{device_memory, parse_device, Batch, Engine, OutDType, Output, Pending, Rows};
+use crate::tokenizer::Tokenized;
 
 /// (layers, sequences) from a workload sidecar and its JSONL file.
 pub fn read_workload(path: &str) -> anyhow::Result<(Vec<i64>, Vec<Vec<u32>>)> {
@@ -52,11 +54,11 @@ fn answers(
     engine_device: &candle_core::Device,
     b: &[Vec<u32>],
     cu: &[usize],
-    layers: &[usize],
+    layers: &LayerSet,
     dtype: OutDType,
 ) -> anyhow::Result<serde_json::Value> {
     let level = crate::http::Limits::default().zstd_level;
-    let mut batch = Batch::new(b.concat(), cu.to_vec(), layers.to_vec());
+    let mut batch = Batch::pack(b.iter().map(|s| &s[..]), layers.indices().iter().copied());
     batch.output = Output { plain: Rows::All, fp8: Rows::All, screen: true };
     let taps = std::sync::Arc::new(engine.launch(&batch)?.wait()?);
     let hidden = taps.host.shape[2];
@@ -66,12 +68,12 @@ fn answers(
     for fp8 in [false, true] {
         let (mut raw, mut enc, mut hash_s, mut zstd_s) = (0usize, 0usize, 0f64, 0f64);
         for (i, s) in b.iter().enumerate() {
-            let part = Part { taps: taps.clone(), fp8, start: cu[i], rows: s.len() };
-            let bytes = part.bytes(layers, dtype)?;
+            let part = Part { taps: taps.clone(), layers: layers.indices().into(), fp8, start: cu[i], rows: s.len() };
+            let bytes = part.bytes(dtype)?;
             if fp8 {
-                let q = part.gather(layers, dtype)?.to_f32();
-                let scale = part.scale(layers)?;
-                let x = taps.gather(cu[i], s.len(), layers, OutDType::Float32)?.to_f32();
+                let q = part.gather(dtype)?.to_f32();
+                let scale = part.scale()?;
+                let x = taps.gather(cu[i], s.len(), layers.indices(), OutDType::Float32)?.to_f32();
                 for (k, (&qv, &xv)) in q.iter().zip(&x).enumerate() {
                     let c = k / hidden % width;
                     let back = f64::from(qv) * f64::from(scale[k / hidden]);
@@ -79,27 +81,25 @@ fn answers(
                     den[c] += f64::from(xv).powi(2);
                 }
             }
-            let parts = crate::codec::AnswerParts {
-                dtype: if fp8 { OutDType::Float8E4M3 } else { dtype },
-                shape: vec![s.len(), width, hidden],
-                chunks: vec![&bytes[..]],
-                scale: if fp8 { Some(part.scale(layers)?) } else { None },
-                input_ids: s.iter().map(|&i| i64::from(i)).collect(),
-                cu_seqlens: vec![0, s.len() as i64],
-                loss_mask: vec![1; s.len()],
-                positions: None,
-                metadata: Default::default(),
-            };
             let t = Instant::now();
-            std::hint::black_box(crate::codec::xxh64_hex([&bytes[..]]));
+            std::hint::black_box(crate::answer::codec::xxh64_hex([&bytes[..]]));
             hash_s += t.elapsed().as_secs_f64();
             let t = Instant::now();
             let mut z = zstd::stream::Encoder::new(Vec::new(), level)?;
             std::io::Write::write_all(&mut z, &bytes)?;
             std::hint::black_box(z.finish()?);
             zstd_s += t.elapsed().as_secs_f64();
-            raw += crate::codec::encode_answer(&parts, None)?.len();
-            enc += crate::codec::encode_answer(&parts, Some(level))?.len();
+            let answer = Assembly {
+                seqs: std::sync::Arc::new(vec![Tokenized { ids: s.clone(), loss_mask: vec![1; s.len()] }]),
+                positions: None,
+                parts: vec![part.clone()],
+                layers: layers.clone(),
+                dtype: if fp8 { OutDType::Float8E4M3 } else { dtype },
+                hidden,
+                metadata: Default::default(),
+            };
+            raw += answer.encode(None, 1)?.0.len();
+            enc += answer.encode(Some(level), 1)?.0.len();
         }
         let name = if fp8 { "float8_e4m3fn".to_string() } else { dtype.name().to_string() };
         sizes.insert(
@@ -132,6 +132,7 @@ fn answers(
     let fp8_s = time(&|| crate::engine::output::quantize_fp8(&states).map(drop))?;
     let rows = taps.host.shape[0] as f64;
     let err: Vec<serde_json::Value> = layers
+        .indices()
         .iter()
         .enumerate()
         .map(|(c, l)| serde_json::json!({"index": l, "fp8_rel_err": (num[c] / den[c].max(1e-30)).sqrt()}))
@@ -150,7 +151,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let (layers, mut seqs) = read_workload(&a.workload.to_string_lossy())?;
     anyhow::ensure!(!seqs.is_empty(), "the workload has no sequences");
     let files = ModelFiles::locate(&a.model)?;
-    let layers = files.config().resolve_layers(&layers)?;
+    let layers = LayerSet::of_indices(&layers, files.config().num_hidden_layers).map_err(anyhow::Error::msg)?;
     let mut m = files.load(&device, dtype.candle())?;
     seqs.sort_by_key(|s| s.len());
     let mut batches: Vec<Vec<Vec<u32>>> = vec![vec![]];
@@ -172,7 +173,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     };
     let output = Output { screen: !a.no_screen, ..if a.fp8 { Output::all_fp8() } else { Output::default() } };
     let launch = |engine: &mut dyn Engine, b: &[Vec<u32>]| -> anyhow::Result<Pending> {
-        let mut batch = Batch::new(b.concat(), cu_of(b), layers.clone());
+        let mut batch = Batch::pack(b.iter().map(|s| &s[..]), layers.indices().iter().copied());
         batch.output = output.clone();
         Ok(engine.launch(&batch)?)
     };
@@ -184,9 +185,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         let mut bytes = 0;
         for (i, s) in b.iter().enumerate() {
             bytes += if a.fp8 {
-                taps.fp8_bytes(cu[i], s.len(), &layers)?.len() + taps.fp8_scale(cu[i], s.len(), &layers)?.len() * 4
+                taps.fp8_bytes(cu[i], s.len(), layers.indices())?.len()
+                    + taps.fp8_scale(cu[i], s.len(), layers.indices())?.len() * 4
             } else {
-                taps.bytes(cu[i], s.len(), &layers, dtype)?.len()
+                taps.bytes(cu[i], s.len(), layers.indices(), dtype)?.len()
             };
         }
         crate::engine::profile::mark(&device, 4, &mut since);

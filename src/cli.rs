@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::{LayerRef, OutDType};
+use crate::answer::{LayerRef, Selection};
+use crate::engine::OutDType;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -98,8 +99,8 @@ pub struct BulkArgs {
     #[arg(long, value_enum, default_value_t = BulkLayout::Plain)]
     pub layout: BulkLayout,
     /// Rows kept of each sample: all, assistant (rows whose loss_mask is 1) or last:K.
-    #[arg(long, default_value = "all", value_parser = parse_bulk_tokens)]
-    pub tokens: BulkTokens,
+    #[arg(long, default_value = "all", value_parser = Selection::parse_flag)]
+    pub tokens: Selection,
 }
 
 /// One worker's part of a `layertap bulk` input: the samples whose id hashes to `index` modulo
@@ -150,50 +151,6 @@ pub enum BulkLayout {
     Plain,
     /// `hs_I.safetensors`: `hidden_states` and `token_ids`, as speculators reads them.
     Speculators,
-}
-
-/// Which rows `layertap bulk` asks for (the request's `tokens`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum BulkTokens {
-    #[default]
-    All,
-    Assistant,
-    Last(usize),
-}
-
-impl BulkTokens {
-    /// The request's `tokens` value; `None` for all rows (the server's default).
-    pub fn request(self) -> Option<serde_json::Value> {
-        match self {
-            BulkTokens::All => None,
-            BulkTokens::Assistant => Some("assistant".into()),
-            BulkTokens::Last(k) => Some(serde_json::json!({ "last": k })),
-        }
-    }
-}
-
-impl std::fmt::Display for BulkTokens {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            BulkTokens::All => f.write_str("all"),
-            BulkTokens::Assistant => f.write_str("assistant"),
-            BulkTokens::Last(k) => write!(f, "last:{k}"),
-        }
-    }
-}
-
-/// Parses `--tokens`: `all`, `assistant` or `last:K` with K >= 1.
-pub fn parse_bulk_tokens(s: &str) -> Result<BulkTokens, String> {
-    let s = s.trim();
-    match s {
-        "all" => Ok(BulkTokens::All),
-        "assistant" => Ok(BulkTokens::Assistant),
-        _ => match s.strip_prefix("last:").map(|k| k.trim().parse::<usize>()) {
-            Some(Ok(k)) if k >= 1 => Ok(BulkTokens::Last(k)),
-            Some(_) => Err(format!("{s:?}: last:K needs a whole number K >= 1, e.g. last:2")),
-            None => Err(format!("unknown --tokens value {s:?}; use all, assistant or last:K (K >= 1)")),
-        },
-    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -282,18 +239,18 @@ pub struct ServeArgs {
     #[arg(long = "api-key", env = "LAYERTAP_API_KEY", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
     /// Largest request body in bytes.
-    #[arg(long, default_value_t = 64 << 20, env = "LAYERTAP_MAX_BODY_BYTES")]
+    #[arg(long, default_value_t = default::MAX_BODY_BYTES, env = "LAYERTAP_MAX_BODY_BYTES")]
     pub max_body_bytes: usize,
     /// Most hidden-state values in a JSON answer (Accept: application/json).
-    #[arg(long, default_value_t = 4 << 20, env = "LAYERTAP_MAX_JSON_VALUES")]
+    #[arg(long, default_value_t = default::MAX_JSON_VALUES, env = "LAYERTAP_MAX_JSON_VALUES")]
     pub max_json_values: usize,
     /// zstd level for answers: 1-22 (higher is smaller and slower), or -7 to -1, zstd's fast
     /// levels (faster still, larger). Default 1: on bf16 states it compresses as much as 3 with
     /// two thirds of the CPU; the fast levels compress them hardly at all.
-    #[arg(long, default_value_t = 1, env = "LAYERTAP_ZSTD_LEVEL", allow_negative_numbers = true)]
+    #[arg(long, default_value_t = default::ZSTD_LEVEL, env = "LAYERTAP_ZSTD_LEVEL", allow_negative_numbers = true)]
     pub zstd_level: i32,
     /// Seconds a request may take end to end before it is answered 503.
-    #[arg(long = "request-timeout", default_value_t = 600, env = "LAYERTAP_REQUEST_TIMEOUT")]
+    #[arg(long = "request-timeout", default_value_t = default::REQUEST_TIMEOUT_S, env = "LAYERTAP_REQUEST_TIMEOUT")]
     pub request_timeout_s: u64,
     /// Seconds to let in-flight requests finish on SIGTERM/SIGINT before exiting.
     #[arg(long = "shutdown-timeout", default_value_t = 30, env = "LAYERTAP_SHUTDOWN_TIMEOUT")]
@@ -312,35 +269,57 @@ pub struct ServeArgs {
     #[arg(long, env = "LAYERTAP_MAX_REQUEST_TOKENS")]
     pub max_request_tokens: Option<usize>,
     /// Most inputs in one request.
-    #[arg(long, default_value_t = 1024, env = "LAYERTAP_MAX_INPUTS")]
+    #[arg(long, default_value_t = default::MAX_INPUTS, env = "LAYERTAP_MAX_INPUTS")]
     pub max_inputs: usize,
     /// Most messages in one chat input (rendering a chat costs messages x assistant turns).
-    #[arg(long, default_value_t = 512, env = "LAYERTAP_MAX_MESSAGES")]
+    #[arg(long, default_value_t = default::MAX_MESSAGES, env = "LAYERTAP_MAX_MESSAGES")]
     pub max_messages: usize,
     /// Largest answer in bytes of hidden states (before compression), in every encoding.
-    #[arg(long, default_value_t = 2 << 30, env = "LAYERTAP_MAX_ANSWER_BYTES")]
+    #[arg(long, default_value_t = default::MAX_ANSWER_BYTES, env = "LAYERTAP_MAX_ANSWER_BYTES")]
     pub max_answer_bytes: usize,
     /// Seconds a client has to send a request's line and headers (from accept, or from the first
     /// byte of a later request on a keep-alive connection); then the connection is closed.
-    #[arg(long = "header-read-timeout", default_value_t = 10, env = "LAYERTAP_HEADER_READ_TIMEOUT")]
+    #[arg(long = "header-read-timeout", default_value_t = default::HEADER_READ_TIMEOUT_S, env = "LAYERTAP_HEADER_READ_TIMEOUT")]
     pub header_read_timeout_s: u64,
     /// Seconds a client has to send a request's whole body once its headers are in; then 408.
-    #[arg(long = "body-read-timeout", default_value_t = 60, env = "LAYERTAP_BODY_READ_TIMEOUT")]
+    #[arg(long = "body-read-timeout", default_value_t = default::BODY_READ_TIMEOUT_S, env = "LAYERTAP_BODY_READ_TIMEOUT")]
     pub body_read_timeout_s: u64,
     /// Seconds an idle keep-alive connection stays open (and the longest a response write may
     /// stay blocked on a client that does not read).
-    #[arg(long = "idle-timeout", default_value_t = 75, env = "LAYERTAP_IDLE_TIMEOUT")]
+    #[arg(long = "idle-timeout", default_value_t = default::IDLE_TIMEOUT_S, env = "LAYERTAP_IDLE_TIMEOUT")]
     pub idle_timeout_s: u64,
     /// Most open client connections; past it a new connection gets 503 and is closed at once.
     /// Lowered to fit the open-file limit when that is smaller.
-    #[arg(long, default_value_t = 1024, env = "LAYERTAP_MAX_CONNECTIONS")]
+    #[arg(long, default_value_t = default::MAX_CONNECTIONS, env = "LAYERTAP_MAX_CONNECTIONS")]
     pub max_connections: usize,
 }
 
-/// The longest input on the CPU unless `--max-input-tokens` says otherwise.
-pub const CPU_MAX_INPUT_TOKENS: usize = 8192;
-/// The queue's size in tokens unless `--max-queue-tokens` (or a longer input) says otherwise.
-pub const DEFAULT_MAX_QUEUE_TOKENS: usize = 131072;
+/// The defaults of `layertap serve`'s limits, the one place they are written: the flags and
+/// [`crate::http::Limits::default`] both read them.
+pub mod default {
+    /// Tokens in one forward pass on the CPU unless `--max-batch-tokens` says otherwise: a batch of
+    /// this many tokens of the default model takes seconds on two cores, and larger batches are
+    /// no faster per token there. A longer input still runs, in a batch of its own.
+    pub const CPU_MAX_BATCH_TOKENS: usize = 1024;
+    /// The longest input on the CPU unless `--max-input-tokens` says otherwise.
+    pub const CPU_MAX_INPUT_TOKENS: usize = 8192;
+    /// The queue's size in tokens unless `--max-queue-tokens` (or a longer input) says otherwise.
+    pub const MAX_QUEUE_TOKENS: usize = 131072;
+    /// Tokens in one request unless `--max-request-tokens` (or the queue, or a longer input) says
+    /// otherwise.
+    pub const MAX_REQUEST_TOKENS: usize = 65536;
+    pub const MAX_BODY_BYTES: usize = 64 << 20;
+    pub const MAX_JSON_VALUES: usize = 4 << 20;
+    pub const ZSTD_LEVEL: i32 = 1;
+    pub const REQUEST_TIMEOUT_S: u64 = 600;
+    pub const MAX_INPUTS: usize = 1024;
+    pub const MAX_MESSAGES: usize = 512;
+    pub const MAX_ANSWER_BYTES: usize = 2 << 30;
+    pub const HEADER_READ_TIMEOUT_S: u64 = 10;
+    pub const BODY_READ_TIMEOUT_S: u64 = 60;
+    pub const IDLE_TIMEOUT_S: u64 = 75;
+    pub const MAX_CONNECTIONS: usize = 1024;
+}
 
 /// The token limits in force once the model is known: one input, the queue, one request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -348,6 +327,31 @@ pub struct TokenLimits {
     pub input: usize,
     pub queue: usize,
     pub request: usize,
+}
+
+impl TokenLimits {
+    /// The limits from `[--max-input-tokens, --max-queue-tokens, --max-request-tokens]` (each
+    /// optional) for a model of `context` tokens, served on GPUs or the CPU: see
+    /// [`ServeArgs::token_limits`].
+    pub fn resolve(flags: [Option<usize>; 3], context: usize, gpu: bool) -> Result<TokenLimits, String> {
+        let [max_input, max_queue, max_request] = flags;
+        let input = max_input.unwrap_or(if gpu { context.max(1) } else { default::CPU_MAX_INPUT_TOKENS });
+        if input == 0 {
+            return Err("--max-input-tokens must be positive".into());
+        }
+        let queue = max_queue.unwrap_or(default::MAX_QUEUE_TOKENS.max(input));
+        if queue < input {
+            return Err(format!("--max-queue-tokens ({queue}) must be at least --max-input-tokens ({input})"));
+        }
+        let request = max_request.unwrap_or(queue.min(default::MAX_REQUEST_TOKENS).max(input));
+        if request < input || request > queue {
+            return Err(format!(
+                "--max-request-tokens ({request}) must be at least --max-input-tokens ({input}) and at most \
+                 --max-queue-tokens ({queue})"
+            ));
+        }
+        Ok(TokenLimits { input, queue, request })
+    }
 }
 
 impl ServeArgs {
@@ -370,27 +374,12 @@ impl ServeArgs {
 
     /// The token limits for a model of `context` tokens (its max_position_embeddings), served on
     /// GPUs (`gpu`) or the CPU, with the defaults filled in: the longest input is the model's
-    /// context on GPUs and [`CPU_MAX_INPUT_TOKENS`] on the CPU; the queue holds
-    /// [`DEFAULT_MAX_QUEUE_TOKENS`] or the longest input; a request 65536 tokens (at most the
+    /// context on GPUs and [`default::CPU_MAX_INPUT_TOKENS`] on the CPU; the queue holds
+    /// [`default::MAX_QUEUE_TOKENS`] or the longest input; a request [`default::MAX_REQUEST_TOKENS`] (at most the
     /// queue, at least the longest input). Checked for consistency; the message says which flag
     /// to change.
     pub fn token_limits(&self, context: usize, gpu: bool) -> Result<TokenLimits, String> {
-        let input = self.max_input_tokens.unwrap_or(if gpu { context.max(1) } else { CPU_MAX_INPUT_TOKENS });
-        if input == 0 {
-            return Err("--max-input-tokens must be positive".into());
-        }
-        let queue = self.max_queue_tokens.unwrap_or(DEFAULT_MAX_QUEUE_TOKENS.max(input));
-        if queue < input {
-            return Err(format!("--max-queue-tokens ({queue}) must be at least --max-input-tokens ({input})"));
-        }
-        let request = self.max_request_tokens.unwrap_or(queue.min(65536).max(input));
-        if request < input || request > queue {
-            return Err(format!(
-                "--max-request-tokens ({request}) must be at least --max-input-tokens ({input}) and at most \
-                 --max-queue-tokens ({queue})"
-            ));
-        }
-        Ok(TokenLimits { input, queue, request })
+        TokenLimits::resolve([self.max_input_tokens, self.max_queue_tokens, self.max_request_tokens], context, gpu)
     }
 
     /// The API keys as they will be compared: surrounding whitespace removed (`--api-key 'k1, k2'`
@@ -523,6 +512,17 @@ mod tests {
 
     /// zstd's fast levels (-7 to -1) and its ordinary ones (1 to 22) are accepted, as separate
     /// arguments too; 0 and the rest are refused with the range.
+    /// The limits a server gets without flags are `http::Limits::default()`: one set of defaults.
+    #[test]
+    fn the_serving_limits_default_to_the_flags_defaults() {
+        let a = serve(&[]).unwrap();
+        let tokens = a.token_limits(32768, false).unwrap();
+        let batch = a.max_batch_tokens.unwrap_or(default::CPU_MAX_BATCH_TOKENS);
+        let from_flags = crate::http::Limits::from_args(&a, tokens, batch);
+        assert_eq!(format!("{from_flags:?}"), format!("{:?}", crate::http::Limits::default()));
+        assert_eq!((tokens.input, tokens.queue, tokens.request), (8192, 131072, 65536));
+    }
+
     #[test]
     fn zstd_levels_fast_and_ordinary() {
         assert_eq!(serve(&["--zstd-level", "-3"]).unwrap().zstd_level, -3);

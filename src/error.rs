@@ -5,6 +5,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+use crate::answer::assemble::AssembleError;
 use crate::batching::{BatchError, SubmitError};
 use crate::engine::EngineError;
 use crate::tokenizer::TokenizeError;
@@ -140,13 +141,21 @@ impl From<EngineError> for ApiError {
     }
 }
 
+impl From<AssembleError> for ApiError {
+    fn from(e: AssembleError) -> Self {
+        match e {
+            AssembleError::Rows(e) => e.into(),
+            e @ AssembleError::Encode(_) => ApiError::internal(e.to_string()),
+        }
+    }
+}
+
 impl From<BatchError> for ApiError {
     fn from(e: BatchError) -> Self {
         match e {
             BatchError::Invalid(m) => ApiError::invalid(m),
             BatchError::Internal(m) => ApiError::internal(m),
             BatchError::TooLarge(m) => ApiError::new(ErrorKind::TooLarge, m),
-            BatchError::ShuttingDown => ApiError::new(ErrorKind::Unavailable, "the server is shutting down"),
         }
     }
 }

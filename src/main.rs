@@ -2,10 +2,10 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use layertap::answer::{assemble, LayerSet};
 use layertap::cli::{Cli, Command, ExtractArgs, LogFormat, ServeArgs};
 use layertap::engine::{self, ModelEngine};
-use layertap::extract::{run_once, tokenize, Input};
-use layertap::tokenizer::TextTokenizer;
+use layertap::tokenizer::{Input, TextTokenizer};
 
 fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
     s.split(',')
@@ -25,18 +25,18 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     let device = engine::parse_device(&a.device)?;
     let (mut model, tok_src) = engine::load(&a.model, &device, a.dtype.candle())?;
     let tok = TextTokenizer::from_source(&tok_src)?;
-    let layers = engine::resolve_layer_refs(&a.layers, model.info.num_layers)?;
-    let seqs = inputs.iter().map(|i| tokenize(tok.as_ref(), i)).collect::<Result<Vec<_>, _>>()?;
+    let layers = LayerSet::resolve(&a.layers, model.info.num_layers).map_err(anyhow::Error::msg)?;
+    let seqs = inputs.iter().map(|i| i.tokenize(tok.as_ref())).collect::<Result<Vec<_>, _>>()?;
     let out_dtype = a.out_dtype.unwrap_or(a.dtype);
     let engine: &mut ModelEngine = &mut model.engine;
-    let x = run_once(engine, &model.info, &seqs, &layers, out_dtype)?;
-    let bytes = layertap::codec::to_safetensors(&x)?;
+    let x = assemble::once(engine, &model.info, &seqs, &layers, out_dtype)?;
+    let bytes = x.to_safetensors()?;
     std::fs::write(&a.out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", a.out.display()))?;
     eprintln!(
         "wrote {} ({} tokens, layers {:?}, {}, {} bytes)",
         a.out.display(),
         x.input_ids.len(),
-        layers,
+        layers.indices(),
         out_dtype.name(),
         bytes.len()
     );

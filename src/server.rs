@@ -8,21 +8,17 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::answer::layers::name as layer_name;
 use crate::batching::{spawn_worker, Queue, WorkerHandle};
-use crate::cli::{SelfCheckMode, ServeArgs};
+use crate::cli::{default, SelfCheckMode, ServeArgs};
 use crate::engine::loader::ModelFiles;
 use crate::engine::selfcheck::{self, Probe, Reference, Report, SharedReference};
 use crate::engine::{
-    layer_name, parse_device, tokens_for_memory, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType,
+    parse_device, tokens_for_memory, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType,
 };
 use crate::http::{app, conn, AppState, Limits, SelfCheckState};
 use crate::metrics::Metrics;
 use crate::tokenizer::TextTokenizer;
-
-/// Default batch budget on the CPU: a batch of this many tokens of the default model takes
-/// seconds on two cores, and larger batches are no faster per token there. A longer input
-/// still runs, in a batch of its own.
-const CPU_MAX_BATCH_TOKENS: usize = 1024;
 
 /// A running server, for tests and embedding: its address, state and a way to stop it.
 pub struct Running {
@@ -156,25 +152,6 @@ pub fn reuse_large_allocations() {
     }
 }
 
-/// Resolves when SIGTERM or SIGINT arrives.
-pub async fn termination_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-}
-
 /// The parts of a server that do not depend on the engine: used by `run` and by tests with a
 /// fake engine.
 pub struct Setup {
@@ -285,7 +262,7 @@ where
             }
             if let (true, Some(t)) = (auto_size, fits) {
                 // Inputs longer than the budget run alone; the floor keeps packing short ones.
-                let t = t.max(CPU_MAX_BATCH_TOKENS.min(limits.max_input_tokens));
+                let t = t.max(default::CPU_MAX_BATCH_TOKENS.min(limits.max_input_tokens));
                 scheduler.set_max_batch_tokens(t);
                 tracing::info!(
                     max_batch_tokens = t,
@@ -421,26 +398,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let gpu = devices.iter().any(|d| d != "cpu");
     let tokens = args.token_limits(cfg.max_position_embeddings, gpu).map_err(anyhow::Error::msg)?;
-    let max_batch_tokens = args.max_batch_tokens.unwrap_or(CPU_MAX_BATCH_TOKENS);
+    let max_batch_tokens = args.max_batch_tokens.unwrap_or(default::CPU_MAX_BATCH_TOKENS);
     let auto_batch_tokens = args.max_batch_tokens.is_none() && devices.iter().any(|d| d != "cpu");
     let max_input_tokens = tokens.input;
     let info = ModelInfo::new(&files.id, &cfg, args.dtype);
     let limits = Limits {
-        max_batch_tokens,
-        max_input_tokens: tokens.input,
-        max_queue_tokens: tokens.queue,
-        max_body_bytes: args.max_body_bytes,
-        max_json_values: args.max_json_values,
-        zstd_level: args.zstd_level,
-        request_timeout: Duration::from_secs(args.request_timeout_s),
-        max_request_tokens: tokens.request,
-        max_inputs: args.max_inputs,
-        max_messages: args.max_messages,
-        max_answer_bytes: args.max_answer_bytes,
-        header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
-        body_read_timeout: Duration::from_secs(args.body_read_timeout_s),
-        idle_timeout: Duration::from_secs(args.idle_timeout_s),
         max_connections: fit_open_file_limit(args.max_connections),
+        ..Limits::from_args(&args, tokens, max_batch_tokens)
     };
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
@@ -476,9 +440,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let stop = running.shutdown.clone();
     let abandon = running.state.abandon.clone();
     tokio::spawn(async move {
-        termination_signal().await;
+        crate::signal::termination().await;
         stop.cancel();
-        termination_signal().await;
+        crate::signal::termination().await;
         tracing::warn!("second signal: answering what is still in flight with 503 now");
         abandon.cancel();
     });

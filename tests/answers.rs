@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
+use layertap::answer::{LayerRef, LayerSet};
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Device, Engine, OutDType, Output, Rows};
 use serde_json::{json, Value};
@@ -28,7 +29,7 @@ async fn answer(
     let status = r.status();
     let bytes = r.bytes().await.unwrap().to_vec();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
-    layertap::codec::verify_checksums(&bytes).expect("every answer's checksums verify");
+    layertap::answer::codec::verify_checksums(&bytes).expect("every answer's checksums verify");
     let (t, meta) = read_safetensors_bytes(&bytes);
     (t, meta, bytes)
 }
@@ -358,7 +359,9 @@ fn one_shot_extraction_writes_fp8_with_scales() {
     let mut engine = FakeEngine(control);
     let seqs = vec![layertap::tokenizer::Tokenized { ids: vec![4, 9, 300], loss_mask: vec![1, 1, 1] }];
     let layers = [3usize, FAKE_LAYERS + 1];
-    let x = layertap::extract::run_once(&mut engine, &fake_info(), &seqs, &layers, OutDType::Float8E4M3).unwrap();
+    let set = LayerSet::resolve(&[LayerRef::Index(3), LayerRef::Name("final_prenorm".into())], FAKE_LAYERS).unwrap();
+    assert_eq!(set.indices(), layers);
+    let x = layertap::answer::assemble::once(&mut engine, &fake_info(), &seqs, &set, OutDType::Float8E4M3).unwrap();
     assert_eq!(x.hidden_states.dtype, OutDType::Float8E4M3);
     let scale = x.hidden_states_scale.as_ref().expect("scales");
     for (r, &id) in seqs[0].ids.iter().enumerate() {
@@ -369,8 +372,8 @@ fn one_shot_extraction_writes_fp8_with_scales() {
             assert_eq!(scale[r * layers.len() + k], sc);
         }
     }
-    let bytes = layertap::codec::to_safetensors(&x).unwrap();
-    layertap::codec::verify_checksums(&bytes).unwrap();
+    let bytes = x.to_safetensors().unwrap();
+    layertap::answer::codec::verify_checksums(&bytes).unwrap();
     let (t, meta) = read_safetensors_bytes(&bytes);
     assert_eq!(t["hidden_states_scale"].shape, [3, 2]);
     assert_eq!(meta["layers"], "[3,\"final_prenorm\"]");

@@ -7,6 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{fixtures, read_safetensors, rel_err};
+use layertap::answer::LayerSet;
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Device, Engine, ModelEngine, OutDType};
 
@@ -94,12 +95,14 @@ fn layer_indices_resolve_like_python_and_reject_out_of_range() {
     let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
     let cfg = files.config();
     let n = cfg.num_hidden_layers;
-    assert_eq!(cfg.resolve_layers(&[0, -1, 2, -(n as i64) - 1]).unwrap(), vec![0, n, 2, 0]);
+    let resolve = |l: &[i64]| LayerSet::of_indices(l, n).map(|s| s.indices().to_vec());
+    assert_eq!(resolve(&[-1, 2, -(n as i64) - 1]).unwrap(), vec![n, 2, 0]);
     for bad in [n as i64 + 1, -(n as i64) - 2] {
-        let e = cfg.resolve_layers(&[bad]).unwrap_err().to_string();
+        let e = resolve(&[bad]).unwrap_err();
         assert!(e.contains("out of range"), "{e}");
     }
-    assert!(cfg.resolve_layers(&[]).is_err());
+    assert!(resolve(&[]).is_err());
+    assert!(resolve(&[0, -(n as i64) - 1]).unwrap_err().contains("twice"), "0 and -(n + 1) are the same layer");
 }
 
 #[test]

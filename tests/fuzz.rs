@@ -16,7 +16,8 @@ use std::sync::{Mutex, OnceLock};
 use axum::body::Body;
 use axum::http::{HeaderMap, Request, StatusCode};
 use common::{fake_value, FakeServer, FAKE_HIDDEN, FAKE_LAYERS, FAKE_VOCAB};
-use layertap::codec::{self, AnswerParts, Extraction};
+use layertap::answer::codec::{self, AnswerParts};
+use layertap::answer::Extraction;
 use layertap::engine::{HostTensor, OutDType};
 use layertap::tokenizer::{ChatMessage, TextTokenizer};
 use proptest::prelude::*;
@@ -929,7 +930,7 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
         positions: None,
         metadata: c.metadata.clone(),
     };
-    let library = codec::to_safetensors(&x).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let library = x.to_safetensors().map_err(|e| TestCaseError::fail(e.to_string()))?;
     for bytes in [&plain, &library] {
         let st = safetensors::SafeTensors::deserialize(bytes)
             .map_err(|e| TestCaseError::fail(format!("unreadable: {e}")))?;
@@ -1056,7 +1057,7 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
         server: vec![h.server.base.clone()],
         input: Some(input),
         out: out.clone(),
-        layers: vec![layertap::engine::LayerRef::Index(1)],
+        layers: vec![layertap::answer::LayerRef::Index(1)],
         dtype: Some("float32".into()),
         concurrency: 2,
         api_key: None,

@@ -19,8 +19,8 @@ use crate::tokenizer::Tokenized;
 #[derive(Clone, Debug)]
 pub struct Submission {
     pub seqs: Arc<Vec<Tokenized>>,
-    /// Resolved hidden-state indices, in the order the caller asked.
-    pub layers: Vec<usize>,
+    /// Resolved hidden-state indices, in the order the caller asked, each once.
+    pub layers: Arc<[usize]>,
     /// Per sequence, the positions to return (ascending); `None`: every position.
     pub positions: Option<Arc<Vec<Vec<u32>>>>,
     /// Quantise the returned rows to fp8 on the device.
@@ -29,22 +29,21 @@ pub struct Submission {
 
 impl Submission {
     /// Every row of every sequence, in the compute dtype.
-    pub fn new(seqs: Arc<Vec<Tokenized>>, layers: Vec<usize>) -> Self {
-        Submission { seqs, layers, positions: None, fp8: false }
+    pub fn new(seqs: Arc<Vec<Tokenized>>, layers: &[usize]) -> Self {
+        Submission { seqs, layers: layers.into(), positions: None, fp8: false }
     }
-}
 
-impl Submission {
     pub fn tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.ids.len()).sum()
     }
 }
 
-/// Where one sequence's returned rows sit in its batch's taps: among the plain rows, or among
-/// the fp8 rows.
+/// One sequence's returned rows: where they sit in its batch's taps (among the plain rows, or
+/// among the fp8 rows), and the layers its caller asked for, in the caller's order.
 #[derive(Clone)]
 pub struct Part {
     pub taps: Arc<Taps>,
+    pub layers: Arc<[usize]>,
     pub fp8: bool,
     pub start: usize,
     pub rows: usize,
@@ -53,37 +52,37 @@ pub struct Part {
 impl Part {
     /// The rows' bytes as asked, borrowed from the batch where its layout already matches (fp8
     /// rows stay fp8: `dtype` applies to plain rows).
-    pub fn bytes(&self, layers: &[usize], dtype: OutDType) -> Result<std::borrow::Cow<'_, [u8]>, EngineError> {
+    pub fn bytes(&self, dtype: OutDType) -> Result<std::borrow::Cow<'_, [u8]>, EngineError> {
         if self.fp8 {
-            self.taps.fp8_bytes(self.start, self.rows, layers)
+            self.taps.fp8_bytes(self.start, self.rows, &self.layers)
         } else {
-            self.taps.bytes(self.start, self.rows, layers, dtype)
+            self.taps.bytes(self.start, self.rows, &self.layers, dtype)
         }
     }
 
     /// `[rows, layers, hidden]` in `dtype` (a host copy; run it off the async runtime); fp8 rows
     /// as fp8.
-    pub fn gather(&self, layers: &[usize], dtype: OutDType) -> Result<HostTensor, EngineError> {
+    pub fn gather(&self, dtype: OutDType) -> Result<HostTensor, EngineError> {
         if self.fp8 {
-            let data = self.taps.fp8_bytes(self.start, self.rows, layers)?.into_owned();
+            let data = self.taps.fp8_bytes(self.start, self.rows, &self.layers)?.into_owned();
             let hidden = self.taps.host.shape.get(2).copied().unwrap_or(0);
             return Ok(HostTensor {
                 dtype: OutDType::Float8E4M3,
-                shape: vec![self.rows, layers.len(), hidden],
+                shape: vec![self.rows, self.layers.len(), hidden],
                 data: data.into(),
             });
         }
-        self.taps.gather(self.start, self.rows, layers, dtype)
+        self.taps.gather(self.start, self.rows, &self.layers, dtype)
     }
 
     /// `[rows, layers]` scales of fp8 rows.
-    pub fn scale(&self, layers: &[usize]) -> Result<Vec<f32>, EngineError> {
-        self.taps.fp8_scale(self.start, self.rows, layers)
+    pub fn scale(&self) -> Result<Vec<f32>, EngineError> {
+        self.taps.fp8_scale(self.start, self.rows, &self.layers)
     }
 
     /// `[rows, layers]`: 1 where a row holds a NaN or an infinity at that layer.
-    pub fn nonfinite(&self, layers: &[usize]) -> Result<Vec<u8>, EngineError> {
-        self.taps.nonfinite(self.fp8, self.start, self.rows, layers)
+    pub fn nonfinite(&self) -> Result<Vec<u8>, EngineError> {
+        self.taps.nonfinite(self.fp8, self.start, self.rows, &self.layers)
     }
 }
 
@@ -104,8 +103,6 @@ pub enum BatchError {
     /// A sequence does not fit in the device's memory even in a batch of its own.
     #[error("{0}")]
     TooLarge(String),
-    #[error("the server is shutting down")]
-    ShuttingDown,
 }
 
 /// The one admission point, shared by the HTTP layer.

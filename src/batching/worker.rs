@@ -6,7 +6,6 @@ use std::time::Instant;
 use super::queue::{Item, Queue, Request};
 use super::{BatchError, Part};
 use crate::engine::{Batch, Cancel, Engine, EngineError, LoadedEngine, MemoryProbe, Output, Pending, Rows};
-use crate::extract::{cu_seqlens, distinct};
 
 /// What a worker reports once its model is resident.
 pub struct Loaded {
@@ -233,16 +232,10 @@ fn out_of_memory(queue: &Queue, mut items: Vec<Item>, tokens: usize, error: &str
 /// first waits for the batch being collected, so that its memory is free for the retry).
 fn launch_batch(engine: &mut dyn Engine, queue: &Queue, items: Vec<Item>, flush: &dyn Fn()) -> Option<Launched> {
     let m = &queue.metrics;
-    let lens: Vec<usize> = items.iter().map(|i| i.ids().len()).collect();
-    let cu = cu_seqlens(lens.iter());
-    let all_layers: Vec<usize> = items.iter().flat_map(|i| i.req.sub.layers.iter().copied()).collect();
-    let (output, places) = output_of(&items, &cu);
-    let batch = Batch {
-        input_ids: items.iter().flat_map(|i| i.ids().iter().copied()).collect(),
-        cu_seqlens: cu.clone(),
-        layers: distinct(&all_layers),
-        output,
-    };
+    let mut batch =
+        Batch::pack(items.iter().map(|i| i.ids()), items.iter().flat_map(|i| i.req.sub.layers.iter().copied()));
+    let (output, places) = output_of(&items, &batch.cu_seqlens);
+    batch.output = output;
     let tokens = batch.input_ids.len();
     let start = Instant::now();
     for it in &items {
@@ -299,6 +292,7 @@ fn finish_batch(queue: &Queue, l: Launched) {
     let taps = Arc::new(taps);
     for (k, it) in items.iter().enumerate() {
         let (fp8, start, rows) = places[k];
-        it.req.complete(it.idx, Part { taps: taps.clone(), fp8, start, rows });
+        let layers = it.req.sub.layers.clone();
+        it.req.complete(it.idx, Part { taps: taps.clone(), layers, fp8, start, rows });
     }
 }

@@ -6,8 +6,8 @@ use safetensors::SafeTensors;
 use serde_json::{Map, Value};
 
 use super::Attempt;
+use crate::answer::codec::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
 use crate::cli::BulkLayout;
-use crate::codec::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
 
 /// A sample's file, ready to write.
 pub struct Prepared {

@@ -38,9 +38,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 
-use crate::cli::{BulkArgs, BulkLayout, BulkTokens, Shard};
-use crate::codec::xxh64_hex;
-use crate::engine::{LayerRef, OutDType, FINAL_PRENORM};
+use crate::answer::codec::xxh64_hex;
+use crate::answer::{LayerRef, Selection, FINAL_PRENORM};
+use crate::cli::{BulkArgs, BulkLayout, Shard};
+use crate::engine::OutDType;
 use answer::{prepare, Prepared};
 use input::{Input, Row, Sample};
 use pool::{Pool, Server};
@@ -162,7 +163,9 @@ async fn fetch(
         let compressed = r.headers().get("content-encoding").is_some_and(|v| v == "zstd");
         let b = r.bytes().await.map_err(|e| Trouble::Down(format!("reading the answer: {e}"), None))?;
         return if compressed {
-            crate::codec::unzstd(&b[..]).map(bytes::Bytes::from).map_err(|e| Trouble::Again(format!("bad zstd: {e}")))
+            crate::answer::codec::unzstd(&b[..])
+                .map(bytes::Bytes::from)
+                .map_err(|e| Trouble::Again(format!("bad zstd: {e}")))
         } else {
             Ok(b)
         };
@@ -315,7 +318,7 @@ fn check_layout(a: &BulkArgs) -> anyhow::Result<()> {
              dtype and has no place for the per-token scales; use --dtype bfloat16, float16 or float32"
         );
     }
-    if a.tokens != BulkTokens::All {
+    if a.tokens != Selection::All {
         anyhow::bail!(
             "--layout speculators needs --tokens all (not {}): its files hold every token of a sample, \
              and its trainer takes the loss mask and positions from its own dataset",
@@ -407,7 +410,7 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     if let Some(d) = &a.dtype {
         body["dtype"] = json!(d);
     }
-    if let Some(t) = a.tokens.request() {
+    if let Some(t) = a.tokens.to_request() {
         body["tokens"] = t;
     }
     let sh = Arc::new(Shared {
@@ -425,7 +428,7 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     {
         let stop = sh.stop.clone();
         tokio::spawn(async move {
-            crate::server::termination_signal().await;
+            crate::signal::termination().await;
             eprintln!("\ninterrupted: finishing the samples in flight; run the same command again to resume");
             stop.cancel();
         });

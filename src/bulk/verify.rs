@@ -10,8 +10,8 @@ use safetensors::SafeTensors;
 use serde_json::Value;
 
 use super::answer::metadata;
+use crate::answer::codec::{verify_checksums, xxh64_hex};
 use crate::cli::BulkArgs;
-use crate::codec::{verify_checksums, xxh64_hex};
 
 /// One sample recorded in the manifest, as `--verify` checks it.
 struct Entry {

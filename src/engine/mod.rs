@@ -27,10 +27,7 @@ pub mod weights;
 use candle_core::Tensor;
 pub use candle_core::{DType, Device};
 
-pub use config::{
-    layer_label, layer_name, resolve_layer_refs, resolve_layers, Family, LayerKinds, LayerRef, ModelConfig,
-    FINAL_PRENORM, SUPPORTED_ARCHITECTURES,
-};
+pub use config::{Family, LayerKinds, ModelConfig, ARCHITECTURES};
 pub use host::{Fp8Taps, HostBytes, HostTensor, LentBuffer, Taps};
 pub use loader::{load, LoadedModel, TokenizerSource};
 pub use output::{Output, Rows};
@@ -408,7 +405,7 @@ pub struct Batch {
     /// `n + 1` offsets: sequence `i` is `input_ids[cu_seqlens[i]..cu_seqlens[i + 1]]`.
     pub cu_seqlens: Vec<usize>,
     /// Resolved hidden-state indices in `0..=num_layers + 1` (`num_layers + 1` is the last
-    /// decoder layer's output before the final norm, [`FINAL_PRENORM`]), each at most once.
+    /// decoder layer's output before the final norm), each at most once.
     pub layers: Vec<usize>,
     /// Which rows come back, and which of them as fp8.
     pub output: Output,
@@ -418,6 +415,23 @@ impl Batch {
     /// Every row of the packed sequences, in the compute dtype.
     pub fn new(input_ids: Vec<u32>, cu_seqlens: Vec<usize>, layers: Vec<usize>) -> Self {
         Batch { input_ids, cu_seqlens, layers, output: Output::default() }
+    }
+
+    /// Packs `seqs` one after the other (their offsets in `cu_seqlens`) to compute every layer
+    /// any of their callers asked for, each once, in first-asked order.
+    pub fn pack<'a>(seqs: impl IntoIterator<Item = &'a [u32]>, layers: impl IntoIterator<Item = usize>) -> Self {
+        let (mut input_ids, mut cu_seqlens) = (Vec::new(), vec![0]);
+        for s in seqs {
+            input_ids.extend_from_slice(s);
+            cu_seqlens.push(input_ids.len());
+        }
+        let mut distinct: Vec<usize> = Vec::new();
+        for l in layers {
+            if !distinct.contains(&l) {
+                distinct.push(l);
+            }
+        }
+        Batch::new(input_ids, cu_seqlens, distinct)
     }
 }
 

@@ -65,7 +65,7 @@ impl Output {
 }
 
 /// One group of returned rows on the device.
-pub struct Block {
+pub struct ReturnedRows {
     /// `[rows, layers, hidden]`: the compute dtype, or F8E4M3 for a quantised block.
     pub states: Tensor,
     /// `[rows, layers]` f32 scales of a quantised block (`states * scale` restores the values).
@@ -76,8 +76,8 @@ pub struct Block {
 
 /// The blocks of a batch: `None` where no row was selected.
 pub struct Prepared {
-    pub plain: Option<Block>,
-    pub fp8: Option<Block>,
+    pub plain: Option<ReturnedRows>,
+    pub fp8: Option<ReturnedRows>,
 }
 
 fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> {
@@ -175,7 +175,7 @@ pub fn prepare(stacked: &Tensor, out: &Output) -> candle_core::Result<Prepared> 
     let plain = match select(stacked, &out.plain)? {
         Some(states) => {
             let nonfinite = screen(&states)?;
-            Some(Block { states, scale: None, nonfinite })
+            Some(ReturnedRows { states, scale: None, nonfinite })
         }
         None => None,
     };
@@ -183,7 +183,7 @@ pub fn prepare(stacked: &Tensor, out: &Output) -> candle_core::Result<Prepared> 
         Some(states) => {
             let nonfinite = screen(&states)?;
             let (q, scale) = quantize_fp8(&states)?;
-            Some(Block { states: q, scale: Some(scale), nonfinite })
+            Some(ReturnedRows { states: q, scale: Some(scale), nonfinite })
         }
         None => None,
     };

@@ -5,20 +5,18 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::types::{
-    HiddenStatesJson, HiddenStatesRequest, InputItem, TokenizeRequest, TokenizeResponse, TokenizedInput,
-};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::encode::{encode_permit, zstd_threads};
+use super::types::{HiddenStatesRequest, InputItem, TokenizeRequest, TokenizeResponse, TokenizedInput};
 use super::{require_ready, ApiJson, AppState};
-use crate::batching::{Part, Submission};
-use crate::codec;
-use crate::engine::{layer_label, layer_name, HostTensor, LayerRef, OutDType, FINAL_PRENORM};
+use crate::answer::assemble::state_bytes;
+use crate::answer::{metadata, Assembly, HiddenStatesJson, LayerSet, Selection};
+use crate::batching::Submission;
+use crate::engine::OutDType;
 use crate::error::{ApiError, ErrorKind};
-use crate::extract::{extraction, metadata, token_columns, tokenize_within, Input};
-use crate::select::Selection;
-use crate::tokenizer::{Budget, TokenizeError, Tokenized};
+use crate::tokenizer::{Budget, Input, TokenizeError, Tokenized};
 
 /// Checks one input's shape (exactly one kind, ids in range) and turns it into an [`Input`].
 fn to_input(i: usize, item: InputItem, vocab: usize) -> Result<Input, ApiError> {
@@ -121,7 +119,7 @@ async fn tokenize_all(
                 split_special_tokens,
                 cancelled: &cancelled,
             };
-            let t = tokenize_within(tok.as_deref(), input, &budget).map_err(|e| match e {
+            let t = input.tokenize_within(tok.as_deref(), &budget).map_err(|e| match e {
                 TokenizeError::TooLarge(m) if budget.max_tokens < max_input => {
                     too_large(format!("inputs[{i}]: {m} (the request's inputs may hold {max_request} tokens in all)"))
                 }
@@ -238,75 +236,8 @@ fn wants_json(headers: &HeaderMap) -> Result<bool, ApiError> {
     Ok(json.0 > 0.0 && (json.0, json.1) > (octets.0, octets.1))
 }
 
-/// The caller's layers resolved (indices, and `"final_prenorm"` as `num_layers + 1`), refusing
-/// lists longer than the model has layers to offer and layers named twice (the answer holds each
-/// asked layer once, in the order asked).
-fn checked_layers(layers: &[LayerRef], num_layers: usize) -> Result<Vec<usize>, ApiError> {
-    if layers.len() > num_layers + 2 {
-        return Err(ApiError::invalid(format!(
-            "\"layers\" names {} layers; this model has {} (indices 0..={num_layers} and \"{FINAL_PRENORM}\"), \
-             and each may be asked once",
-            layers.len(),
-            num_layers + 2
-        )));
-    }
-    let resolved = crate::engine::resolve_layer_refs(layers, num_layers)?;
-    let mut seen = vec![None; num_layers + 2];
-    for (k, &r) in resolved.iter().enumerate() {
-        if let Some(first) = seen[r].replace(k) {
-            let name = |l: &LayerRef| match l {
-                LayerRef::Index(i) => i.to_string(),
-                LayerRef::Name(n) => format!("{n:?}"),
-            };
-            return Err(ApiError::invalid(format!(
-                "\"layers\" names {} twice ({} and {}); ask for each layer once",
-                layer_label(r, num_layers),
-                name(&layers[first]),
-                name(&layers[k])
-            )));
-        }
-    }
-    Ok(resolved)
-}
-
-/// What the screen found in the rows a request gets: per asked layer, the rows holding a NaN or
-/// an infinity, and the first such row (input, position, layer column).
-struct Screen {
-    per_layer: Vec<u64>,
-    first: Option<(usize, usize, usize)>,
-}
-
-fn screen(parts: &[Part], layers: &[usize], positions: Option<&[Vec<u32>]>) -> Result<Screen, ApiError> {
-    let mut per_layer = vec![0u64; layers.len()];
-    let mut first = None;
-    for (i, p) in parts.iter().enumerate() {
-        let flags = p.nonfinite(layers)?;
-        for (k, &f) in flags.iter().enumerate() {
-            if f != 0 {
-                let (row, col) = (k / layers.len(), k % layers.len());
-                per_layer[col] += 1;
-                if first.is_none() {
-                    let pos = positions.map_or(row, |ps| ps[i][row] as usize);
-                    first = Some((i, pos, col));
-                }
-            }
-        }
-    }
-    Ok(Screen { per_layer, first })
-}
-
 fn ms(d: std::time::Duration) -> HeaderValue {
     HeaderValue::from_str(&format!("{:.3}", d.as_secs_f64() * 1000.0)).unwrap_or(HeaderValue::from_static("0"))
-}
-
-/// Cuts each sequence out of its batch and joins them along the token dimension.
-fn concat(parts: &[Part], layers: &[usize], hidden: usize, dtype: OutDType) -> Result<HostTensor, ApiError> {
-    let rows: usize = parts.iter().map(|p| p.rows).sum();
-    let mut data = Vec::with_capacity(rows * layers.len() * hidden * dtype.size_in_bytes());
-    for p in parts {
-        data.extend_from_slice(&p.gather(layers, dtype)?.data);
-    }
-    Ok(HostTensor { dtype, shape: vec![rows, layers.len(), hidden], data: data.into() })
 }
 
 #[utoipa::path(post, path = "/v1/hidden-states", tag = "layertap", request_body = HiddenStatesRequest,
@@ -337,8 +268,7 @@ pub async fn hidden_states(
         })?,
     };
     let fp8 = dtype == OutDType::Float8E4M3;
-    let n_layers = s.info.num_layers;
-    let layers = checked_layers(&req.layers, n_layers)?;
+    let layers = LayerSet::resolve(&req.layers, s.info.num_layers).map_err(ApiError::invalid)?;
     let selection = Selection::parse(req.tokens.as_ref(), req.inputs.len()).map_err(ApiError::invalid)?;
     let json = wants_json(&headers)?;
     let seqs = tokenize_all(&s, req.inputs, req.split_special_tokens).await?;
@@ -348,8 +278,7 @@ pub async fn hidden_states(
         Some(p) => p.iter().map(Vec::len).sum(),
         None => seqs.iter().map(|t| t.ids.len()).sum(),
     };
-    let answer_bytes =
-        total * layers.len() * (hidden * dtype.size_in_bytes() + if fp8 { std::mem::size_of::<f32>() } else { 0 });
+    let answer_bytes = state_bytes(total, layers.len(), hidden, dtype);
     if answer_bytes > s.limits.max_answer_bytes {
         return Err(too_large(format!(
             "the answer would hold {answer_bytes} bytes of hidden states ({total} tokens x {} layers x {hidden} x {}), \
@@ -369,9 +298,9 @@ pub async fn hidden_states(
             ),
         ));
     }
-    let seqs = std::sync::Arc::new(seqs);
-    let sub = Submission { seqs: seqs.clone(), layers: layers.clone(), positions: positions.clone(), fp8 };
-    let mut meta = metadata(&s.info, &layers, dtype, &selection);
+    let seqs = Arc::new(seqs);
+    let sub = Submission { seqs: seqs.clone(), layers: layers.indices().into(), positions: positions.clone(), fp8 };
+    let meta = metadata(&s.info, &layers, dtype, &selection);
     let rx = s.scheduler.submit(sub)?;
     s.metrics.queue_requests.inc();
     // Stop waiting when the drain deadline passes: dropping `rx` makes the queue skip the rest.
@@ -400,18 +329,20 @@ pub async fn hidden_states(
         Ok(Err(_)) => return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down")),
         Ok(Ok(r)) => r?,
     };
+    let mut assembly =
+        Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, metadata: Default::default() };
     // Non-finite values never pass silently: counted, then refused unless the caller allows them.
-    let found = screen(&answer.parts, &layers, positions.as_deref().map(|p| &p[..]))?;
+    let found = assembly.screen()?;
     let mut nonfinite = serde_json::Map::new();
     for (col, &count) in found.per_layer.iter().enumerate() {
         if count > 0 {
-            let label = layer_name(layers[col], n_layers);
+            let label = assembly.layers.name(col);
             s.metrics.nonfinite.with_label_values(&[label.as_str()]).inc_by(count);
             nonfinite.insert(label, count.into());
         }
     }
     if let (Some((input, pos, col)), false) = (found.first, req.allow_nonfinite) {
-        let label = layer_name(layers[col], n_layers);
+        let label = assembly.layers.name(col);
         tracing::warn!(layer = %label, input, position = pos, "non-finite hidden states: request refused");
         return Err(ApiError::invalid(format!(
             "the model produced a non-finite value (NaN or infinity) at layer {label} for inputs[{input}], \
@@ -421,64 +352,25 @@ pub async fn hidden_states(
             serde_json::Value::Object(nonfinite)
         )));
     }
-    meta.insert("nonfinite".into(), serde_json::Value::Object(nonfinite).to_string());
+    assembly.metadata = meta;
+    assembly.metadata.insert("nonfinite".into(), serde_json::Value::Object(nonfinite).to_string());
     let (queue_time, inference_time) = (answer.queue_time, answer.inference_time);
     let zstd = wants_zstd(&headers) && !json;
     let level = s.limits.zstd_level;
     let metrics = s.metrics.clone();
-    // Encoding waits for its share of the cores that answers may use (see codec::encode_threads).
-    let threads = if zstd { codec::zstd_threads(total * layers.len() * hidden * dtype.size_in_bytes()) } else { 1 };
-    let permit = codec::encode_permit(threads).await;
+    // Encoding waits for its share of the cores that answers may use (see encode::encode_threads).
+    let threads = if zstd { zstd_threads(total * assembly.layers.len() * hidden * dtype.size_in_bytes()) } else { 1 };
+    let permit = encode_permit(threads).await;
     let body = tokio::task::spawn_blocking(move || -> Result<(bytes::Bytes, bool), ApiError> {
         let _permit = permit;
-        let pos = positions.as_deref().map(|p| &p[..]);
-        let scale = if fp8 {
-            let mut all = Vec::with_capacity(total * layers.len());
-            for p in &answer.parts {
-                all.extend(p.scale(&layers)?);
-            }
-            Some(all)
-        } else {
-            None
-        };
         if json {
-            let x = extraction(&seqs, pos, concat(&answer.parts, &layers, hidden, dtype)?, scale, meta);
+            let x = assembly.extraction()?;
             metrics.hidden_state_bytes.with_label_values(&["raw"]).inc_by(x.hidden_states.data.len() as u64);
-            let j = HiddenStatesJson {
-                shape: x.hidden_states.shape.clone(),
-                dtype: dtype.name().into(),
-                hidden_states: x.hidden_states.to_f32(),
-                hidden_states_scale: x.hidden_states_scale,
-                input_ids: x.input_ids,
-                cu_seqlens: x.cu_seqlens,
-                loss_mask: x.loss_mask,
-                positions: x.positions,
-                metadata: x.metadata,
-            };
+            let j = HiddenStatesJson::from(x);
             return serde_json::to_vec(&j).map(|b| (b.into(), false)).map_err(|e| ApiError::internal(e.to_string()));
         }
-        // Each sequence's rows straight from its batch's buffer where the layout already matches
-        // (the usual case); a copy only where layers or dtype must be rearranged.
-        let pieces = answer.parts.iter().map(|p| p.bytes(&layers, dtype)).collect::<Result<Vec<_>, _>>()?;
-        let chunks: Vec<&[u8]> = pieces.iter().map(|c| &c[..]).collect();
-        let cols = token_columns(&seqs, pos);
-        let parts = codec::AnswerParts {
-            dtype,
-            shape: vec![total, layers.len(), hidden],
-            chunks,
-            scale,
-            input_ids: cols.input_ids,
-            cu_seqlens: cols.cu_seqlens,
-            loss_mask: cols.loss_mask,
-            positions: cols.positions,
-            metadata: meta,
-        };
-        metrics
-            .hidden_state_bytes
-            .with_label_values(&["raw"])
-            .inc_by(parts.chunks.iter().map(|c| c.len() as u64).sum());
-        let bytes = codec::encode_answer_on(&parts, zstd.then_some(level), threads)
-            .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
+        let (bytes, raw) = assembly.encode(zstd.then_some(level), threads)?;
+        metrics.hidden_state_bytes.with_label_values(&["raw"]).inc_by(raw as u64);
         // The body is the pooled buffer itself: it goes back to the pool once written out.
         Ok((bytes.into_bytes(), zstd))
     })

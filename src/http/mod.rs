@@ -1,8 +1,9 @@
 //! The HTTP layer: parse and validate, admit or refuse, encode the answer.
 
 pub mod conn;
-mod extract;
+pub mod encode;
 pub mod hidden_states;
+mod json;
 pub mod openapi;
 pub mod ops;
 pub mod types;
@@ -23,9 +24,10 @@ use tower_http::classify::ServerErrorsFailureClass;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
-pub use extract::ApiJson;
+pub use json::ApiJson;
 
 use crate::batching::Scheduler;
+use crate::cli::{ServeArgs, TokenLimits};
 use crate::engine::{MemoryProbe, ModelInfo};
 use crate::error::{ApiError, ErrorKind};
 use crate::metrics::Metrics;
@@ -61,25 +63,51 @@ pub struct Limits {
     pub max_connections: usize,
 }
 
-impl Default for Limits {
-    /// The defaults of `layertap serve` (see its flags).
-    fn default() -> Self {
+impl Limits {
+    /// The limits `layertap serve` enforces with these flags, with the token limits `tokens` (see
+    /// [`ServeArgs::token_limits`]) and `max_batch_tokens` in force.
+    pub fn from_args(args: &ServeArgs, tokens: TokenLimits, max_batch_tokens: usize) -> Self {
         Limits {
-            max_batch_tokens: 1024,
-            max_input_tokens: 8192,
-            max_queue_tokens: 131072,
-            max_body_bytes: 64 << 20,
-            max_json_values: 4 << 20,
-            zstd_level: 1,
-            request_timeout: Duration::from_secs(600),
-            max_request_tokens: 65536,
-            max_inputs: 1024,
-            max_messages: 512,
-            max_answer_bytes: 2 << 30,
-            header_read_timeout: Duration::from_secs(10),
-            body_read_timeout: Duration::from_secs(60),
-            idle_timeout: Duration::from_secs(75),
-            max_connections: 1024,
+            max_batch_tokens,
+            max_input_tokens: tokens.input,
+            max_queue_tokens: tokens.queue,
+            max_body_bytes: args.max_body_bytes,
+            max_json_values: args.max_json_values,
+            zstd_level: args.zstd_level,
+            request_timeout: Duration::from_secs(args.request_timeout_s),
+            max_request_tokens: tokens.request,
+            max_inputs: args.max_inputs,
+            max_messages: args.max_messages,
+            max_answer_bytes: args.max_answer_bytes,
+            header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
+            body_read_timeout: Duration::from_secs(args.body_read_timeout_s),
+            idle_timeout: Duration::from_secs(args.idle_timeout_s),
+            max_connections: args.max_connections,
+        }
+    }
+}
+
+impl Default for Limits {
+    /// The defaults of `layertap serve` on the CPU (its flags' defaults, [`crate::cli::default`]).
+    fn default() -> Self {
+        use crate::cli::default as d;
+        let tokens = TokenLimits::resolve([None; 3], 0, false).expect("the default token limits are consistent");
+        Limits {
+            max_batch_tokens: d::CPU_MAX_BATCH_TOKENS,
+            max_input_tokens: tokens.input,
+            max_queue_tokens: tokens.queue,
+            max_body_bytes: d::MAX_BODY_BYTES,
+            max_json_values: d::MAX_JSON_VALUES,
+            zstd_level: d::ZSTD_LEVEL,
+            request_timeout: Duration::from_secs(d::REQUEST_TIMEOUT_S),
+            max_request_tokens: tokens.request,
+            max_inputs: d::MAX_INPUTS,
+            max_messages: d::MAX_MESSAGES,
+            max_answer_bytes: d::MAX_ANSWER_BYTES,
+            header_read_timeout: Duration::from_secs(d::HEADER_READ_TIMEOUT_S),
+            body_read_timeout: Duration::from_secs(d::BODY_READ_TIMEOUT_S),
+            idle_timeout: Duration::from_secs(d::IDLE_TIMEOUT_S),
+            max_connections: d::MAX_CONNECTIONS,
         }
     }
 }

@@ -28,7 +28,7 @@ impl Modify for BearerAuth {
         super::ops::ready,
         super::ops::metrics,
     ),
-    components(schemas(crate::error::ErrorBody, super::types::HiddenStatesJson)),
+    components(schemas(crate::error::ErrorBody, crate::answer::HiddenStatesJson)),
     modifiers(&BearerAuth),
     tags((name = "layertap", description = "Hidden states"), (name = "operations", description = "Health, readiness, metrics"))
 )]

@@ -9,7 +9,7 @@ use axum::Json;
 
 use super::types::{InfoResponse, SelfCheckInfo, StatusResponse};
 use super::{status_code_ok, AppState};
-use crate::codec::CONVENTION;
+use crate::answer::CONVENTION;
 
 #[utoipa::path(get, path = "/health", tag = "operations", description = "The process is alive.",
     responses((status = 200, body = StatusResponse)))]
@@ -45,7 +45,7 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         num_layers: i.num_layers,
         hidden_size: i.hidden_size,
         vocab_size: i.vocab_size,
-        layer_kinds: i.layer_kinds.clone(),
+        layer_kinds: (&i.layer_kinds).into(),
         dtype: i.dtype.name().into(),
         devices: s.devices.as_ref().clone(),
         max_batch_tokens: s.scheduler.max_batch_tokens(),
@@ -83,7 +83,7 @@ fn selfcheck_info(s: &AppState) -> Option<SelfCheckInfo> {
         passed: reports.iter().all(|r| r.passed()),
         worst_relative_error: Some(error).filter(|e| e.is_finite()),
         worst_device: report.device.clone(),
-        worst_index: crate::engine::layer_name(index, s.info.num_layers),
+        worst_index: crate::answer::layers::name(index, s.info.num_layers),
         tolerance: report.tolerance,
         devices_checked: reports.len(),
         seconds: reports.iter().map(|r| r.seconds + r.waited_seconds).fold(0.0, f64::max),

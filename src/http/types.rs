@@ -1,7 +1,5 @@
 //! Request and response bodies of the HTTP API (serde + OpenAPI schemas).
 
-use std::collections::HashMap;
-
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -31,7 +29,7 @@ pub struct HiddenStatesRequest {
     /// The name "final_prenorm" asks for the last decoder layer's output before the final norm
     /// (which Hugging Face does not return), and mixes with indices. The answer keeps this order.
     #[schema(example = json!([2, 17, -1, "final_prenorm"]))]
-    pub layers: Vec<crate::engine::LayerRef>,
+    pub layers: Vec<crate::answer::LayerRef>,
     /// Output dtype: float32, bfloat16, float16 or float8_e4m3fn (also f32, bf16, f16, fp8).
     /// Default: the compute dtype. fp8 answers add `hidden_states_scale` [rows, n_layers] f32, one
     /// scale per token and layer (amax / 448), quantised on the device:
@@ -97,27 +95,6 @@ pub struct TokenizeResponse {
     pub results: Vec<TokenizedInput>,
 }
 
-/// The answer of `/v1/hidden-states` as JSON (`Accept: application/json`), for debugging.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct HiddenStatesJson {
-    /// `[total_tokens, n_layers, hidden]`.
-    pub shape: Vec<usize>,
-    pub dtype: String,
-    /// Row-major values of `hidden_states` (for fp8, the fp8 values themselves: multiply by
-    /// `hidden_states_scale`).
-    pub hidden_states: Vec<f32>,
-    /// `[rows, n_layers]`, fp8 answers only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hidden_states_scale: Option<Vec<f32>>,
-    pub input_ids: Vec<i64>,
-    pub cu_seqlens: Vec<i64>,
-    pub loss_mask: Vec<u8>,
-    /// Each row's position in its input, with a token selection only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub positions: Option<Vec<i64>>,
-    pub metadata: HashMap<String, String>,
-}
-
 /// `GET /v1/info`.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct InfoResponse {
@@ -128,7 +105,7 @@ pub struct InfoResponse {
     pub vocab_size: usize,
     /// How many decoder layers of each kind (full or linear attention, dense MLP or mixture of
     /// experts), and the experts' count and top-k.
-    pub layer_kinds: crate::engine::LayerKinds,
+    pub layer_kinds: LayerKinds,
     /// Compute dtype (the default output dtype).
     pub dtype: String,
     pub devices: Vec<String>,
@@ -150,6 +127,37 @@ pub struct InfoResponse {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selfcheck: Option<SelfCheckInfo>,
     pub version: String,
+}
+
+/// How many layers of each kind, for `/v1/info`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct LayerKinds {
+    pub full_attention: usize,
+    pub linear_attention: usize,
+    pub dense_mlp: usize,
+    pub moe: usize,
+    /// Experts per MoE layer (absent without MoE layers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<usize>,
+    /// Experts each token is routed to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts_per_token: Option<usize>,
+    /// Whether MoE layers add a gated shared expert.
+    pub shared_expert: bool,
+}
+
+impl From<&crate::engine::LayerKinds> for LayerKinds {
+    fn from(k: &crate::engine::LayerKinds) -> Self {
+        LayerKinds {
+            full_attention: k.full_attention,
+            linear_attention: k.linear_attention,
+            dense_mlp: k.dense_mlp,
+            moe: k.moe,
+            experts: k.experts,
+            experts_per_token: k.experts_per_token,
+            shared_expert: k.shared_expert,
+        }
+    }
 }
 
 /// The start-up self-check in `/v1/info`: the worst relative error over every device and index

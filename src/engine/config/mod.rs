@@ -9,18 +9,19 @@ use serde::Serialize;
 
 use super::EngineError;
 
-/// Architectures the engine can run, as Hugging Face names them in `config.json`.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM",
+/// Architectures the engine can run, as Hugging Face names them in `config.json`, with the
+/// family each belongs to: the one table of both.
+pub const ARCHITECTURES: &[(&str, Family)] = &[
+    ("LlamaForCausalLM", Family::Llama),
+    ("MistralForCausalLM", Family::Mistral),
+    ("Qwen2ForCausalLM", Family::Qwen2),
+    ("Qwen3ForCausalLM", Family::Qwen3),
+    ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
+    ("Qwen3NextForCausalLM", Family::Qwen3Next),
+    ("Qwen3_5ForConditionalGeneration", Family::Qwen3_5),
+    ("Qwen3_5ForCausalLM", Family::Qwen3_5),
+    ("Qwen3_5MoeForConditionalGeneration", Family::Qwen3_5Moe),
+    ("Qwen3_5MoeForCausalLM", Family::Qwen3_5Moe),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -38,18 +39,11 @@ pub enum Family {
 
 impl Family {
     pub fn from_architecture(arch: &str) -> Result<Self, EngineError> {
-        match arch {
-            "LlamaForCausalLM" => Ok(Family::Llama),
-            "MistralForCausalLM" => Ok(Family::Mistral),
-            "Qwen2ForCausalLM" => Ok(Family::Qwen2),
-            "Qwen3ForCausalLM" => Ok(Family::Qwen3),
-            "Qwen3MoeForCausalLM" => Ok(Family::Qwen3Moe),
-            "Qwen3NextForCausalLM" => Ok(Family::Qwen3Next),
-            "Qwen3_5ForConditionalGeneration" | "Qwen3_5ForCausalLM" => Ok(Family::Qwen3_5),
-            "Qwen3_5MoeForConditionalGeneration" | "Qwen3_5MoeForCausalLM" => Ok(Family::Qwen3_5Moe),
-            other => Err(EngineError::Load(format!(
-                "unsupported architecture {other:?}; supported: {}",
-                SUPPORTED_ARCHITECTURES.join(", ")
+        match ARCHITECTURES.iter().find(|(a, _)| *a == arch) {
+            Some(&(_, family)) => Ok(family),
+            None => Err(EngineError::Load(format!(
+                "unsupported architecture {arch:?}; supported: {}",
+                ARCHITECTURES.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", ")
             ))),
         }
     }
@@ -184,8 +178,8 @@ fn bad(msg: impl Into<String>) -> EngineError {
     EngineError::Load(msg.into())
 }
 
-/// How many layers of each kind, for `/v1/info`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
+/// How many decoder layers of each kind, and the experts of MoE layers.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct LayerKinds {
     pub full_attention: usize,
     pub linear_attention: usize,
@@ -330,93 +324,4 @@ impl ModelConfig {
             shared_expert: moe.is_some_and(|m| m.shared_expert_intermediate_size.is_some()),
         }
     }
-
-    pub fn resolve_layers(&self, layers: &[i64]) -> Result<Vec<usize>, EngineError> {
-        resolve_layers(layers, self.num_hidden_layers)
-    }
-}
-
-/// The name of the last decoder layer's output before the final norm (Hugging Face's last
-/// index is after the norm and it never returns this state); resolved to `num_layers + 1`.
-pub const FINAL_PRENORM: &str = "final_prenorm";
-
-/// A layer as a caller names it: a Hugging Face `hidden_states` index (negative from the end),
-/// or `"final_prenorm"`.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
-#[serde(untagged)]
-pub enum LayerRef {
-    Index(i64),
-    Name(String),
-}
-
-impl std::str::FromStr for LayerRef {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim().parse::<i64>() {
-            Ok(i) => Ok(LayerRef::Index(i)),
-            Err(_) if s.trim() == FINAL_PRENORM => Ok(LayerRef::Name(FINAL_PRENORM.into())),
-            Err(_) => Err(format!("{s:?} is neither a layer index nor {FINAL_PRENORM:?}")),
-        }
-    }
-}
-
-/// How a resolved index is written in answers' metadata: the index, or `"final_prenorm"`.
-pub fn layer_label(index: usize, num_layers: usize) -> serde_json::Value {
-    if index == num_layers + 1 {
-        serde_json::Value::from(FINAL_PRENORM)
-    } else {
-        serde_json::Value::from(index)
-    }
-}
-
-/// [`layer_label`] as text: `"17"` or `"final_prenorm"` (metric labels, messages).
-pub fn layer_name(index: usize, num_layers: usize) -> String {
-    if index == num_layers + 1 {
-        FINAL_PRENORM.into()
-    } else {
-        index.to_string()
-    }
-}
-
-/// [`resolve_layers`] for layers named by index or by name: `"final_prenorm"` resolves to
-/// `num_layers + 1`.
-pub fn resolve_layer_refs(layers: &[LayerRef], num_layers: usize) -> Result<Vec<usize>, EngineError> {
-    if layers.is_empty() {
-        return Err(EngineError::InvalidInput("\"layers\" must name at least one index".into()));
-    }
-    layers
-        .iter()
-        .map(|l| match l {
-            LayerRef::Index(i) => resolve_layers(&[*i], num_layers).map(|r| r[0]),
-            LayerRef::Name(n) if n == FINAL_PRENORM => Ok(num_layers + 1),
-            LayerRef::Name(n) => Err(EngineError::InvalidInput(format!(
-                "unknown layer name {n:?}: name layers by index, or \"{FINAL_PRENORM}\" for the last decoder \
-                 layer's output before the final norm"
-            ))),
-        })
-        .collect()
-}
-
-/// Turns caller layer indices (Hugging Face `hidden_states` indices, negative from the end)
-/// into indices in `0..=num_hidden_layers`, keeping the caller's order.
-pub fn resolve_layers(layers: &[i64], num_layers: usize) -> Result<Vec<usize>, EngineError> {
-    let n = num_layers as i64;
-    if layers.is_empty() {
-        return Err(EngineError::InvalidInput("\"layers\" must name at least one index".into()));
-    }
-    layers
-        .iter()
-        .map(|&i| {
-            let r = if i < 0 { n + 1 + i } else { i };
-            if (0..=n).contains(&r) {
-                Ok(r as usize)
-            } else {
-                Err(EngineError::InvalidInput(format!(
-                    "layer index {i} is out of range: this model has {n} layers, so indices go from \
-                         {} to {n} (0 = embeddings, {n} = final normed output)",
-                    -(n + 1)
-                )))
-            }
-        })
-        .collect()
 }

@@ -1,37 +1,16 @@
-//! The answer format: a safetensors file (hidden states, ids, offsets, loss mask, metadata),
-//! optionally zstd-compressed. Pure functions, meant to run off the async runtime.
+//! The answer's format: a safetensors file (hidden states, ids, offsets, loss mask, metadata,
+//! every tensor's checksum), optionally one zstd frame. Pure functions, meant to run off the
+//! async runtime; how many answers encode at once, on how many threads, is the server's business.
 
 use std::collections::HashMap;
 
 use safetensors::tensor::Dtype;
 
 use crate::bufpool::AnswerBuf;
-use crate::engine::{HostTensor, OutDType};
-
-/// The layer-index convention, stored in every file's metadata.
-pub const CONVENTION: &str = "hf_hidden_states: index 0 = embedding output, index i = output of decoder layer i \
-     (1-based), index L = final output after the last norm; negative indices count from L";
+use crate::engine::OutDType;
 
 /// The checksum every answer carries for each of its tensors (metadata `checksum_algorithm`).
 pub const CHECKSUM_ALGORITHM: &str = "xxh64";
-
-/// Everything returned for a set of sequences.
-#[derive(Clone, Debug)]
-pub struct Extraction {
-    /// `[rows, n_layers, hidden]`.
-    pub hidden_states: HostTensor,
-    /// `[rows, n_layers]` scales of fp8 hidden states.
-    pub hidden_states_scale: Option<Vec<f32>>,
-    /// One per row.
-    pub input_ids: Vec<i64>,
-    /// `n + 1` offsets into the row dimension.
-    pub cu_seqlens: Vec<i64>,
-    /// 1 on rows that count for the loss (assistant turns; every token of non-chat inputs).
-    pub loss_mask: Vec<u8>,
-    /// Each row's position in its input, when a selection left rows out.
-    pub positions: Option<Vec<i64>>,
-    pub metadata: HashMap<String, String>,
-}
 
 fn st_dtype(d: OutDType) -> Dtype {
     match d {
@@ -48,24 +27,6 @@ fn le_i64(v: &[i64]) -> Vec<u8> {
 
 fn le_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Serialises an extraction to safetensors bytes (as [`write_safetensors`] does).
-pub fn to_safetensors(x: &Extraction) -> std::io::Result<Vec<u8>> {
-    let parts = AnswerParts {
-        dtype: x.hidden_states.dtype,
-        shape: x.hidden_states.shape.clone(),
-        chunks: vec![&x.hidden_states.data[..]],
-        scale: x.hidden_states_scale.clone(),
-        input_ids: x.input_ids.clone(),
-        cu_seqlens: x.cu_seqlens.clone(),
-        loss_mask: x.loss_mask.clone(),
-        positions: x.positions.clone(),
-        metadata: x.metadata.clone(),
-    };
-    let mut out = Vec::new();
-    write_safetensors(&mut out, &parts)?;
-    Ok(out)
 }
 
 fn st_name(d: Dtype) -> &'static str {
@@ -302,62 +263,10 @@ fn write_in_one_pass(small: &Small, out: &mut AnswerBuf, a: &AnswerParts) -> std
     Ok(())
 }
 
-/// The most threads answers compress on at once, over all answers: every core but two (left to
-/// the device threads, which launch kernels and copy the states to the host, and to the
-/// runtime's connections), at least one. Before the bound each answer over 8 MiB started its own
-/// 8 zstd workers, and with 256 requests in flight the server delivered fewer tokens per second
-/// than with 64 (bench/RESULTS.md, "HTTP for the hybrids").
-pub fn encode_threads() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(2).max(1))
-}
-
-/// The zstd threads one answer of `raw_bytes` uses: one, or for answers over 8 MiB the number in
-/// `LAYERTAP_ZSTD_THREADS` (at most [`encode_threads`]). One thread per answer, with answers
-/// compressed side by side, is the default: answers in flight give the parallelism.
-pub fn zstd_threads(raw_bytes: usize) -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let n =
-        *N.get_or_init(|| std::env::var("LAYERTAP_ZSTD_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1usize));
-    if raw_bytes > 8 << 20 {
-        n.clamp(1, encode_threads())
-    } else {
-        1
-    }
-}
-
-/// A count of threads for encoding answers, shared by the answers in flight.
-pub struct EncodeSlots {
-    sem: tokio::sync::Semaphore,
-    max: usize,
-}
-
-impl EncodeSlots {
-    pub fn new(max: usize) -> Self {
-        let max = max.max(1);
-        EncodeSlots { sem: tokio::sync::Semaphore::new(max), max }
-    }
-
-    /// Waits until `threads` (at most all of them) are free and holds them while the permit
-    /// lives. Waiters are served in arrival order.
-    pub async fn acquire(&self, threads: usize) -> tokio::sync::SemaphorePermit<'_> {
-        let n = threads.clamp(1, self.max) as u32;
-        // The semaphore is never closed, so acquiring only waits.
-        self.sem.acquire_many(n).await.expect("the encoding semaphore is never closed")
-    }
-}
-
-/// [`EncodeSlots::acquire`] on the process's [`encode_threads`].
-pub async fn encode_permit(threads: usize) -> tokio::sync::SemaphorePermit<'static> {
-    static SLOTS: std::sync::OnceLock<EncodeSlots> = std::sync::OnceLock::new();
-    SLOTS.get_or_init(|| EncodeSlots::new(encode_threads())).acquire(threads).await
-}
-
-/// The answer's bytes: safetensors, zstd-compressed at `zstd_level` when given (on
-/// [`zstd_threads`] of its states' size), written straight from the pieces.
+/// The answer's bytes: safetensors, zstd-compressed at `zstd_level` when given (on one thread),
+/// written straight from the pieces.
 pub fn encode_answer(a: &AnswerParts, zstd_level: Option<i32>) -> std::io::Result<Vec<u8>> {
-    let states: usize = a.chunks.iter().map(|c| c.len()).sum();
-    encode_answer_on(a, zstd_level, zstd_threads(states)).map(AnswerBuf::into_vec)
+    encode_answer_on(a, zstd_level, 1).map(AnswerBuf::into_vec)
 }
 
 thread_local! {
@@ -366,8 +275,7 @@ thread_local! {
     static ZSTD: std::cell::RefCell<Option<zstd::zstd_safe::CCtx<'static>>> = const { std::cell::RefCell::new(None) };
 }
 
-/// [`encode_answer`] on `threads` zstd threads (for a caller that holds them, see
-/// [`encode_permit`]), into a buffer from [`crate::bufpool`] sized (from the file's exact size)
+/// [`encode_answer`] on `threads` zstd threads (for a caller that holds them), into a buffer from [`crate::bufpool`] sized (from the file's exact size)
 /// so that it never grows.
 /// The bytes are the same as a fresh zstd encoder's with the same level, threads and pledged
 /// size (the file's, which the frame header records).
@@ -415,27 +323,6 @@ pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize
 mod tests {
     use super::*;
     use safetensors::tensor::TensorView;
-
-    /// Encoding never uses more threads than the slots hold: a request for more takes all of
-    /// them, and the next waits until they are given back.
-    #[tokio::test]
-    async fn encode_slots_bound_the_threads() {
-        use std::time::Duration;
-        let slots = EncodeSlots::new(3);
-        let big = slots.acquire(8).await;
-        assert_eq!(slots.sem.available_permits(), 0, "a request for 8 of 3 threads takes the 3");
-        assert!(
-            tokio::time::timeout(Duration::from_millis(50), slots.acquire(1)).await.is_err(),
-            "no thread is free while the first answer encodes"
-        );
-        drop(big);
-        let one = tokio::time::timeout(Duration::from_secs(5), slots.acquire(1)).await.expect("a thread is free again");
-        let two = tokio::time::timeout(Duration::from_secs(5), slots.acquire(2)).await.expect("two more are free");
-        assert_eq!(slots.sem.available_permits(), 0);
-        drop((one, two));
-        assert_eq!(slots.sem.available_permits(), 3);
-        assert_eq!(zstd_threads(1 << 20), 1);
-    }
 
     fn parts(chunks: Vec<&[u8]>) -> AnswerParts<'_> {
         AnswerParts {

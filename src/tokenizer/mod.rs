@@ -1,12 +1,16 @@
 //! Text and chat tokenization, matching Hugging Face transformers: `tok(text)` for plain text and
 //! `apply_chat_template(messages, tokenize=True)` for chats, plus a loss mask over assistant turns.
 
+mod gguf;
+mod input;
+
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::engine::TokenizerSource;
+pub use input::Input;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -133,7 +137,7 @@ impl TextTokenizer {
                 Self::from_hf_files(tokenizer_json, tokenizer_config.as_deref(), chat_template.as_deref()).map(Some)
             }
             TokenizerSource::Gguf(data) => {
-                let g = crate::gguf_tokenizer::build(data).map_err(TokenizeError::Load)?;
+                let g = gguf::build(data).map_err(TokenizeError::Load)?;
                 Ok(Some(Self::new(g.tokenizer, g.chat_template, g.bos_token, g.eos_token)))
             }
         }

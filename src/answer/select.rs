@@ -1,6 +1,6 @@
-//! Token selection: which rows of each input an answer holds (`tokens` in a request). The
-//! selection is resolved to positions once the inputs are tokenized; the engine then copies
-//! only those rows off the device.
+//! Token selection: which rows of each input an answer holds (`tokens` in a request, `--tokens`
+//! of `layertap bulk`; one parser for both). The selection is resolved to positions once the
+//! inputs are tokenized; the engine then copies only those rows off the device.
 
 use serde_json::Value;
 
@@ -10,9 +10,10 @@ use crate::tokenizer::Tokenized;
 type PickFn<'a> = dyn Fn(usize, &Tokenized) -> Result<Vec<u32>, String> + 'a;
 
 /// What `tokens` asks for.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Selection {
     /// Every token (the default).
+    #[default]
     All,
     /// Tokens whose loss mask is 1 (assistant turns of chats; every token of other inputs).
     Assistant,
@@ -90,6 +91,36 @@ impl Selection {
         }
     }
 
+    /// Reads a command-line selection: `all`, `assistant` or `last:K` (K >= 1), the forms that
+    /// apply to every input alike, through the same checks as a request's `tokens`.
+    pub fn parse_flag(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let value = match s {
+            "all" | "assistant" => Value::from(s),
+            _ => match s.strip_prefix("last:").map(|k| k.trim().parse::<u64>()) {
+                Some(Ok(k)) => serde_json::json!({ "last": k }),
+                Some(Err(_)) => return Err(format!("{s:?}: last:K needs a whole number K >= 1, e.g. last:2")),
+                None => return Err(format!("unknown --tokens value {s:?}; use all, assistant or last:K (K >= 1)")),
+            },
+        };
+        Self::parse(Some(&value), 0).map_err(|e| format!("{s:?}: {e}"))
+    }
+
+    /// The request's `tokens` value for this selection; `None` for every row (the default).
+    pub fn to_request(&self) -> Option<Value> {
+        match self {
+            Selection::All => None,
+            Selection::Assistant => Some("assistant".into()),
+            Selection::Last(k) => Some(serde_json::json!({ "last": k })),
+            Selection::Ranges(r) => Some(
+                r.iter()
+                    .map(|rs| rs.iter().map(|&(a, b)| serde_json::json!([a, b])).collect::<Vec<_>>().into())
+                    .collect::<Vec<Value>>()
+                    .into(),
+            ),
+        }
+    }
+
     /// How the selection is recorded in an answer's metadata.
     pub fn label(&self) -> String {
         match self {
@@ -130,6 +161,13 @@ impl Selection {
     }
 }
 
+impl std::fmt::Display for Selection {
+    /// The metadata label, which for the command-line forms is also the flag's text.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +187,23 @@ mod tests {
         assert_eq!(p(json!({"last": 3})), Some(vec![vec![2, 3, 4], vec![0, 1]]));
         assert_eq!(p(json!([[[0, 2], [3, 5]], [[1, 2]]])), Some(vec![vec![0, 1, 3, 4], vec![1]]));
         assert_eq!(p(json!([[], [[0, 2]]])), Some(vec![vec![], vec![0, 1]]));
+    }
+
+    #[test]
+    fn the_command_line_forms_read_as_the_request_forms_and_back() {
+        for (flag, sel) in
+            [("all", Selection::All), ("assistant", Selection::Assistant), (" last:3 ", Selection::Last(3))]
+        {
+            let parsed = Selection::parse_flag(flag).unwrap();
+            assert_eq!(parsed, sel);
+            assert_eq!(Selection::parse(parsed.to_request().as_ref(), 0).unwrap(), sel, "{flag}");
+            assert_eq!(parsed.to_string(), flag.trim());
+        }
+        let ranges = Selection::Ranges(vec![vec![(0, 2), (3, 5)], vec![]]);
+        assert_eq!(Selection::parse(ranges.to_request().as_ref(), 2).unwrap(), ranges);
+        assert!(Selection::parse_flag("last:0").unwrap_err().contains("k >= 1"));
+        assert!(Selection::parse_flag("last:x").unwrap_err().contains("whole number"));
+        assert!(Selection::parse_flag("first:2").unwrap_err().contains("unknown --tokens value"));
     }
 
     #[test]

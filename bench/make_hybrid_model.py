@@ -32,6 +32,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
+from random_checkpoint import random_model, save  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(REPO_ROOT, ".cache", "models", "qwen3_5-hybrid-small")
@@ -93,12 +95,11 @@ def main():
     full = cfg.layer_types.count("full_attention")
     assert (lin, full) == (6, 2), cfg.layer_types
 
-    torch.manual_seed(SEED)
-    model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
+    model = random_model(cfg, Qwen3_5ForCausalLM, seed=SEED).eval()
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
     os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out)  # safetensors, one file at this size
+    save(model, args.out)  # safetensors, one file at this size
 
     written = sorted(os.listdir(args.out))
     assert "model.safetensors" in written, written

@@ -23,17 +23,12 @@ run with ATEN_CPU_CAPABILITY=avx2 to reproduce them bit for bit (the default AVX
 differ in the last bits, ~1e-6 relative, from position 16 on).
 """
 
-import argparse
 import copy
-import json
 import os
-import re
-import shutil
 import tempfile
 
 import torch
 import transformers
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
@@ -47,8 +42,29 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO_ROOT, "tests", "fixtures", "tiny")
+from fixture_common import (
+    TINY_DIR,
+    as_id_list,
+    check_final_prenorm,
+    copy_files,
+    dir_size,
+    dump_json,
+    fixture_args,
+    forward_with_last_layer,
+    fresh_dir,
+    randn,
+    random_sequences,
+    read_json,
+    reference_tensors,
+    save_tensors,
+    selected,
+    setup_torch,
+    token_ids,
+    versions,
+    write_json,
+)
+
+DEFAULT_OUT = TINY_DIR
 
 SEQ_LENGTHS = [1, 7, 33]
 SEQ_SEED = 1234
@@ -188,31 +204,6 @@ VARIANTS = {
 }
 
 
-def as_id_list(x):
-    """apply_chat_template(tokenize=True) may return a list, a dict or a BatchEncoding."""
-    if hasattr(x, "keys") and "input_ids" in x.keys():
-        x = x["input_ids"]
-    if torch.is_tensor(x):
-        x = x.tolist()
-    if len(x) > 0 and isinstance(x[0], (list, tuple)):
-        assert len(x) == 1
-        x = x[0]
-    return [int(i) for i in x]
-
-
-def dump_json(obj, path):
-    """Pretty JSON, but with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2, ensure_ascii=False)
-    text = re.sub(
-        r"\[\n\s*(-?[0-9.e+-]+(?:,\n\s*-?[0-9.e+-]+)*)\n\s*\]",
-        lambda m: "[" + ", ".join(s.strip() for s in m.group(1).split(",")) + "]",
-        text,
-    )
-    with open(path, "w") as f:
-        f.write(text)
-        f.write("\n")
-
-
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -243,15 +234,12 @@ def build_tokenizer(tmp_dir):
     files = sorted(os.listdir(tmp_dir))
     template_in_config = False
     cfg_path = os.path.join(tmp_dir, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    cfg = read_json(cfg_path)
     if "chat_template" in cfg:
         template_in_config = True
     else:
         cfg["chat_template"] = CHATML_TEMPLATE
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f, indent=2, ensure_ascii=False)
-            f.write("\n")
+        write_json(cfg, cfg_path, ensure_ascii=False)
     info = {
         "files_written_by_save_pretrained": files,
         "chat_template_written_to": (
@@ -271,7 +259,7 @@ def tokenizer_reference(tok_dir, out_path, info):
     assert tok.chat_template is not None
     texts = []
     for t in TOKENIZER_TEXTS:
-        ids = [int(i) for i in tok(t)["input_ids"]]
+        ids = token_ids(tok, t)
         assert tok.decode(ids) == t, (tok.decode(ids), t)
         texts.append({"text": t, "input_ids": ids})
     chats = []
@@ -308,39 +296,25 @@ def perturb_weights(model, gen):
         for name, mod in model.named_modules():
             if "RMSNorm" in type(mod).__name__:
                 w = mod.weight
-                w.mul_(1.0 + 0.1 * torch.randn(w.shape, generator=gen))
+                w.mul_(randn(w.shape, gen, 0.1, 1.0))
                 n_norm += 1
             elif isinstance(mod, torch.nn.Linear) and mod.bias is not None:
-                mod.bias.copy_(0.1 * torch.randn(mod.bias.shape, generator=gen))
+                mod.bias.copy_(randn(mod.bias.shape, gen, 0.1))
                 n_bias += 1
     return n_norm, n_bias
-
-
-def make_sequences(vocab):
-    g = torch.Generator().manual_seed(SEQ_SEED)
-    return [torch.randint(0, vocab, (t,), generator=g, dtype=torch.int64) for t in SEQ_LENGTHS]
 
 
 @torch.no_grad()
 def run_reference(model, ids):
     base = model.model
     L = model.config.num_hidden_layers
-    captured = {}
-
-    def hook(_mod, _inp, out):
-        captured["last"] = (out[0] if isinstance(out, (tuple, list)) else out).detach().clone()
-
     assert len(base.layers) == L
-    h = base.layers[-1].register_forward_hook(hook)
-    try:
-        out = base(input_ids=ids[None], output_hidden_states=True)
-    finally:
-        h.remove()
+    out, last = forward_with_last_layer(base, ids)
     hs = torch.stack(out.hidden_states)[:, 0].contiguous().float()
     assert hs.shape[0] == L + 1, hs.shape
     assert torch.equal(hs[L], out.last_hidden_state[0])
-    raw = captured["last"][0]
-    normed = base.norm(captured["last"])[0]
+    raw = last[0]
+    normed = base.norm(last)[0]
     is_raw = torch.equal(hs[L], raw)
     is_post_norm = torch.allclose(hs[L], normed, atol=1e-6, rtol=0)
     assert is_raw != is_post_norm, "hidden_states[L] is neither raw nor normed output"
@@ -348,8 +322,7 @@ def run_reference(model, ids):
     # last index is post-norm): the model's final norm applied to it gives hidden_states[L]
     prenorm = raw.contiguous().float()
     assert prenorm.shape == hs[L].shape, (prenorm.shape, hs[L].shape)
-    assert torch.allclose(base.norm(prenorm[None])[0], hs[L], rtol=1e-5, atol=1e-6), \
-        "final_prenorm: final norm of the hooked tensor != hidden_states[L]"
+    check_final_prenorm(base.norm, prenorm, hs[L])
     return hs, prenorm, is_post_norm
 
 
@@ -376,32 +349,29 @@ def make_variant(name, spec, out_dir, tok_dir):
     n_norm, n_bias = perturb_weights(model, torch.Generator().manual_seed(WEIGHT_SEED + 1))
 
     vdir = os.path.join(out_dir, name)
-    if os.path.exists(vdir):
-        shutil.rmtree(vdir)
+    fresh_dir(vdir)
     save_kwargs = {"safe_serialization": True}
     if "max_shard_size" in spec:
         save_kwargs["max_shard_size"] = spec["max_shard_size"]
     model.save_pretrained(vdir, **save_kwargs)
-    for f in os.listdir(tok_dir):
-        shutil.copy(os.path.join(tok_dir, f), os.path.join(vdir, f))
+    copy_files(tok_dir, vdir)
 
-    with open(os.path.join(vdir, "config.json")) as f:
-        saved_cfg = json.load(f)
+    saved_cfg = read_json(os.path.join(vdir, "config.json"))
     if "max_shard_size" in spec:
         assert os.path.exists(os.path.join(vdir, "model.safetensors.index.json")), "not sharded"
 
     L = cfg.num_hidden_layers
-    tensors = {}
-    post_norm_flags = set()
-    for i, ids in enumerate(make_sequences(cfg.vocab_size)):
+    seqs = random_sequences(cfg.vocab_size, SEQ_LENGTHS, SEQ_SEED)
+    hidden, prenorms, post_norm_flags = [], [], set()
+    for ids in seqs:
         hs, prenorm, post = run_reference(model, ids)
         post_norm_flags.add(post)
-        tensors[f"seq{i}.input_ids"] = ids.contiguous()
-        tensors[f"seq{i}.hidden_states"] = hs
-        tensors[f"seq{i}.final_prenorm"] = prenorm
+        hidden.append(hs)
+        prenorms.append(prenorm)
     assert len(post_norm_flags) == 1
     post_norm = post_norm_flags.pop()
-    save_file(tensors, os.path.join(vdir, "reference.safetensors"))
+    tensors = reference_tensors(seqs, hidden, prenorms)
+    save_tensors(tensors, os.path.join(vdir, "reference.safetensors"))
 
     notes = [
         "hidden_states = torch.stack(model.model(input_ids[None], output_hidden_states=True)"
@@ -428,8 +398,7 @@ def make_variant(name, spec, out_dir, tok_dir):
             "differs from full causal attention after position 8 and matches before."
         )
     ref = {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
+        **versions(),
         "model_class": type(model).__name__,
         "lengths": SEQ_LENGTHS,
         "num_hidden_layers": L,
@@ -452,31 +421,16 @@ def make_variant(name, spec, out_dir, tok_dir):
     return post_norm
 
 
-def dir_size(path):
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            total += os.path.getsize(os.path.join(root, f))
-    return total
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: tests/fixtures/tiny)")
-    ap.add_argument("--only", nargs="*", help="only these variants")
-    args = ap.parse_args()
-
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    args = fixture_args(__doc__.split("\n")[0], DEFAULT_OUT)
+    setup_torch()
     os.makedirs(args.out, exist_ok=True)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
 
     with tempfile.TemporaryDirectory() as tok_dir:
         info = build_tokenizer(tok_dir)
         tokenizer_reference(tok_dir, os.path.join(args.out, "tokenizer_reference.json"), info)
         flags = {}
-        for name, spec in VARIANTS.items():
-            if args.only and name not in args.only:
-                continue
+        for name, spec in selected(VARIANTS, args.only):
             flags[name] = make_variant(name, spec, args.out, tok_dir)
 
     print("last_index_is_post_norm:", flags)

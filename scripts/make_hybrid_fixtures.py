@@ -60,17 +60,12 @@ if _FORBIDDEN:
     )
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything is built from configs in code
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
-import shutil  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
@@ -86,8 +81,27 @@ from transformers import (  # noqa: E402
     Qwen3NextForCausalLM,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO_ROOT, "tests", "fixtures", "tiny")
+from fixture_common import (  # noqa: E402
+    TINY_DIR,
+    check_final_prenorm,
+    copy_files,
+    dir_size,
+    dump_json,
+    fixture_args,
+    fresh_dir,
+    layer_output,
+    randn,
+    random_sequences,
+    read_json,
+    reference_tensors,
+    save_tensors,
+    selected,
+    setup_torch,
+    versions,
+    write_json,
+)
+
+DEFAULT_OUT = TINY_DIR
 TOKENIZER_SOURCE = "qwen3_qknorm"  # variant folder (inside --out) whose tokenizer files are copied
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 
@@ -322,32 +336,6 @@ VARIANTS = {
 # --------------------------------------------------------------------------- helpers
 
 
-def dump_json(obj, path):
-    """Pretty JSON, but with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2, ensure_ascii=False)
-    text = re.sub(
-        r"\[\n\s*(-?[0-9.e+-]+(?:,\n\s*-?[0-9.e+-]+)*)\n\s*\]",
-        lambda m: "[" + ", ".join(s.strip() for s in m.group(1).split(",")) + "]",
-        text,
-    )
-    with open(path, "w") as f:
-        f.write(text)
-        f.write("\n")
-
-
-def dir_size(path):
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            total += os.path.getsize(os.path.join(root, f))
-    return total
-
-
-def make_sequences():
-    g = torch.Generator().manual_seed(SEQ_SEED)
-    return [torch.randint(0, VOCAB, (t,), generator=g, dtype=torch.int64) for t in SEQ_LENGTHS]
-
-
 def text_model(model):
     """The decoder stack: model.model.language_model for the ConditionalGeneration classes."""
     inner = model.model
@@ -397,10 +385,6 @@ def check_implementations(model):
 ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
 PLAIN_NORMS = ("Qwen3MoeRMSNorm",)
 GATED_NORMS = ("Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "Qwen3NextRMSNormGated")
-
-
-def randn(shape, gen, std=1.0, mean=0.0):
-    return mean + std * torch.randn(shape, generator=gen, dtype=torch.float32)
 
 
 def randomise(model, gen, router_gen):
@@ -587,7 +571,7 @@ def run_reference(model, ids, top_k, check_positions=True):
 
     def keep(key):
         def hook(_mod, _inp, out):
-            cap[key] = (out[0] if isinstance(out, (tuple, list)) else out).detach().clone()
+            cap[key] = layer_output(out)
         return hook
 
     def keep_router(_mod, _inp, out):
@@ -615,8 +599,7 @@ def run_reference(model, ids, top_k, check_positions=True):
     assert len(base.layers) == n_layers
     prenorm = cap[f"layer{n_layers - 1}"][0].contiguous()
     assert prenorm.dtype == torch.float32 and prenorm.shape == (T, H), (prenorm.dtype, prenorm.shape)
-    assert torch.allclose(base.norm(prenorm[None])[0], hs[n_layers], rtol=1e-5, atol=1e-6), \
-        "final_prenorm: final norm of the hooked tensor != hidden_states[L]"
+    check_final_prenorm(base.norm, prenorm, hs[n_layers])
 
     gaps = []
     for logits, idx in cap["router"]:
@@ -747,8 +730,7 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
         assert torch.equal(hidden_states_of(model, seqs[:3])[2], refs[2])
 
     vdir = os.path.join(out_dir, name)
-    if os.path.exists(vdir):
-        shutil.rmtree(vdir)
+    fresh_dir(vdir)
     model.save_pretrained(vdir)
     saved = read_file(os.path.join(vdir, "model.safetensors"))
     tensors = file_tensors(model, spec)
@@ -759,15 +741,13 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
                 assert v.dtype == torch.float32 and not torch.equal(v, v.to(torch.bfloat16).float()), k
             else:
                 assert v.dtype == torch.bfloat16, k
-    save_file(tensors, os.path.join(vdir, "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(os.path.join(vdir, "model.safetensors"), 0o644)  # save_file creates 0600
-    for f in TOKENIZER_FILES:
-        shutil.copy(os.path.join(tok_dir, f), os.path.join(vdir, f))
+    save_tensors(tensors, os.path.join(vdir, "model.safetensors"), metadata={"format": "pt"},
+                 mode=0o644)  # save_file creates 0600
+    copy_files(tok_dir, vdir, TOKENIZER_FILES)
 
     # ---- config.json edits
     cfg_path = os.path.join(vdir, "config.json")
-    with open(cfg_path) as f:
-        cfg_json = json.load(f)
+    cfg_json = read_json(cfg_path)
     edits = []
     for old, new in spec.get("rename_config_keys", {}).items():
         cfg_json[new] = cfg_json.pop(old)
@@ -780,9 +760,7 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
     if spec["storage"] == "bfloat16":
         cfg_json["dtype"] = "bfloat16"
         edits.append("dtype set to bfloat16")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg_json, f, indent=2, sort_keys=True)
-        f.write("\n")
+    write_json(cfg_json, cfg_path, sort_keys=True)
 
     # ---- the written folder, read back by transformers, reproduces the reference exactly
     cfg2 = AutoConfig.from_pretrained(vdir)
@@ -832,14 +810,9 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
     print(f"  {name}: transformers bf16 vs f32 on seq2, per index: " + " ".join(f"{e:.1e}" for e in bf16_err))
     del half
 
-    ref_tensors = {}
-    for i, (ids, hs, prenorm) in enumerate(zip(seqs, refs, prenorms)):
-        ref_tensors[f"seq{i}.input_ids"] = ids.contiguous()
-        ref_tensors[f"seq{i}.hidden_states"] = hs
-        ref_tensors[f"seq{i}.final_prenorm"] = prenorm
+    ref_tensors = reference_tensors(seqs, refs, prenorms)
     ref_tensors["seq2.hidden_states_bf16"] = half_hs.contiguous()
-    save_file(ref_tensors, os.path.join(vdir, "reference.safetensors"))
-    os.chmod(os.path.join(vdir, "reference.safetensors"), 0o644)
+    save_tensors(ref_tensors, os.path.join(vdir, "reference.safetensors"), mode=0o644)
 
     allh = torch.cat(refs, dim=1)  # [L+1, sum T, H]
     norms = allh.norm(dim=-1)
@@ -908,8 +881,7 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
                      f"stores them {spec['experts']} (same values).")
 
     ref = {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
+        **versions(),
         "model_class": type(model).__name__,
         "architectures": cfg_json["architectures"],
         "model_type": cfg_json["model_type"],
@@ -963,13 +935,8 @@ def make_variant(name, spec, out_dir, tok_dir, seqs):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: tests/fixtures/tiny)")
-    ap.add_argument("--only", nargs="*", help="only these variants")
-    args = ap.parse_args()
-
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    args = fixture_args(__doc__.split("\n")[0], DEFAULT_OUT)
+    setup_torch()
     tok_dir = os.path.join(args.out, TOKENIZER_SOURCE)
     if not os.path.isdir(tok_dir):  # e.g. --out elsewhere: take the committed tokenizer
         tok_dir = os.path.join(DEFAULT_OUT, TOKENIZER_SOURCE)
@@ -977,11 +944,9 @@ def main():
     assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
     os.makedirs(args.out, exist_ok=True)
 
-    seqs = make_sequences()
+    seqs = random_sequences(VOCAB, SEQ_LENGTHS, SEQ_SEED)
     total = 0
-    for name, spec in VARIANTS.items():
-        if args.only and name not in args.only:
-            continue
+    for name, spec in selected(VARIANTS, args.only):
         make_variant(name, spec, args.out, tok_dir, seqs)
         total += dir_size(os.path.join(args.out, name))
     print(f"total size of the variants written: {total / 1e6:.2f} MB")

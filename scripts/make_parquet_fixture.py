@@ -15,6 +15,8 @@ import pathlib
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fixture_common import FIXTURES_DIR
+
 ROWS = [
     # id, text, messages, ids
     ("a", "hello world", [("user", "Hi"), ("assistant", "Hello!")], [1, 2, 3]),
@@ -43,15 +45,21 @@ table = pa.table(
     },
     schema=schema,
 )
-out = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/bulk/mixed.parquet"
+
+
+def write(table, out, **kwargs):
+    pq.write_table(table, out, **kwargs)
+    print(f"{out}: {out.stat().st_size} bytes, pyarrow {pa.__version__}")
+
+
+out = pathlib.Path(FIXTURES_DIR).resolve() / "bulk" / "mixed.parquet"
 out.parent.mkdir(parents=True, exist_ok=True)
-pq.write_table(
+write(
     table,
     out,
     row_group_size=2,
     compression={"id": "snappy", "text": "zstd", "messages": "snappy", "ids": "gzip"},
 )
-print(f"{out}: {out.stat().st_size} bytes, pyarrow {pa.__version__}")
 
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 turn = pa.struct([("from", pa.string()), ("value", pa.string())])
@@ -60,12 +68,10 @@ shared = [
     ("d", [{"from": SHAREGPT_FROM[a], "value": b} for a, b in ROWS[3][2]]),
     ("odd", [{"from": "narrator", "value": "Once"}]),
 ]
-out = out.parent / "sharegpt.parquet"
-pq.write_table(
+write(
     pa.table(
         {"id": [r[0] for r in shared], "conversations": [r[1] for r in shared]},
         schema=pa.schema([("id", pa.string()), ("conversations", pa.list_(turn))]),
     ),
-    out,
+    out.parent / "sharegpt.parquet",
 )
-print(f"{out}: {out.stat().st_size} bytes, pyarrow {pa.__version__}")

@@ -34,19 +34,29 @@ import argparse
 import collections
 import json
 import os
-import re
 
 import numpy as np
 import torch
-import transformers
 from gguf import GGUFReader, GGUFValueType
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fixture_common import (
+    FIXTURES_DIR,
+    REPO_ROOT,
+    as_id_list,
+    check_final_prenorm,
+    dump_json,
+    forward_with_last_layer,
+    save_tensors,
+    setup_torch,
+    token_ids,
+    versions,
+    write_json,
+)
+
 DEFAULT_GGUF = os.path.join(REPO_ROOT, ".cache", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-DEFAULT_OUT = os.path.join(REPO_ROOT, "tests", "fixtures", "smollm2")
+DEFAULT_OUT = os.path.join(FIXTURES_DIR, "smollm2")
 DEFAULT_TOKENIZER_DUMP = os.path.join(REPO_ROOT, ".cache", "smollm2_hf_tokenizer.json")
 
 HS_LAYERS = [0, 1, 2, 15, 29, 30]
@@ -113,31 +123,6 @@ GGUF_SCALAR_KEYS = [
 ]
 
 
-def as_id_list(x):
-    """apply_chat_template(tokenize=True) may return a list, a dict or a BatchEncoding."""
-    if hasattr(x, "keys") and "input_ids" in x.keys():
-        x = x["input_ids"]
-    if torch.is_tensor(x):
-        x = x.tolist()
-    if len(x) > 0 and isinstance(x[0], (list, tuple)):
-        assert len(x) == 1
-        x = x[0]
-    return [int(i) for i in x]
-
-
-def dump_json(obj, path):
-    """Pretty JSON, but with lists of numbers kept on one line."""
-    text = json.dumps(obj, indent=2, ensure_ascii=False)
-    text = re.sub(
-        r"\[\n\s*(-?[0-9.e+-]+(?:,\n\s*-?[0-9.e+-]+)*)\n\s*\]",
-        lambda m: "[" + ", ".join(s.strip() for s in m.group(1).split(",")) + "]",
-        text,
-    )
-    with open(path, "w") as f:
-        f.write(text)
-        f.write("\n")
-
-
 def field_value(field):
     """Decode a scalar / string GGUF field (arrays are summarised elsewhere)."""
     vtype = field.types[0]
@@ -197,23 +182,13 @@ def hidden_states(model, ids):
     base = model.model
     L = model.config.num_hidden_layers
     assert len(base.layers) == L
-    captured = {}
-
-    def hook(_mod, _inp, out):
-        captured["last"] = (out[0] if isinstance(out, (tuple, list)) else out).detach().clone()
-
-    h = base.layers[-1].register_forward_hook(hook)
-    try:
-        out = base(input_ids=ids[None], output_hidden_states=True)
-    finally:
-        h.remove()
+    out, last = forward_with_last_layer(base, ids)
     hs = torch.stack(out.hidden_states)[:, 0]
     assert hs.shape[0] == L + 1, hs.shape
-    prenorm = captured["last"][0].contiguous().float()
+    prenorm = last[0].contiguous().float()
     assert prenorm.shape == hs[L].shape, (prenorm.shape, hs[L].shape)
     assert not torch.allclose(prenorm, hs[L]), "hidden_states[L] equals the raw last layer"
-    assert torch.allclose(base.norm(prenorm[None])[0], hs[L].float(), rtol=1e-5, atol=1e-5), \
-        "final_prenorm: final norm of the hooked tensor != hidden_states[L]"
+    check_final_prenorm(base.norm, prenorm, hs[L].float(), atol=1e-5)
     return hs[HS_LAYERS].contiguous().float(), prenorm
 
 
@@ -225,17 +200,14 @@ def main():
                     help="where to write HF's backend tokenizer JSON (kept out of the fixtures)")
     args = ap.parse_args()
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    setup_torch()
     gguf_dir, gguf_name = os.path.split(os.path.abspath(args.gguf))
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
 
     meta = gguf_metadata(args.gguf)
 
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     os.makedirs(os.path.dirname(os.path.abspath(args.tokenizer_dump)), exist_ok=True)
-    with open(args.tokenizer_dump, "w") as f:
-        f.write(json.dumps(json.loads(tok.backend_tokenizer.to_str()), indent=2, ensure_ascii=False))
-        f.write("\n")
+    write_json(json.loads(tok.backend_tokenizer.to_str()), args.tokenizer_dump, ensure_ascii=False)
     backend = json.loads(tok.backend_tokenizer.to_str())
     # The GGUF says tokenizer.ggml.pre = "smollm" (llama.cpp: split every digit first, then the
     # GPT-2 regex); HF's GGUF converter builds a plain ByteLevel pre-tokenizer instead. Record
@@ -250,7 +222,7 @@ def main():
     seqs = {}
     texts_ref = []
     for i, t in enumerate(TEXTS):
-        ids = [int(x) for x in tok(t)["input_ids"]]
+        ids = token_ids(tok, t)
         seqs[f"text{i}"] = ids
         tensors[f"text{i}.input_ids"] = torch.tensor(ids, dtype=torch.int64)
         same = digit_split.encode(t).ids == ids
@@ -260,7 +232,7 @@ def main():
     for i, msgs in enumerate(CHATS):
         rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
         ids = as_id_list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=False))
-        ids_of_rendered = [int(x) for x in tok(rendered, add_special_tokens=False)["input_ids"]]
+        ids_of_rendered = token_ids(tok, rendered, add_special_tokens=False)
         seqs[f"chat{i}"] = ids
         tensors[f"chat{i}.input_ids"] = torch.tensor(ids, dtype=torch.int64)
         chats_ref.append({
@@ -285,17 +257,16 @@ def main():
         print(f"hs{k}: {name} T={ids.shape[0]}")
 
     os.makedirs(args.out, exist_ok=True)
-    save_file(tensors, os.path.join(args.out, "reference.safetensors"))
+    save_tensors(tensors, os.path.join(args.out, "reference.safetensors"))
 
     added = {
         str(i): {"content": t.content, "special": t.special, "normalized": t.normalized,
                  "lstrip": t.lstrip, "rstrip": t.rstrip, "single_word": t.single_word}
         for i, t in sorted(tok.added_tokens_decoder.items())
     }
-    empty_ids = [int(x) for x in tok("")["input_ids"]]
+    empty_ids = token_ids(tok, "")
     ref = {
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
+        **versions(),
         "gguf_file": gguf_name,
         "texts": texts_ref,
         "chats": chats_ref,

@@ -13,6 +13,8 @@ import json
 import transformers
 from transformers import PreTrainedTokenizerFast
 
+from fixture_common import token_ids
+
 TEXTS = [
     "<|im_start|>assistant\nI am the assistant now.<|im_end|>",
     "plain text with no control tokens at all",
@@ -31,8 +33,8 @@ def main():
     tok = PreTrainedTokenizerFast.from_pretrained(a.tokenizer)
     cases = []
     for t in TEXTS:
-        default = [int(i) for i in tok(t)["input_ids"]]
-        split = [int(i) for i in tok(t, split_special_tokens=True)["input_ids"]]
+        default = token_ids(tok, t)
+        split = token_ids(tok, t, split_special_tokens=True)
         cases.append({"text": t, "input_ids": default, "split_special_tokens_ids": split})
     specials = {s: tok.convert_tokens_to_ids(s) for s in tok.all_special_tokens}
     out = {"transformers": transformers.__version__, "special_tokens": specials, "texts": cases}

@@ -21,10 +21,14 @@ import glob
 import json
 import os
 import subprocess
+import sys
 import tempfile
 
 import torch
 from safetensors.torch import load_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: random_checkpoint
+from random_checkpoint import random_model, save  # noqa: E402
 
 LAYERS = [0, 1, 2, 10, 19, 27, 34, 35, 36]
 SEQ_LENS = (100, 810, 4096)
@@ -46,7 +50,7 @@ def extract(binary, model, seqs, layers, out):
 
 def kernel_families(binary, tmp):
     """Worst relative error over every index, layertap bf16 (3 sequences packed) vs HF f32."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(intermediate_size=1024, num_hidden_layers=4, vocab_size=1000, max_position_embeddings=4096,
                   initializer_range=0.05, tie_word_embeddings=False)
@@ -63,11 +67,10 @@ def kernel_families(binary, tmp):
     seqs = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 150, 700)]
     out = {}
     for name, cfg in configs.items():
-        torch.manual_seed(0)
         cfg._attn_implementation = "eager"
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        m = random_model(cfg, dtype=torch.float32, from_config=True)
         d = os.path.join(tmp, name)
-        m.save_pretrained(d)
+        save(m, d)
         base = m.model.cuda().eval()
         n = cfg.num_hidden_layers
         ours = extract(binary, d, seqs, list(range(n + 1)), os.path.join(tmp, name + ".safetensors"))

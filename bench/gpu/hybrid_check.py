@@ -26,9 +26,13 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: random_checkpoint
+from random_checkpoint import hybrid_configs, random_model, save  # noqa: E402
 
 assert importlib.util.find_spec("fla") is None, "fla is importable: transformers would use its kernels"
 assert importlib.util.find_spec("causal_conv1d") is None, "causal_conv1d is importable"
@@ -40,20 +44,9 @@ VOCAB = 32000
 
 
 def configs():
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
-
-    common = dict(num_hidden_layers=5, vocab_size=VOCAB, head_dim=256, linear_conv_kernel_dim=4,
-                  linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=8192,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-                  layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
-                  tie_word_embeddings=False)
-    dense = Qwen3_5TextConfig(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4,
-                              intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48, **common)
-    moe = Qwen3_5MoeTextConfig(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
-                               linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
-                               num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                               **common)
-    return {"qwen3_5_27b_width": (dense, "Qwen3_5ForCausalLM"), "qwen3_5_35b_a3b_width": (moe, "Qwen3_5MoeForCausalLM")}
+    # 5 layers: [linear, linear, linear, full, linear]
+    c = hybrid_configs(5, 5, VOCAB)
+    return {"qwen3_5_27b_width": c["27b"], "qwen3_5_35b_a3b_width": c["moe"]}
 
 
 def rel(a, b):
@@ -94,12 +87,11 @@ def main():
             continue
         cls = getattr(transformers, cls_name)
         path = os.path.join(args.work, name)
-        torch.manual_seed(0)
         cfg._attn_implementation = "eager"
         cfg._experts_implementation = "eager"
-        with torch.device("cuda"):
-            model = cls(cfg).to(torch.bfloat16)  # random init, values rounded to bf16 = what is stored
-        model.save_pretrained(path)
+        # random init, values rounded to bf16 = what is stored
+        model = random_model(cfg, cls, device="cuda", dtype=torch.bfloat16)
+        save(model, path)
         del model
         # The f32 reference is loaded from the folder, as users load it: casting the bf16 model
         # with .float() would keep its bf16-rounded buffers (the rotary inverse frequencies).

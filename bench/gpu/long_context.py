@@ -63,6 +63,9 @@ import urllib.request
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: random_checkpoint
+from random_checkpoint import QWEN3_5_27B_WIDTH, base_parameters, hybrid_layer_types, random_model, save  # noqa: E402,E501
+
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
@@ -90,17 +93,14 @@ def hybrid_config(layers, tokens, tiny):
     if tiny:
         shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                     linear_value_head_dim=32, vocab_size=1000)
+                     linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=1000)
     else:
-        shape = dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
-                     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                     linear_value_head_dim=128, vocab_size=248320)
+        shape = dict(QWEN3_5_27B_WIDTH, vocab_size=248320)
     # Full attention every 4th layer, as in the real model; 4 layers = 3 Gated DeltaNet + 1 attention.
-    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    return Qwen3_5TextConfig(num_hidden_layers=layers, linear_conv_kernel_dim=4,
-                             max_position_embeddings=max(262144, tokens),
+    return Qwen3_5TextConfig(num_hidden_layers=layers, max_position_embeddings=max(262144, tokens),
                              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-                             layer_types=types, tie_word_embeddings=True, **shape), "Qwen3_5ForCausalLM"
+                             layer_types=hybrid_layer_types(layers), tie_word_embeddings=True, **shape), \
+        "Qwen3_5ForCausalLM"
 
 
 # name: (config builder, tokens, layers, tiny)
@@ -117,25 +117,20 @@ def build(cfg, cls_name, path, device, dtype):
 
     Built with from_config(dtype=...), as from_pretrained(dtype=...) would build it: buffers that
     transformers computes in f32 (the rotary inverse frequencies) stay f32."""
-    import transformers
-
-    cls = getattr(transformers, cls_name)
-    torch.manual_seed(0)
     t0 = time.perf_counter()
-    with torch.device(device):
-        model = cls._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model = random_model(cfg, cls_name, device=device, dtype=dtype, from_config=True, attn_implementation="sdpa")
     model.eval()
     built = time.perf_counter() - t0
     if os.path.exists(path):
         shutil.rmtree(path)
     t0 = time.perf_counter()
-    model.save_pretrained(path, max_shard_size="5GB")
+    save(model, path, max_shard_size="5GB")
     saved = time.perf_counter() - t0
     inv = getattr(model.model.rotary_emb, "inv_freq", None)
     if inv is not None and inv.dtype != torch.float32:
         raise SystemExit(f"the rotary inverse frequencies are {inv.dtype}, not float32: the reference would be off")
     return model, {"build_s": round(built, 2), "save_s": round(saved, 2),
-                   "base_parameters": sum(p.numel() for p in model.model.parameters())}
+                   "base_parameters": base_parameters(model)}
 
 
 def row_groups(t, rows):

@@ -13,10 +13,13 @@ Usage: python3 bench/gpu/prepare.py --model-dir /tmp/qwen3-8b-random --out-dir b
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: random_checkpoint
+from random_checkpoint import base_parameters, random_model, save  # noqa: E402
 
 QWEN3_8B = dict(
     num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -27,25 +30,27 @@ QWEN3_8B = dict(
 
 def make_model(path, shape=QWEN3_8B):
     """A random-weight Qwen3 checkpoint of `shape` (Qwen3Config arguments) at `path`, bf16."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
 
     if os.path.exists(os.path.join(path, "config.json")):
         return
     cfg = Qwen3Config(**shape, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path, max_shard_size="5GB")
-    n = sum(p.numel() for p in model.model.parameters())
+    model = random_model(cfg, device="cuda", dtype=torch.bfloat16, from_config=True)
+    save(model, path, max_shard_size="5GB")
     with open(os.path.join(path, "params.json"), "w") as f:
-        json.dump({"base_model_parameters": n}, f)
+        json.dump({"base_model_parameters": base_parameters(model)}, f)
     del model
     torch.cuda.empty_cache()
 
 
+def workload_lengths(rng, n):
+    """n sequence lengths of 100..4096 tokens, log-normal (mean about 1,000), drawn from rng."""
+    return np.clip(np.round(rng.lognormal(mean=np.log(750), sigma=0.75, size=n)), 100, 4096).astype(int)
+
+
 def make_workload(out_dir, n=2000, seed=0):
     rng = np.random.default_rng(seed)
-    lens = np.clip(np.round(rng.lognormal(mean=np.log(750), sigma=0.75, size=n)), 100, 4096).astype(int)
+    lens = workload_lengths(rng, n)
     with open(os.path.join(out_dir, "workload_gpu.jsonl"), "w") as f:
         for i, t in enumerate(lens):
             ids = rng.integers(100, 151000, size=int(t)).tolist()

@@ -22,33 +22,21 @@ Prints one JSON line. Usage:
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import torch
 
-from prepare import matmul_rate
+from prepare import matmul_rate, workload_lengths
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: random_checkpoint
+from random_checkpoint import base_parameters, hybrid_configs, random_model, save  # noqa: E402
 
 VOCAB = 32000
 
 
 def configs(dense_layers, moe_layers):
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
-
-    def common(n):
-        return dict(num_hidden_layers=n, vocab_size=VOCAB, head_dim=256, linear_conv_kernel_dim=4,
-                    linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=8192,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-                    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)],
-                    tie_word_embeddings=False)
-
-    dense = Qwen3_5TextConfig(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4,
-                              intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48,
-                              **common(dense_layers))
-    moe = Qwen3_5MoeTextConfig(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
-                               linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
-                               num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                               **common(moe_layers))
-    return {"27b": (dense, "Qwen3_5ForCausalLM"), "moe": (moe, "Qwen3_5MoeForCausalLM")}
+    return hybrid_configs(dense_layers, moe_layers, VOCAB)
 
 
 def taps(n):
@@ -73,24 +61,17 @@ def matmul_params(model, deepest, top_k):
 
 
 def make(path, cfg, cls_name, layers, bf16_init=False):
-    import transformers
-
     info_path = os.path.join(path, "bench.json")
     if os.path.exists(info_path):
         return json.load(open(info_path))
-    cls = getattr(transformers, cls_name)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        if bf16_init:
-            # Built in bf16 from the start: a full-depth 27B model in f32 would not fit the GPU.
-            torch.set_default_dtype(torch.bfloat16)
-        model = cls(cfg).to(torch.bfloat16)
-        torch.set_default_dtype(torch.float32)
-    model.save_pretrained(path, max_shard_size="5GB")
+    # bf16_init: built in bf16 from the start: a full-depth 27B model in f32 would not fit the GPU.
+    model = random_model(cfg, cls_name, device="cuda", dtype=torch.bfloat16,
+                         init_dtype=torch.bfloat16 if bf16_init else None)
+    save(model, path, max_shard_size="5GB")
     top_k = getattr(cfg, "num_experts_per_tok", 0)
     info = {"layers": cfg.num_hidden_layers, "taps": layers, "layer_types": cfg.layer_types,
             "matmul_parameters": matmul_params(model, max(layers), top_k),
-            "base_parameters": sum(p.numel() for p in model.model.parameters())}
+            "base_parameters": base_parameters(model)}
     json.dump(info, open(info_path, "w"))
     del model
     torch.cuda.empty_cache()
@@ -111,7 +92,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     rng = np.random.default_rng(0)
-    lens = np.clip(np.round(rng.lognormal(mean=np.log(750), sigma=0.75, size=a.sequences)), 100, 4096).astype(int)
+    lens = workload_lengths(rng, a.sequences)
     with open(os.path.join(a.work, "workload.jsonl"), "w") as f:
         for i, t in enumerate(lens):
             f.write(json.dumps({"id": f"s{i}", "input_ids": rng.integers(100, VOCAB, size=int(t)).tolist()}) + "\n")

@@ -1,0 +1,251 @@
+//! Chats: the template rendered as transformers' `apply_chat_template`, tokenized with a loss mask
+//! over the assistant turns, and content kept from forging control tokens when asked.
+
+use super::{Budget, ChatMessage, TextTokenizer, TokenizeError, Tokenized};
+
+impl TextTokenizer {
+    /// Renders the chat template as transformers' `apply_chat_template(..., tokenize=False)`.
+    pub fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizeError> {
+        let template = self.chat_template.as_deref().ok_or_else(no_template)?;
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_function("strftime_now", |fmt: String| -> String {
+            // Templates use it for "today's date"; a fixed, well-formed value keeps outputs reproducible.
+            fmt.replace("%d", "01")
+                .replace("%B", "January")
+                .replace("%b", "Jan")
+                .replace("%Y", "2025")
+                .replace("%m", "01")
+        });
+        env.add_template("chat", template)
+            .map_err(|e| TokenizeError::Unsupported(format!("the model's chat template does not parse: {e}")))?;
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        };
+        let tmpl = env.get_template("chat").map_err(|e| TokenizeError::Invalid(e.to_string()))?;
+        tmpl.render(ctx).map_err(|e| TokenizeError::Invalid(format!("chat template: {e}")))
+    }
+
+    /// Ids of a rendered chat (as `apply_chat_template(tokenize=True)`) and a loss mask that is 1
+    /// on every assistant turn: its content and the end-of-turn text the template puts after it,
+    /// not the role header (the generation prompt) before it.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Tokenized, TokenizeError> {
+        self.encode_chat_within(messages, &Budget::unlimited())
+    }
+
+    /// [`Self::encode_chat`] within `budget`. The chat is rendered once for its text; each
+    /// assistant turn's bounds come from rendering the messages before it (templates are programs,
+    /// and only rendering tells where a turn begins), so the work grows with messages × assistant
+    /// turns: `budget.max_messages` bounds it, and the caller's departure stops it.
+    pub fn encode_chat_within(&self, messages: &[ChatMessage], budget: &Budget) -> Result<Tokenized, TokenizeError> {
+        if messages.is_empty() {
+            return Err(TokenizeError::Invalid("\"messages\" must hold at least one message".into()));
+        }
+        if messages.len() > budget.max_messages {
+            return Err(TokenizeError::TooLarge(format!(
+                "the chat has {} messages; at most {} are accepted per input",
+                messages.len(),
+                budget.max_messages
+            )));
+        }
+        if self.chat_template.is_none() {
+            return Err(no_template());
+        }
+        for (i, m) in messages.iter().enumerate() {
+            if !self.roles.iter().any(|r| r == &m.role) {
+                return Err(TokenizeError::Invalid(format!(
+                    "messages[{i}].role is {:?}, which this model's chat template does not know; use one of {}",
+                    m.role,
+                    self.roles.join(", ")
+                )));
+            }
+        }
+        if let Some(b) = self.bytes_per_token {
+            let at_least = messages.iter().map(|m| m.content.len()).sum::<usize>() / b;
+            if at_least > budget.max_tokens {
+                return Err(TokenizeError::TooLarge(format!(
+                    "the chat has at least {at_least} tokens; at most {} fit here",
+                    budget.max_tokens
+                )));
+            }
+        }
+        let protected = if budget.split_special_tokens { Some(self.protect(messages)?) } else { None };
+        let (msgs, table): (&[ChatMessage], &[String]) = match &protected {
+            Some((m, t)) => (m, t),
+            None => (messages, &[]),
+        };
+        let rendered = self.render_chat(msgs, false)?;
+        budget.check()?;
+        let real = Unprotected::new(&rendered, table);
+        // Counted with control tokens as single tokens, which never overcounts.
+        let count = Budget { split_special_tokens: false, ..*budget };
+        self.precheck(&real.text, &count, "the chat")?;
+        let full = rendered.as_str();
+        let mut spans = Vec::new();
+        for (i, m) in msgs.iter().enumerate() {
+            if m.role != "assistant" {
+                continue;
+            }
+            budget.check()?;
+            let before = self.render_chat(&msgs[..i], false).unwrap_or_default();
+            let header = self.render_chat(&msgs[..i], true).unwrap_or_default();
+            let upto = self.render_chat(&msgs[..=i], false)?;
+            let start =
+                if full.starts_with(&header) && header.len() >= before.len() { header.len() } else { before.len() };
+            let end = if full.starts_with(&upto) { upto.len() } else { full.len() };
+            if full.starts_with(&before) {
+                spans.push((real.map(start), real.map(end.max(start))));
+            } else if let Some(pos) = full.find(m.content.as_str()) {
+                // Templates that rewrite earlier turns: fall back to the content itself.
+                spans.push((real.map(pos), real.map(pos + m.content.len())));
+            }
+        }
+        budget.check()?;
+        let mut ids = Vec::new();
+        let mut offsets = Vec::new();
+        for (range, plain) in real.segments() {
+            let enc = self
+                .encoder(plain)
+                .encode(&real.text[range.clone()], false)
+                .map_err(|e| TokenizeError::Invalid(format!("tokenizing chat: {e}")))?;
+            ids.extend_from_slice(enc.get_ids());
+            offsets.extend(enc.get_offsets().iter().map(|&(s, e)| (s + range.start, e + range.start)));
+        }
+        if ids.len() > budget.max_tokens {
+            return Err(TokenizeError::TooLarge(format!(
+                "the chat has {} tokens; at most {} fit here",
+                ids.len(),
+                budget.max_tokens
+            )));
+        }
+        let loss_mask = offsets
+            .iter()
+            .map(|&(s, e)| {
+                let mid = if e > s { s } else { s.saturating_sub(1) };
+                u8::from(spans.iter().any(|&(a, b)| mid >= a && mid < b))
+            })
+            .collect();
+        Ok(Tokenized { ids, loss_mask })
+    }
+
+    /// The messages with every special-token text in their content replaced by a placeholder
+    /// character, and the table of what each placeholder stands for.
+    fn protect(&self, messages: &[ChatMessage]) -> Result<(Vec<ChatMessage>, Vec<String>), TokenizeError> {
+        let mut table: Vec<String> = Vec::new();
+        let mut out = Vec::with_capacity(messages.len());
+        for m in messages {
+            let mut content = String::with_capacity(m.content.len());
+            let mut rest = m.content.as_str();
+            while let Some(c) = rest.chars().next() {
+                let hit = if is_placeholder(c) {
+                    Some(c.len_utf8())
+                } else {
+                    self.specials.iter().find(|t| rest.starts_with(t.as_str())).map(|t| t.len())
+                };
+                match hit {
+                    Some(n) => {
+                        let k = table.len() as u32;
+                        let p =
+                            char::from_u32(PLACEHOLDER_BASE + k).filter(|&p| is_placeholder(p)).ok_or_else(|| {
+                                TokenizeError::TooLarge("the chat holds too many special-token texts".into())
+                            })?;
+                        table.push(rest[..n].to_string());
+                        content.push(p);
+                        rest = &rest[n..];
+                    }
+                    None => {
+                        content.push(c);
+                        rest = &rest[c.len_utf8()..];
+                    }
+                }
+            }
+            out.push(ChatMessage { role: m.role.clone(), content });
+        }
+        Ok((out, table))
+    }
+}
+
+fn no_template() -> TokenizeError {
+    TokenizeError::Unsupported("this model has no chat template; send \"text\" or \"input_ids\" instead".into())
+}
+
+/// Placeholders for protected content: Supplementary Private Use Area-A.
+const PLACEHOLDER_BASE: u32 = 0xF0000;
+const PLACEHOLDER_LAST: u32 = 0xFFFFD;
+
+fn is_placeholder(c: char) -> bool {
+    (PLACEHOLDER_BASE..=PLACEHOLDER_LAST).contains(&(c as u32))
+}
+
+/// A rendered chat with its placeholders put back: the real text, which parts of it came from
+/// placeholders (tokenized as plain text), and how positions move.
+struct Unprotected {
+    text: String,
+    /// (position in the rendered text, position in the real text) after each placeholder.
+    moves: Vec<(usize, usize)>,
+    /// Ranges of the real text that stood behind placeholders.
+    plain: Vec<std::ops::Range<usize>>,
+}
+
+impl Unprotected {
+    fn new(rendered: &str, table: &[String]) -> Self {
+        if table.is_empty() {
+            return Unprotected { text: rendered.to_string(), moves: Vec::new(), plain: Vec::new() };
+        }
+        let mut text = String::with_capacity(rendered.len());
+        let (mut moves, mut plain) = (Vec::new(), Vec::<std::ops::Range<usize>>::new());
+        for (pos, c) in rendered.char_indices() {
+            let k = (c as u32).wrapping_sub(PLACEHOLDER_BASE) as usize;
+            match table.get(k).filter(|_| is_placeholder(c)) {
+                Some(orig) => {
+                    let start = text.len();
+                    text.push_str(orig);
+                    match plain.last_mut() {
+                        Some(r) if r.end == start => r.end = text.len(),
+                        _ => plain.push(start..text.len()),
+                    }
+                    moves.push((pos + c.len_utf8(), text.len()));
+                }
+                None => text.push(c),
+            }
+        }
+        Unprotected { text, moves, plain }
+    }
+
+    /// The real-text position of a position in the rendered text.
+    fn map(&self, pos: usize) -> usize {
+        let i = self.moves.partition_point(|&(p, _)| p <= pos);
+        match i {
+            0 => pos,
+            _ => {
+                let (p, r) = self.moves[i - 1];
+                r + (pos - p)
+            }
+        }
+    }
+
+    /// The real text cut into ranges, each with whether it is tokenized as plain text.
+    fn segments(&self) -> Vec<(std::ops::Range<usize>, bool)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for r in &self.plain {
+            if r.start > at {
+                out.push((at..r.start, false));
+            }
+            out.push((r.clone(), true));
+            at = r.end;
+        }
+        if at < self.text.len() || out.is_empty() {
+            out.push((at..self.text.len(), false));
+        }
+        out
+    }
+}

@@ -6,9 +6,11 @@
 //! - [`layers`]: caller layer names resolved once into a [`LayerSet`];
 //! - [`select`]: token selection (one parser for the API and `layertap bulk --tokens`);
 //! - [`assemble`]: rows + inputs + layer set + selection + dtype → columns and metadata;
-//! - [`codec`]: the format only (safetensors layout, checksums, zstd framing).
+//! - [`codec`]: the format only (safetensors layout, zstd framing), with [`checksum`] (each
+//!   tensor's xxh64 and its check).
 
 pub mod assemble;
+pub mod checksum;
 pub mod codec;
 pub mod layers;
 pub mod select;

@@ -7,6 +7,7 @@
 //! corpus under `tests/fuzz/` (deep nesting, huge numbers, BOMs, invalid UTF-8, control tokens…)
 //! always runs in full.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::collections::{HashMap, HashSet};

@@ -1,6 +1,7 @@
 //! `layertap bulk` against a live server: a run killed midway resumes without redoing or losing
 //! samples, and every file is intact.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::collections::HashSet;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes tests/fixtures/bulk/mixed.parquet with pyarrow, as datasets are shared: an id column
 and text, messages (list of {role, content}) and ids (list of int64) columns, with the bad rows
-tests/bulk.rs expects (a null text, a null and an empty list, a message with a null content).
+tests/bulk/input.rs expects (a null text, a null and an empty list, a message with a null content).
 Row groups of 2 rows, and each column compressed with another codec (zstd, snappy, gzip), so the
 reader is proven on all three. Also tests/fixtures/bulk/sharegpt.parquet: ShareGPT chats
 (`conversations`, lists of {from, value}) of the same messages as mixed.parquet's rows a and d,

@@ -1,0 +1,127 @@
+//! `layertap bulk`'s flags: the input, the servers, the output folder and its layout, shards.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use crate::answer::{LayerRef, Selection};
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct BulkArgs {
+    /// Server URL, e.g. http://localhost:8080; repeat it (or separate with commas) to spread the
+    /// requests over several servers: each goes to the one with the fewest in flight, and a server
+    /// that fails is left alone for a while.
+    #[arg(long, env = "LAYERTAP_SERVER", value_delimiter = ',', required_unless_present = "verify")]
+    pub server: Vec<String>,
+    /// Input: a .parquet file (one of --text-column, --messages-column, --ids-column names the
+    /// column to extract) or JSONL, each line {"input_ids": [...]} or {"text": "..."} or
+    /// {"messages": [...]} with an optional "id".
+    #[arg(long, required_unless_present = "verify")]
+    pub input: Option<PathBuf>,
+    /// Column of the text to extract (JSONL: the key read as "text").
+    #[arg(long)]
+    pub text_column: Option<String>,
+    /// Column of the chats to extract, lists of {role, content} or ShareGPT's {from, value} (JSONL:
+    /// the key read as "messages").
+    #[arg(long)]
+    pub messages_column: Option<String>,
+    /// Column of the token ids to extract, lists of integers (JSONL: the key read as "input_ids").
+    #[arg(long)]
+    pub ids_column: Option<String>,
+    /// Column of the sample ids; where the input has none, a Parquet row's id is its row number
+    /// (from 0) and a JSONL line's is line-N (N from 1).
+    #[arg(long, default_value = "id")]
+    pub id_column: String,
+    /// This worker's part of the input, I/N (0 <= I < N): the samples whose id's xxh64 modulo N
+    /// is I. Its manifest and failures are manifest-I-of-N.jsonl and failures-I-of-N.jsonl;
+    /// with --verify, only that manifest is checked.
+    #[arg(long, value_parser = parse_shard)]
+    pub shard: Option<Shard>,
+    /// Output folder (manifests, failures and the samples' files).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Hugging Face hidden_states indices, comma-separated (negative from the end); the name
+    /// final_prenorm asks for the last decoder layer's output before the final norm.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true, required_unless_present = "verify")]
+    pub layers: Vec<LayerRef>,
+    /// Output dtype: float32, bfloat16, float16 or fp8 (float8_e4m3fn, with per-token scales;
+    /// default: the server's).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Requests kept in flight (with --verify: files checked at once).
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Bearer token for a server started with --api-key.
+    #[arg(long, env = "LAYERTAP_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Retries per sample on 429, 5xx, connection errors and answers that fail their checksums
+    /// (exponential backoff).
+    #[arg(long, default_value_t = 8)]
+    pub retries: usize,
+    /// Seconds one request may take.
+    #[arg(long, default_value_t = 600)]
+    pub timeout_s: u64,
+    /// Re-read every file the manifests of --out list (all of them, or --shard's only) and check
+    /// it against its checksums; files missing or corrupt are reported and dropped from their
+    /// manifest (the next run redoes them).
+    #[arg(long)]
+    pub verify: bool,
+    /// Files written: plain (shard-NNNNN/ID.safetensors, the server's answer as it is) or
+    /// speculators (hs_I.safetensors with hidden_states and token_ids, I the sample's index in
+    /// the input, as speculators' trainers read them).
+    #[arg(long, value_enum, default_value_t = BulkLayout::Plain)]
+    pub layout: BulkLayout,
+    /// Rows kept of each sample: all, assistant (rows whose loss_mask is 1) or last:K.
+    #[arg(long, default_value = "all", value_parser = Selection::parse_flag)]
+    pub tokens: Selection,
+}
+
+/// One worker's part of a `layertap bulk` input: the samples whose id hashes to `index` modulo
+/// `count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub index: u64,
+    pub count: u64,
+}
+
+impl Shard {
+    /// Whether the sample `id` is this shard's: xxh64 (seed 0) of its UTF-8 bytes, modulo N.
+    pub fn holds(self, id: &str) -> bool {
+        xxhash_rust::xxh64::xxh64(id.as_bytes(), 0) % self.count == self.index
+    }
+}
+
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+/// Parses `--shard I/N`: whole numbers with N >= 1 and 0 <= I < N.
+pub fn parse_shard(s: &str) -> Result<Shard, String> {
+    let (i, n) = s
+        .trim()
+        .split_once('/')
+        .ok_or_else(|| format!("{s:?}: --shard takes I/N, e.g. 0/4 for the first of four workers"))?;
+    let num = |x: &str, what: &str| {
+        x.trim().parse::<u64>().map_err(|_| format!("{s:?}: --shard I/N needs whole numbers; {what} is {x:?}"))
+    };
+    let (index, count) = (num(i, "I")?, num(n, "N")?);
+    if count == 0 {
+        return Err(format!("{s:?}: --shard I/N needs N >= 1 workers"));
+    }
+    if index >= count {
+        return Err(format!("{s:?}: --shard I/N needs 0 <= I < N (workers are numbered from 0 to {})", count - 1));
+    }
+    Ok(Shard { index, count })
+}
+
+/// How `layertap bulk` lays out its files.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BulkLayout {
+    /// `shard-NNNNN/ID.safetensors`: the answer as the server sent it.
+    #[default]
+    Plain,
+    /// `hs_I.safetensors`: `hidden_states` and `token_ids`, as speculators reads them.
+    Speculators,
+}

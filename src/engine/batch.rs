@@ -18,13 +18,13 @@ pub struct BatchCtx {
     pub masks: HashMap<usize, Vec<Tensor>>,
     /// The CUDA kernel's tile list, where the kernel serves this model (then `masks` is empty).
     #[cfg(feature = "cuda")]
-    pub tiles: Option<super::cuda_attention::Tiles>,
+    pub tiles: Option<super::cuda::attention::Tiles>,
     /// Sliding attention window, if the model has one.
     pub window: Option<usize>,
     /// The rotary tables `(cos, sin)`, `[T, rotary_dim / 2]`, where the fused CUDA kernel does
     /// not serve the model's attention.
     pub tables: Option<(Tensor, Tensor)>,
-    /// For the fused CUDA kernel (`cuda_ops::QkvRope`), which computes the rotation itself: each
+    /// For the fused CUDA kernel (`cuda::ops::QkvRope`), which computes the rotation itself: each
     /// token's position `[T]` (u32) and the inverse frequencies `[rotary_dim / 2]` (f32).
     #[cfg(feature = "cuda")]
     pub rope_inputs: Option<(Tensor, Tensor)>,
@@ -53,7 +53,7 @@ pub struct GdnPlan {
     pub strict: Tensor,
     /// The CUDA kernels' tables, on a CUDA device.
     #[cfg(feature = "cuda")]
-    pub cuda: Option<super::cuda_gdn::Tables>,
+    pub cuda: Option<super::cuda::gdn::Tables>,
 }
 
 impl GdnPlan {
@@ -106,7 +106,7 @@ impl GdnPlan {
             steps,
             chunks: chunk,
             #[cfg(feature = "cuda")]
-            cuda: if device.is_cuda() { Some(super::cuda_gdn::Tables::new(seqs, device)?) } else { None },
+            cuda: if device.is_cuda() { Some(super::cuda::gdn::Tables::new(seqs, device)?) } else { None },
         })
     }
 }
@@ -124,7 +124,7 @@ impl BatchCtx {
         let has = |m: MixerKind| cfg.layers.iter().any(|l| l.mixer == m);
         #[cfg(feature = "cuda")]
         let rope_inputs = if has(MixerKind::FullAttention)
-            && super::cuda_ops::QkvRope::supported(device, dtype, cfg.head_dim, cfg.rotary_dim)
+            && super::cuda::ops::QkvRope::supported(device, dtype, cfg.head_dim, cfg.rotary_dim)
         {
             Some((Tensor::new(positions.as_slice(), device)?, Tensor::new(rope.inv_freq(), device)?))
         } else {
@@ -136,8 +136,8 @@ impl BatchCtx {
         let tables = Some(rope.tables(&positions, dtype, device)?);
         let mut masks = HashMap::new();
         #[cfg(feature = "cuda")]
-        let tiles = if has(MixerKind::FullAttention) && super::cuda_attention::supported(device, dtype, cfg.head_dim) {
-            Some(super::cuda_attention::tiles(&seqs, device, cfg.head_dim)?)
+        let tiles = if has(MixerKind::FullAttention) && super::cuda::attention::supported(device, dtype, cfg.head_dim) {
+            Some(super::cuda::attention::tiles(&seqs, device, cfg.head_dim)?)
         } else {
             None
         };

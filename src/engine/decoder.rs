@@ -228,7 +228,7 @@ impl Decoder {
 fn embed(table: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if table.device().is_cuda() && ids.elem_count().saturating_mul(table.dim(1)?) > super::large::MAX_ELEMS {
-        return super::cuda_ops::copy_rows(table, Some(ids));
+        return super::cuda::ops::copy_rows(table, Some(ids));
     }
     table.index_select(ids, 0)
 }

@@ -28,7 +28,7 @@ pub struct Attention {
     gated: bool,
     /// The split, q/k norms and rotary embedding in one kernel, where it serves.
     #[cfg(feature = "cuda")]
-    fused: Option<crate::engine::cuda_ops::QkvRope>,
+    fused: Option<crate::engine::cuda::ops::QkvRope>,
 }
 
 impl Attention {
@@ -43,7 +43,7 @@ impl Attention {
         let q_norm = c.qk_norm.then(|| norm("q_norm")).transpose()?;
         let k_norm = c.qk_norm.then(|| norm("k_norm")).transpose()?;
         #[cfg(feature = "cuda")]
-        let fused = if crate::engine::cuda_ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
+        let fused = if crate::engine::cuda::ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
             let norms = match (&q_norm, &k_norm) {
                 (Some(qn), Some(kn)) => {
                     let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
@@ -51,7 +51,7 @@ impl Attention {
                 }
                 _ => None,
             };
-            Some(crate::engine::cuda_ops::QkvRope {
+            Some(crate::engine::cuda::ops::QkvRope {
                 heads: nq,
                 kv_heads: nkv,
                 head_dim: hd,
@@ -155,7 +155,7 @@ impl Attention {
         let t = q.dim(0)?;
         #[cfg(feature = "cuda")]
         if let Some(tiles) = &ctx.tiles {
-            return crate::engine::cuda_attention::packed_attention(q, k, v, tiles, scale, ctx.window)?
+            return crate::engine::cuda::attention::packed_attention(q, k, v, tiles, scale, ctx.window)?
                 .reshape((t, self.heads * self.head_dim));
         }
         if super::cpu_attention::supported(q) {

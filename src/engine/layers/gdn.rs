@@ -142,7 +142,7 @@ impl GatedDeltaNet {
         let taps = conv_taps(&conv)?;
         #[cfg(feature = "cuda")]
         let conv =
-            if crate::engine::cuda_gdn::supported(&w.device, &d) { Some(conv.contiguous()?.copy()?) } else { None };
+            if crate::engine::cuda::gdn::supported(&w.device, &d) { Some(conv.contiguous()?.copy()?) } else { None };
         Ok(GatedDeltaNet {
             proj: Projections::new(parts, w.device.is_cuda())?,
             taps,
@@ -171,12 +171,12 @@ impl GatedDeltaNet {
         #[cfg(feature = "cuda")]
         let kernels = match (&self.conv, &plan.cuda) {
             (Some(conv), Some(tables)) => {
-                let w = crate::engine::cuda_gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
-                let products = crate::engine::cuda_gdn::Products::for_dtype(qkv.dtype());
-                let core = crate::engine::cuda_gdn::forward(&qkv, &b, &a, &w, tables, d, products)?;
+                let w = crate::engine::cuda::gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
+                let products = crate::engine::cuda::gdn::Products::for_dtype(qkv.dtype());
+                let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, products)?;
                 profile::mark(h.device(), 8, since);
                 let (weight, eps) = self.norm.parts();
-                Some(crate::engine::cuda_gdn::gated_norm(&core, &z, weight, eps)?)
+                Some(crate::engine::cuda::gdn::gated_norm(&core, &z, weight, eps)?)
             }
             _ => None,
         };

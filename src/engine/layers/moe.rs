@@ -34,7 +34,7 @@ pub struct SparseMoe {
 /// gate rows first, `down_proj` [E, H, I]) or one module per expert.
 fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Experts, EngineError> {
     #[cfg(feature = "cuda")]
-    if crate::engine::cuda_moe::supported(
+    if crate::engine::cuda::moe::supported(
         &w.device,
         w.dtype,
         hidden,
@@ -131,12 +131,12 @@ impl SparseMoe {
         }
     }
 
-    /// The CUDA kernels' path (`cuda_moe`): routing, sorting by expert, both projections and
+    /// The CUDA kernels' path (`cuda::moe`): routing, sorting by expert, both projections and
     /// the weighted sum (with the shared expert's gate) stay on the device. The weighted sum runs
     /// over the slots, best first, in f32, as on the other path; the routing weights stay f32.
     #[cfg(feature = "cuda")]
     fn forward_stacked(&self, x: &Tensor, gate_up: &Tensor, down: &Tensor) -> candle_core::Result<Tensor> {
-        use crate::engine::cuda_moe;
+        use crate::engine::cuda::moe as cuda_moe;
         use crate::engine::profile;
         if x.dim(0)? == 0 {
             return x.zeros_like();

@@ -50,7 +50,7 @@ impl RmsNorm {
         }
         #[cfg(feature = "cuda")]
         if x.dtype() == DType::F32 && self.weight.dtype() != DType::F32 {
-            return crate::engine::cuda_ops::rms_norm_f32(x, &self.weight, self.eps);
+            return crate::engine::cuda::ops::rms_norm_f32(x, &self.weight, self.eps);
         }
         candle_nn::ops::rms_norm(x, &self.weight, self.eps)
     }
@@ -62,7 +62,7 @@ impl RmsNorm {
     pub fn add_forward(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if self.fuses_add(x, y) {
-            return crate::engine::cuda_ops::add_rms_norm_f32(x, y, &self.weight, self.eps);
+            return crate::engine::cuda::ops::add_rms_norm_f32(x, y, &self.weight, self.eps);
         }
         let x = residual(x, y)?;
         let h = self.forward(&x)?;

@@ -5,10 +5,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, CudaView, LaunchArgs};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaDevice, Layout, Storage};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::CudaDevice;
 
 /// One of the fat binaries.
 #[derive(Clone, Copy)]
@@ -42,18 +42,6 @@ impl Kernel {
     pub fn max_dynamic_shared(&self, bytes: usize) -> candle_core::Result<()> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as A;
         self.func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).w()
-    }
-}
-
-/// The elements of a contiguous tensor held on the GPU, borrowed from its storage (`s`, `l`: what
-/// `Tensor::storage_and_layout` returns); `what` names it in the error otherwise.
-pub fn cuda_view<'a, T: CudaDType>(s: &'a Storage, l: &Layout, what: &str) -> candle_core::Result<CudaView<'a, T>> {
-    match s {
-        Storage::Cuda(c) if l.is_contiguous() => {
-            let start = l.start_offset();
-            Ok(c.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
-        }
-        _ => candle_core::bail!("{what} must be a contiguous tensor on the GPU"),
     }
 }
 

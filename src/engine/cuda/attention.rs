@@ -2,9 +2,10 @@
 //! scores kept on chip, each sequence attending only to itself. Used for bf16 and f16 with head
 //! dimensions 64, 128 and 256; other cases take the portable path in `attention.rs`.
 
-use super::cuda_module::{cuda_view, kernel, ATTENTION};
+use super::module::{kernel, ATTENTION};
+use super::{contiguous_view, cpu_fwd_cuda_only, cuda_view, kernel_name, KernelType};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
@@ -162,23 +163,10 @@ struct PackedAttention {
     window: Option<usize>,
 }
 
-fn view<'a, T: DeviceRepr>(
-    s: &'a CudaSlice<T>,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    match l.contiguous_offsets() {
-        Some((a, b)) if a % 8 == 0 => Ok(s.slice(a..b)),
-        _ => candle_core::bail!("packed attention: {what} must be contiguous and 16-byte aligned"),
-    }
-}
-
 impl PackedAttention {
-    #[allow(clippy::too_many_arguments)]
-    fn launch<T: DeviceRepr>(
+    fn launch<T: KernelType>(
         &self,
         dev: &CudaDevice,
-        name: &str,
         q: (&CudaSlice<T>, &Layout),
         k: (&CudaSlice<T>, &Layout),
         v: (&CudaSlice<T>, &Layout),
@@ -194,8 +182,13 @@ impl PackedAttention {
                 v.1.shape()
             );
         }
-        let (qv, kv, vv) = (view(q.0, q.1, "q")?, view(k.0, k.1, "k")?, view(v.0, v.1, "v")?);
-        let func = kernel(dev, ATTENTION, &format!("{}_{name}", self.variant.prefix()))?;
+        if [q.1, k.1, v.1].iter().any(|l| l.start_offset() % 8 != 0) {
+            candle_core::bail!("packed attention: q, k and v must start 16-byte aligned");
+        }
+        let qv = contiguous_view(q.0, q.1, "packed attention: q")?;
+        let kv = contiguous_view(k.0, k.1, "packed attention: k")?;
+        let vv = contiguous_view(v.0, v.1, "packed attention: v")?;
+        let func = kernel(dev, ATTENTION, &format!("{}_d{d}", kernel_name::<T>(self.variant.prefix())))?;
         let shared = self.variant.shared_bytes(d);
         if shared > 0 {
             func.max_dynamic_shared(shared)?;
@@ -235,17 +228,7 @@ impl candle_core::CustomOp3 for PackedAttention {
         "packed-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("packed attention kernel runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -259,13 +242,12 @@ impl candle_core::CustomOp3 for PackedAttention {
         let dev = q.device();
         let (tiles_storage, tiles_layout) = self.tiles.storage_and_layout();
         let tiles = cuda_view::<u32>(&tiles_storage, tiles_layout, "packed attention: the tile list")?;
-        let d = ql.shape().dims3()?.2;
         let slice = match (&q.slice, &k.slice, &v.slice) {
             (CudaStorageSlice::BF16(qs), CudaStorageSlice::BF16(ks), CudaStorageSlice::BF16(vs)) => {
-                CudaStorageSlice::BF16(self.launch(dev, &format!("bf16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?)
+                CudaStorageSlice::BF16(self.launch(dev, (qs, ql), (ks, kl), (vs, vl), &tiles)?)
             }
             (CudaStorageSlice::F16(qs), CudaStorageSlice::F16(ks), CudaStorageSlice::F16(vs)) => {
-                CudaStorageSlice::F16(self.launch(dev, &format!("f16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?)
+                CudaStorageSlice::F16(self.launch(dev, (qs, ql), (ks, kl), (vs, vl), &tiles)?)
             }
             _ => candle_core::bail!("packed attention: q, k, v must all be bf16 or all f16, got {:?}", q.dtype()),
         };

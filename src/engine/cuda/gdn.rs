@@ -8,12 +8,13 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
-use super::config::{LinearAttentionConfig, GDN_CHUNK};
-use super::cuda_module::{cuda_view, kernel, GDN};
-use super::profile;
+use super::module::{kernel, GDN};
+use super::{contiguous_view, cpu_fwd_cuda_only, cuda_view, kernel_name, KernelType};
+use crate::engine::config::{LinearAttentionConfig, GDN_CHUNK};
+use crate::engine::profile;
 
 /// Value columns per scan block (`BV` in the kernel; `BVT` in the tensor-core one).
 const BV: usize = 32;
@@ -223,10 +224,9 @@ impl Timer {
 }
 
 impl GdnOp {
-    fn launch<T: CudaDType + DeviceRepr>(
+    fn launch<T: KernelType>(
         &self,
         dev: &CudaDevice,
-        suffix: &str,
         x: (&CudaSlice<T>, &Layout),
         b: (&CudaSlice<T>, &Layout),
         a: (&CudaSlice<T>, &Layout),
@@ -273,7 +273,7 @@ impl GdnOp {
         let p = unsafe { dev.alloc::<f32>(ch * GDN_CHUNK * GDN_CHUNK)? };
         let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
 
-        let f = kernel(dev, GDN, &format!("gdn_conv_{suffix}"))?;
+        let f = kernel(dev, GDN, &kernel_name::<T>("gdn_conv"))?;
         let mut l = f.builder();
         let (ldx_i, k_i, ldb_i, lda_i) = (ldx as i32, kernel_size as i32, ldb as i32, lda as i32);
         let q_scale = (dk as f64).powf(-0.5) as f32;
@@ -374,17 +374,7 @@ impl candle_core::CustomOp3 for GdnOp {
         "gated-deltanet"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the gated deltanet kernels run on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -398,13 +388,13 @@ impl candle_core::CustomOp3 for GdnOp {
         let dev = x.device();
         let out = match (&x.slice, &b.slice, &a.slice) {
             (CudaStorageSlice::F32(xs), CudaStorageSlice::F32(bs), CudaStorageSlice::F32(as_)) => {
-                self.launch(dev, "f32", (xs, xl), (bs, bl), (as_, al))?
+                self.launch(dev, (xs, xl), (bs, bl), (as_, al))?
             }
             (CudaStorageSlice::BF16(xs), CudaStorageSlice::BF16(bs), CudaStorageSlice::BF16(as_)) => {
-                self.launch(dev, "bf16", (xs, xl), (bs, bl), (as_, al))?
+                self.launch(dev, (xs, xl), (bs, bl), (as_, al))?
             }
             (CudaStorageSlice::F16(xs), CudaStorageSlice::F16(bs), CudaStorageSlice::F16(as_)) => {
-                self.launch(dev, "f16", (xs, xl), (bs, bl), (as_, al))?
+                self.launch(dev, (xs, xl), (bs, bl), (as_, al))?
             }
             _ => candle_core::bail!(
                 "gated deltanet kernels: qkv, b, a must share one of f32, bf16, f16, got {:?}, {:?}, {:?}",
@@ -436,18 +426,14 @@ struct GatedNorm {
 }
 
 impl GatedNorm {
-    fn launch<T: CudaDType + DeviceRepr>(
+    fn launch<T: KernelType>(
         &self,
         dev: &CudaDevice,
-        suffix: &str,
         x: (&CudaSlice<f32>, &Layout),
         z: (&CudaSlice<T>, &Layout),
     ) -> candle_core::Result<CudaSlice<T>> {
         let (t, nv, dv) = x.1.shape().dims3()?;
-        let xv = match x.1.contiguous_offsets() {
-            Some((a, b)) => x.0.slice(a..b),
-            None => candle_core::bail!("gated norm: x must be contiguous"),
-        };
+        let xv = contiguous_view(x.0, x.1, "gated norm: x")?;
         let (tz, ldz, zv) = rows(z.0, z.1, nv * dv, "z")?;
         if tz != t || self.w.dims() != [dv] || dv > 1024 {
             candle_core::bail!(
@@ -464,7 +450,7 @@ impl GatedNorm {
         if t * nv == 0 {
             return Ok(out);
         }
-        let f = kernel(dev, GDN, &format!("gdn_gated_norm_{suffix}"))?;
+        let f = kernel(dev, GDN, &kernel_name::<T>("gdn_gated_norm"))?;
         let mut l = f.builder();
         let (ldz_i, nv_i, dv_i) = (ldz as i32, nv as i32, dv as i32);
         l.arg(&xv);
@@ -491,15 +477,7 @@ impl candle_core::CustomOp2 for GatedNorm {
         "gated-rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the gated norm kernel runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(2);
 
     fn cuda_fwd(
         &self,
@@ -513,9 +491,9 @@ impl candle_core::CustomOp2 for GatedNorm {
             candle_core::bail!("gated norm: x must be f32, got {:?}", x.dtype())
         };
         let slice = match &z.slice {
-            CudaStorageSlice::F32(zs) => CudaStorageSlice::F32(self.launch(dev, "f32", (xs, xl), (zs, zl))?),
-            CudaStorageSlice::BF16(zs) => CudaStorageSlice::BF16(self.launch(dev, "bf16", (xs, xl), (zs, zl))?),
-            CudaStorageSlice::F16(zs) => CudaStorageSlice::F16(self.launch(dev, "f16", (xs, xl), (zs, zl))?),
+            CudaStorageSlice::F32(zs) => CudaStorageSlice::F32(self.launch(dev, (xs, xl), (zs, zl))?),
+            CudaStorageSlice::BF16(zs) => CudaStorageSlice::BF16(self.launch(dev, (xs, xl), (zs, zl))?),
+            CudaStorageSlice::F16(zs) => CudaStorageSlice::F16(self.launch(dev, (xs, xl), (zs, zl))?),
             _ => candle_core::bail!("gated norm: z must be f32, bf16 or f16, got {:?}", z.dtype()),
         };
         Ok((CudaStorage { slice, device: dev.clone() }, xl.shape().clone()))

@@ -2,12 +2,15 @@
 //! scores kept on chip, each sequence attending only to itself. Used for bf16 and f16 with head
 //! dimensions 64, 128 and 256; other cases take the portable path in `attention.rs`.
 
-use super::module::{kernel, ATTENTION};
+use super::module::{fatbin, kernel, Module};
 use super::{contiguous_view, cpu_fwd_cuda_only, cuda_view, kernel_name, KernelType};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
+
+/// `kernels/attention.cu`.
+const ATTENTION: Module = fatbin!("attention");
 
 /// The kernel's variants (`kernels/attention.cu`). They give bitwise the same output: each query
 /// row meets the same key tiles in the same order; they differ in how the tiles reach the

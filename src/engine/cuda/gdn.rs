@@ -11,10 +11,13 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr,
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
-use super::module::{kernel, GDN};
+use super::module::{fatbin, kernel, Module};
 use super::{contiguous_view, cpu_fwd_cuda_only, cuda_view, kernel_name, KernelType};
 use crate::engine::config::{LinearAttentionConfig, GDN_CHUNK};
 use crate::engine::profile;
+
+/// `kernels/gdn.cu`.
+const GDN: Module = fatbin!("gdn");
 
 /// Value columns per scan block (`BV` in the kernel; `BVT` in the tensor-core one).
 const BV: usize = 32;

@@ -10,18 +10,30 @@ use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::CudaDevice;
 
-/// One of the fat binaries.
+/// One of the fat binaries: build.rs compiles every `kernels/{name}.cu` into `{name}.fatbin`,
+/// and the wrapper of those kernels embeds it with [`fatbin!`].
 #[derive(Clone, Copy)]
 pub struct Module {
     name: &'static str,
     image: &'static [u8],
 }
 
-pub const ATTENTION: Module =
-    Module { name: "attention", image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")) };
-pub const GDN: Module = Module { name: "gdn", image: include_bytes!(concat!(env!("OUT_DIR"), "/gdn.fatbin")) };
-pub const MOE: Module = Module { name: "moe", image: include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin")) };
-pub const OPS: Module = Module { name: "ops", image: include_bytes!(concat!(env!("OUT_DIR"), "/ops.fatbin")) };
+impl Module {
+    pub const fn new(name: &'static str, image: &'static [u8]) -> Self {
+        Module { name, image }
+    }
+}
+
+/// The [`Module`] of `kernels/{name}.cu`, embedded from the fat binary build.rs made of it.
+macro_rules! fatbin {
+    ($name:literal) => {
+        $crate::engine::cuda::module::Module::new(
+            $name,
+            include_bytes!(concat!(env!("OUT_DIR"), "/", $name, ".fatbin")),
+        )
+    };
+}
+pub(crate) use fatbin;
 
 /// The compute capabilities the kernels carry machine code for, and the one whose PTX they
 /// carry, as build.rs compiled them.

@@ -9,8 +9,11 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchArgs, LaunchConfig, PushKe
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Device, Tensor};
 
-use super::module::{kernel, MOE};
+use super::module::{fatbin, kernel, Module};
 use super::{cuda_device, cuda_view, kernel_name, tensor as wrap};
+
+/// `kernels/moe.cu`.
+const MOE: Module = fatbin!("moe");
 
 /// Rows of the grouped kernel's tiles (`BM` in the kernel).
 const BM: usize = 64;

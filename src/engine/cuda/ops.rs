@@ -1,11 +1,14 @@
 //! Fused element-wise kernels for CUDA (`kernels/ops.cu`).
 
-use super::module::{kernel, OPS};
+use super::module::{fatbin, kernel, Module};
 use super::{contiguous_view, cpu_fwd_cuda_only, cuda_device, cuda_view, kernel_name, tensor, KernelType};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Tensor};
+
+/// `kernels/ops.cu`.
+const OPS: Module = fatbin!("ops");
 
 /// `silu(gate) * up` where `gu` is `[rows, 2 * inter]` holding the gate projection then the up
 /// projection (one matmul makes both). Returns `[rows, inter]`. `inter` must be a multiple of 8.

@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Tensor};
-use layertap::engine::cuda::attention::{packed_attention, tiles_for, Variant};
+use layertap::engine::cuda::attention::{packed_attention, tiles_for, AttentionKernel};
 use layertap::engine::layers::sdpa::{chunk_masks, sequence_attention};
 
 mod common;
@@ -44,7 +44,7 @@ fn kernel_matches_portable_attention() {
                 let scale = 1.0 / (d as f64).sqrt();
                 let (qf, kf, vf) =
                     (q.to_dtype(DType::F32).unwrap(), k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
-                for variant in Variant::ALL {
+                for variant in AttentionKernel::ALL {
                     let t = tiles_for(&seqs, &dev, variant).unwrap();
                     let out = packed_attention(&q, &k, &v, &t, scale, window).unwrap();
                     assert_eq!(out.dims(), &[total, heads, d]);
@@ -82,7 +82,7 @@ fn kernel_is_batch_invariant() {
         let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let seqs = [(0, 300), (300, 77), (377, 1200)];
-        for variant in Variant::ALL {
+        for variant in AttentionKernel::ALL {
             let packed = packed_attention(&q, &k, &v, &tiles_for(&seqs, &dev, variant).unwrap(), 0.1, None).unwrap();
             for &(s, l) in &seqs {
                 let alone = packed_attention(
@@ -120,8 +120,8 @@ fn kernel_variants_agree_bitwise() {
                     let t = tiles_for(&seqs, &dev, variant).unwrap();
                     packed_attention(&q, &k, &v, &t, 0.08, window).unwrap()
                 };
-                let first = run(Variant::Simple);
-                for &variant in &Variant::ALL[1..] {
+                let first = run(AttentionKernel::Simple);
+                for &variant in &AttentionKernel::ALL[1..] {
                     let diff = max_abs_diff(&first, &run(variant));
                     assert_eq!(diff, 0.0, "{variant:?} {dtype:?} h{heads}/{kv} d{d} window {window:?}: {diff}");
                 }

@@ -10,6 +10,19 @@ pub use super::config::GDN_CHUNK;
 use super::config::{MixerKind, ModelConfig};
 use super::layers::rope::Rope;
 use super::layers::sdpa::{chunk_masks, QUERY_CHUNK};
+use super::options::AttentionKernel;
+
+/// The kernels a decoder chose when it was loaded that its batches prepare for (CUDA; never
+/// set elsewhere).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchKernels {
+    /// The attention kernel's variant, where the kernel serves the model's attention layers:
+    /// each batch then gets its tile list instead of masks.
+    pub attention: Option<AttentionKernel>,
+    /// Whether the attention layers split q/k/v and rotate q and k in one kernel: each batch
+    /// then gets the positions and frequencies instead of the rotary tables.
+    pub fused_rope: bool,
+}
 
 pub struct BatchCtx {
     /// `(start, len)` of each sequence in the token dimension.
@@ -118,14 +131,15 @@ impl BatchCtx {
         cu_seqlens: &[usize],
         dtype: DType,
         device: &Device,
+        kernels: BatchKernels,
     ) -> candle_core::Result<Self> {
         let seqs: Vec<(usize, usize)> = cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
         let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
         let has = |m: MixerKind| cfg.layers.iter().any(|l| l.mixer == m);
+        #[cfg(not(feature = "cuda"))]
+        let _ = kernels;
         #[cfg(feature = "cuda")]
-        let rope_inputs = if has(MixerKind::FullAttention)
-            && super::cuda::ops::QkvRope::supported(device, dtype, cfg.head_dim, cfg.rotary_dim)
-        {
+        let rope_inputs = if kernels.fused_rope {
             Some((Tensor::new(positions.as_slice(), device)?, Tensor::new(rope.inv_freq(), device)?))
         } else {
             None
@@ -136,10 +150,9 @@ impl BatchCtx {
         let tables = Some(rope.tables(&positions, dtype, device)?);
         let mut masks = HashMap::new();
         #[cfg(feature = "cuda")]
-        let tiles = if has(MixerKind::FullAttention) && super::cuda::attention::supported(device, dtype, cfg.head_dim) {
-            Some(super::cuda::attention::tiles(&seqs, device, cfg.head_dim)?)
-        } else {
-            None
+        let tiles = match kernels.attention {
+            Some(variant) => Some(super::cuda::attention::tiles_for(&seqs, device, variant)?),
+            None => None,
         };
         // The fused CPU kernel (f32 on the CPU) needs no masks either.
         let fused_cpu = device.is_cpu() && dtype == DType::F32;

@@ -11,6 +11,7 @@ pub mod host;
 pub mod large;
 pub mod layers;
 pub mod loader;
+pub mod options;
 pub mod output;
 pub mod profile;
 pub mod selfcheck;
@@ -25,6 +26,7 @@ pub use config::{
 };
 pub use host::{Fp8Taps, HostBytes, HostTensor, LentBuffer, Taps};
 pub use loader::{load, LoadedModel, TokenizerSource};
+pub use options::{AttentionKernel, EngineOptions};
 pub use output::{Output, Rows};
 
 #[derive(Debug, thiserror::Error)]
@@ -217,8 +219,12 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
                 .and_then(|i| i.parse::<usize>().ok())
                 .ok_or_else(|| EngineError::Load(format!("unknown device {s:?}; use cpu or cuda:N")))?;
             #[cfg(feature = "cuda")]
-            if let Err(e) = cuda::device::sleep_in_device_waits(idx) {
-                tracing::warn!(device = s, "waits on the device keep the driver's default scheduling: {e}");
+            let options = EngineOptions::startup();
+            #[cfg(feature = "cuda")]
+            if !options.spin_wait {
+                if let Err(e) = cuda::device::sleep_in_device_waits(idx) {
+                    tracing::warn!(device = s, "waits on the device keep the driver's default scheduling: {e}");
+                }
             }
             let d = Device::new_cuda(idx).map_err(|e| {
                 EngineError::Load(format!(
@@ -232,22 +238,15 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
                     kernels = cuda::module::ARCHS,
                     "CUDA device opened; kernels built for these compute capabilities"
                 );
-                if let Err(e) = cuda::device::keep_freed_device_memory(&d) {
-                    tracing::warn!(device = s, "the device's memory pool keeps its default release threshold: {e}");
+                if !options.pool_release {
+                    if let Err(e) = cuda::device::keep_freed_device_memory(&d) {
+                        tracing::warn!(device = s, "the device's memory pool keeps its default release threshold: {e}");
+                    }
                 }
             }
             Ok(d)
         }
     }
-}
-
-/// `LAYERTAP_SPIN_WAIT=1`: threads that wait on the GPU spin under the driver's default
-/// scheduling instead of sleeping (the device thread's waits and the result thread's), for
-/// comparison. Read once.
-#[cfg(feature = "cuda")]
-pub(crate) fn spin_wait() -> bool {
-    static SPIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| std::env::var("LAYERTAP_SPIN_WAIT").is_ok_and(|v| v == "1"))
 }
 
 /// Number of visible CUDA devices (0 without the `cuda` feature).
@@ -306,7 +305,8 @@ pub struct LoadedEngine {
 /// the most demanding layer kind the model has: see [`ModelConfig::layer_bytes_per_token`])
 /// plus, where the portable attention runs (not the CUDA kernels, which keep scores on chip), the
 /// attention scores of one query chunk of the longest allowed input (f32 scores and
-/// probabilities), using 80% of what is free.
+/// probabilities), using 80% of what is free. Whether the CUDA attention kernels serve follows
+/// this process's [`EngineOptions::startup`], as the models it loads do.
 pub fn tokens_for_memory(
     cfg: &ModelConfig,
     device: &Device,
@@ -324,7 +324,7 @@ pub fn tokens_for_memory(
     let per_token = taps + layer + 8 * 2;
     // The CUDA attention kernels keep scores on chip; only the portable path holds them.
     #[cfg(feature = "cuda")]
-    let on_chip = cuda::attention::supported(device, dtype, cfg.head_dim);
+    let on_chip = EngineOptions::startup().cuda_attention && cuda::attention::supported(device, dtype, cfg.head_dim);
     #[cfg(not(feature = "cuda"))]
     let on_chip = {
         let _ = device;
@@ -440,7 +440,7 @@ impl ModelEngine {
     pub fn new(decoder: decoder::Decoder) -> Result<Self, EngineError> {
         #[cfg(feature = "cuda")]
         {
-            let copies = cuda::pinned::HostCopies::for_device(decoder.device())?;
+            let copies = cuda::pinned::HostCopies::for_device(decoder.device(), decoder.options().spin_wait)?;
             Ok(ModelEngine { decoder, copies })
         }
         #[cfg(not(feature = "cuda"))]

@@ -1,4 +1,4 @@
-//! Optional phase timing (`LAYERTAP_PROFILE=1`): synchronises the device after each phase of
+//! Optional phase timing (`LAYERTAP_PROFILE=1`, [`crate::engine::EngineOptions::profile`]): synchronises the device after each phase of
 //! every layer and adds up the seconds, for finding where time goes. Off by default: the
 //! synchronisations cost throughput. In linear-attention layers "gdn_proj" is the Gated
 //! DeltaNet's input projections and "gdn_core" everything from there to its output projection
@@ -9,8 +9,10 @@
 //! "gdn_kernels" by kernel (they add up to it; they are not extra time). "moe_route",
 //! "moe_experts" and "moe_combine" split "moe" the same way on the experts' CUDA kernels.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::Instant;
+
+use super::options::EngineOptions;
 
 pub const PHASES: [&str; 15] = [
     "norm_qkv",
@@ -34,11 +36,11 @@ pub const PHASES: [&str; 15] = [
 pub const MOE_ROUTE: usize = 12;
 pub const MOE_EXPERTS: usize = 13;
 pub const MOE_COMBINE: usize = 14;
-static ON: OnceLock<bool> = OnceLock::new();
 static SECS: Mutex<[f64; PHASES.len()]> = Mutex::new([0.0; PHASES.len()]);
 
+/// Whether this process times phases ([`EngineOptions::startup`]'s `profile`).
 pub fn enabled() -> bool {
-    *ON.get_or_init(|| std::env::var("LAYERTAP_PROFILE").is_ok_and(|v| v == "1"))
+    EngineOptions::startup().profile
 }
 
 /// Ends a phase: waits for the device, then charges the time since `since` to `phase`.

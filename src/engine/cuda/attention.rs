@@ -12,72 +12,32 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor}
 /// `kernels/attention.cu`.
 const ATTENTION: Module = fatbin!("attention");
 
-/// The kernel's variants (`kernels/attention.cu`). They give bitwise the same output: each query
-/// row meets the same key tiles in the same order; they differ in how the tiles reach the
-/// tensor cores and in how many query rows a block holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Variant {
-    /// The first kernel: 64 query rows per block, K/V tiles loaded through registers.
-    Simple,
-    /// K/V tiles streamed by cp.async in two stages and read by ldmatrix; 4 warps, 64 rows.
-    Pipelined4,
-    /// The same with 8 warps, 128 rows: each K/V tile serves twice as many queries.
-    Pipelined8,
-    /// 128 rows, each warp holding 32 of them (two groups of 16 sharing every K/V fragment it
-    /// reads), Q staged in shared memory; for head dim 256, 8 warps of 16 rows.
-    Wide,
-}
+pub use crate::engine::options::AttentionKernel;
 
-impl Variant {
-    pub const ALL: [Variant; 4] = [Variant::Simple, Variant::Pipelined4, Variant::Pipelined8, Variant::Wide];
-
-    /// `LAYERTAP_ATTENTION_KERNEL=simple|w4|w8|wide` picks one (for comparing them); otherwise
-    /// [`Variant::default_for`] the head dimension.
-    pub fn chosen(head_dim: usize) -> Variant {
-        static CHOSEN: std::sync::OnceLock<Option<Variant>> = std::sync::OnceLock::new();
-        let picked = *CHOSEN.get_or_init(|| match std::env::var("LAYERTAP_ATTENTION_KERNEL").as_deref() {
-            Ok("simple") => Some(Variant::Simple),
-            Ok("w4") => Some(Variant::Pipelined4),
-            Ok("w8") => Some(Variant::Pipelined8),
-            Ok("wide") => Some(Variant::Wide),
-            _ => None,
-        });
-        picked.unwrap_or(Variant::default_for(head_dim))
-    }
-
-    /// The wide kernel for head dims 64 and 128 (measured on the dense 8B shape: +4 % end to end
-    /// over the 4-warp pipelined kernel); the 4-warp pipelined kernel for 256 (Qwen3.5/3.6's
-    /// full-attention layers), where the wide one has 8 warps of 16 rows and was not measured.
-    pub fn default_for(head_dim: usize) -> Variant {
-        if head_dim == 256 {
-            Variant::Pipelined4
-        } else {
-            Variant::Wide
-        }
-    }
-
+/// How each variant launches (`kernels/attention.cu`).
+impl AttentionKernel {
     /// Query rows per block (`BM` in the kernel).
     pub fn rows(self) -> usize {
         match self {
-            Variant::Simple | Variant::Pipelined4 => 64,
-            Variant::Pipelined8 | Variant::Wide => 128,
+            AttentionKernel::Simple | AttentionKernel::Pipelined4 => 64,
+            AttentionKernel::Pipelined8 | AttentionKernel::Wide => 128,
         }
     }
 
     /// Threads per block for head dimension `d`.
     fn threads(self, d: usize) -> u32 {
         match self {
-            Variant::Wide if d != 256 => 128,
+            AttentionKernel::Wide if d != 256 => 128,
             _ => 2 * self.rows() as u32,
         }
     }
 
     fn prefix(self) -> &'static str {
         match self {
-            Variant::Simple => "packed_attention",
-            Variant::Pipelined4 => "pipelined_attention_w4",
-            Variant::Pipelined8 => "pipelined_attention_w8",
-            Variant::Wide => "wide_attention",
+            AttentionKernel::Simple => "packed_attention",
+            AttentionKernel::Pipelined4 => "pipelined_attention_w4",
+            AttentionKernel::Pipelined8 => "pipelined_attention_w8",
+            AttentionKernel::Wide => "wide_attention",
         }
     }
 
@@ -86,9 +46,9 @@ impl Variant {
     /// them; the first kernel's is static.
     fn shared_bytes(self, d: usize) -> usize {
         match self {
-            Variant::Simple => 0,
-            Variant::Pipelined4 | Variant::Pipelined8 => 2 * 2 * keys(d) * (d + 8) * 2,
-            Variant::Wide => (self.rows() + 2 * 2 * keys(d)) * (d + 8) * 2,
+            AttentionKernel::Simple => 0,
+            AttentionKernel::Pipelined4 | AttentionKernel::Pipelined8 => 2 * 2 * keys(d) * (d + 8) * 2,
+            AttentionKernel::Wide => (self.rows() + 2 * 2 * keys(d)) * (d + 8) * 2,
         }
     }
 }
@@ -106,26 +66,18 @@ fn keys(d: usize) -> usize {
 pub struct Tiles {
     list: Tensor,
     n: usize,
-    variant: Variant,
+    variant: AttentionKernel,
 }
 
-/// Whether the kernel covers this case. `LAYERTAP_CUDA_ATTENTION=0` turns it off (the portable
-/// path then runs on the GPU too), for comparing the two.
+/// Whether the kernel covers this case (`EngineOptions::cuda_attention` can still turn it off).
 pub fn supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_ATTENTION").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128 | 256)
-}
-
-/// The work list for a batch, for the variant chosen for this head dimension ([`Variant::chosen`]).
-pub fn tiles(seqs: &[(usize, usize)], device: &Device, head_dim: usize) -> candle_core::Result<Tiles> {
-    tiles_for(seqs, device, Variant::chosen(head_dim))
+    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128 | 256)
 }
 
 /// The work list for a batch: one `(sequence start, sequence length, tile index)` triple per
 /// tile of `variant.rows()` queries, the tiles with the most keys first so long sequences do not
 /// finish last.
-pub fn tiles_for(seqs: &[(usize, usize)], device: &Device, variant: Variant) -> candle_core::Result<Tiles> {
+pub fn tiles_for(seqs: &[(usize, usize)], device: &Device, variant: AttentionKernel) -> candle_core::Result<Tiles> {
     let mut list: Vec<[u32; 3]> = Vec::new();
     for &(start, len) in seqs {
         for i in 0..len.div_ceil(variant.rows()) {
@@ -161,7 +113,7 @@ pub fn packed_attention(
 struct PackedAttention {
     tiles: Tensor,
     n_tiles: usize,
-    variant: Variant,
+    variant: AttentionKernel,
     scale: f32,
     window: Option<usize>,
 }

@@ -8,12 +8,9 @@ use candle_core::Device;
 /// (primary) context is opened. Under the driver's default scheduling a thread waiting for the
 /// GPU (a synchronisation, or a copy from pageable memory that must wait for the stream) spins
 /// while there are fewer contexts than cores: the device thread then holds a core all the time
-/// the GPU works, and that core is one the encoders cannot use. `LAYERTAP_SPIN_WAIT=1` keeps the
-/// default, for comparison.
+/// the GPU works, and that core is one the encoders cannot use. (`EngineOptions::spin_wait`
+/// keeps the default, for comparison: then this is not called.)
 pub fn sleep_in_device_waits(ordinal: usize) -> Result<(), String> {
-    if crate::engine::spin_wait() {
-        return Ok(());
-    }
     result::init().map_err(|e| e.to_string())?;
     let dev = result::device::get(ordinal as i32).map_err(|e| e.to_string())?;
     let flags = sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32;
@@ -26,12 +23,10 @@ pub fn sleep_in_device_waits(ordinal: usize) -> Result<(), String> {
 /// from) mapped for reuse. With the pool's default release threshold of 0, every synchronisation
 /// hands the freed blocks back to the driver, and the next batch maps them again. The server's
 /// activations are reused batch after batch, as PyTorch's caching allocator keeps its own.
-/// `LAYERTAP_POOL_RELEASE=1` leaves the default. Does nothing on other devices.
+/// (`EngineOptions::pool_release` leaves the default: then this is not called.) Does nothing on
+/// other devices.
 pub fn keep_freed_device_memory(device: &Device) -> Result<(), String> {
     let Device::Cuda(d) = device else { return Ok(()) };
-    if std::env::var("LAYERTAP_POOL_RELEASE").is_ok_and(|v| v == "1") {
-        return Ok(());
-    }
     let ctx = d.cuda_stream().context().clone();
     ctx.bind_to_thread().map_err(|e| e.to_string())?;
     let mut keep = u64::MAX;

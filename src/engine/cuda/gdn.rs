@@ -3,8 +3,8 @@
 //! sequence, three launches per layer over the whole packed batch. Everything is f32 from the
 //! projections' outputs on, as on the portable path (`layers::delta_rule`), which stays the
 //! definition the kernel tests compare against; for bf16 and f16 models the chunk products run
-//! on tensor cores with TF32 operands ([`Products`]). `LAYERTAP_CUDA_GDN=0` turns the kernels
-//! off, `LAYERTAP_GDN_TF32=0` keeps every product in f32.
+//! on tensor cores with TF32 operands ([`Products`]). `EngineOptions::cuda_gdn` turns the kernels
+//! off, `EngineOptions::gdn_tf32` keeps every product in f32.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -65,12 +65,11 @@ pub enum Products {
 }
 
 impl Products {
-    /// [`Products::Tf32`] for bf16 and f16 models, unless `LAYERTAP_GDN_TF32=0`; f32 otherwise.
-    pub fn for_dtype(dtype: DType) -> Self {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_GDN_TF32").is_ok_and(|v| v == "0"));
+    /// [`Products::Tf32`] for bf16 and f16 models when `tf32` (`EngineOptions::gdn_tf32`); f32
+    /// otherwise.
+    pub fn for_dtype(dtype: DType, tf32: bool) -> Self {
         match dtype {
-            DType::BF16 | DType::F16 if !off => Products::Tf32,
+            DType::BF16 | DType::F16 if tf32 => Products::Tf32,
             _ => Products::F32,
         }
     }
@@ -82,12 +81,11 @@ pub fn tensor_cores_fit(d: &LinearAttentionConfig) -> bool {
     dk % 16 == 0 && dv % 8 == 0 && local_tc_shared(dk, dv) <= MAX_SHARED && scan_tc_shared(dk) <= MAX_SHARED
 }
 
-/// Whether the kernels serve this layer shape on `device`.
+/// Whether the kernels serve this layer shape on `device` (`EngineOptions::cuda_gdn` can still
+/// turn them off).
 pub fn supported(device: &Device, d: &LinearAttentionConfig) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_GDN").is_ok_and(|v| v == "0"));
     let (dk, dv) = (d.key_head_dim, d.value_head_dim);
-    !off && device.is_cuda()
+    device.is_cuda()
         && d.num_key_heads > 0
         && d.num_value_heads % d.num_key_heads == 0
         && dk.max(dv) <= 1024

@@ -2,7 +2,7 @@
 //! models, with no round trip to the host: the router's top k per token, the (token, slot) pairs
 //! sorted by expert into a [`Plan`], the experts' SwiGLU and down projections as one grouped
 //! launch each (the first gathers its rows straight from the tokens), and the weighted sum over
-//! the slots with the shared expert in one pass. `LAYERTAP_CUDA_MOE=0` turns the kernels off
+//! the slots with the shared expert in one pass. `EngineOptions::cuda_moe` turns the kernels off
 //! (one matmul chain per expert instead, sorted on the host).
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
@@ -30,9 +30,7 @@ const PLACE_PAIRS: usize = 256 * 8;
 /// Whether the kernels serve `experts` experts of `hidden` x `inter`, `top_k` per token, in
 /// `dtype` on `device`.
 pub fn supported(device: &Device, dtype: DType, hidden: usize, inter: usize, experts: usize, top_k: usize) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_MOE").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda()
+    device.is_cuda()
         && matches!(dtype, DType::BF16 | DType::F16)
         && hidden % 8 == 0
         && inter % 8 == 0

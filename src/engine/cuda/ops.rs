@@ -333,12 +333,10 @@ pub struct QkvRope {
 impl QkvRope {
     /// Whether the kernel serves this shape: 16-bit, head dim 64, 128 or 256, rotary dims a
     /// multiple of 64 whose rotary partners are a power-of-two number of lanes apart
-    /// (`rotary_dim / 2 / (head_dim / 32)`; all but 192 of 256). `LAYERTAP_FUSED_ROPE=0` turns it
-    /// off (for comparison).
+    /// (`rotary_dim / 2 / (head_dim / 32)`; all but 192 of 256). `EngineOptions::fused_rope`
+    /// can still turn it off (for comparison).
     pub fn supported(device: &candle_core::Device, dtype: DType, head_dim: usize, rotary_dim: usize) -> bool {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_FUSED_ROPE").is_ok_and(|v| v == "0"));
-        !off && device.is_cuda()
+        device.is_cuda()
             && matches!(dtype, DType::BF16 | DType::F16)
             && matches!(head_dim, 64 | 128 | 256)
             && rotary_dim > 0

@@ -21,6 +21,8 @@ fn fail(msg: String) -> EngineError {
 pub struct PinnedPool {
     ctx: Arc<CudaContext>,
     free: Mutex<Vec<PinnedHostSlice<u8>>>,
+    /// Wait for the copies by spinning (`EngineOptions::spin_wait`) rather than asleep.
+    spin_wait: bool,
 }
 
 /// Buffers are sized in steps of this many bytes so batches of similar size share them.
@@ -31,8 +33,8 @@ const KEEP: usize = 4;
 const SMALL: usize = 1 << 20;
 
 impl PinnedPool {
-    pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
-        Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()) })
+    pub fn new(ctx: Arc<CudaContext>, spin_wait: bool) -> Arc<Self> {
+        Arc::new(PinnedPool { ctx, free: Mutex::new(Vec::new()), spin_wait })
     }
 
     fn take(self: &Arc<Self>, len: usize) -> Result<PinnedBuf, EngineError> {
@@ -94,9 +96,10 @@ impl Drop for PinnedBuf {
 /// Waits for the copies queued on `stream` (and the batch they wait for) with the thread
 /// asleep. A plain stream synchronisation spins a core for the whole batch under the driver's
 /// default scheduling (spin while there are fewer contexts than cores), and that core is the
-/// host's, which encodes answers. `LAYERTAP_SPIN_WAIT=1` spins as before, for comparison.
-fn wait(stream: &Arc<CudaStream>) -> Result<(), EngineError> {
-    if crate::engine::spin_wait() {
+/// host's, which encodes answers. With `spin` (`EngineOptions::spin_wait`) it spins as before, for
+/// comparison.
+fn wait(stream: &Arc<CudaStream>, spin: bool) -> Result<(), EngineError> {
+    if spin {
         return stream.synchronize().map_err(|e| fail(format!("device-to-host copy: {e}")));
     }
     let done = stream
@@ -116,7 +119,7 @@ fn copy<T: DeviceRepr>(
     if bytes < SMALL {
         // Screens and scales: too small for a page-locked buffer of their own.
         let v: Vec<T> = stream.clone_dtoh(&view).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
-        wait(stream)?;
+        wait(stream, pool.spin_wait)?;
         // SAFETY: `T` is a plain number type (every byte initialised); the vector is read as
         // its bytes, in memory order, and not used as `T` again.
         let b = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), bytes) }.to_vec();
@@ -131,7 +134,7 @@ fn copy<T: DeviceRepr>(
         std::slice::from_raw_parts_mut(p.cast::<T>(), range.1 - range.0)
     };
     stream.memcpy_dtoh(&view, dst_t).map_err(|e| fail(format!("device-to-host copy: {e}")))?;
-    wait(stream)?;
+    wait(stream, pool.spin_wait)?;
     Ok(HostBytes::Lent(Box::new(dst)))
 }
 
@@ -207,13 +210,13 @@ pub struct HostCopies {
 }
 
 impl HostCopies {
-    /// For a CUDA device; `None` for any other.
-    pub fn for_device(device: &Device) -> Result<Option<Self>, EngineError> {
+    /// For a CUDA device; `None` for any other. `spin_wait`: see [`PinnedPool`].
+    pub fn for_device(device: &Device, spin_wait: bool) -> Result<Option<Self>, EngineError> {
         let Device::Cuda(d) = device else { return Ok(None) };
         let ctx = d.cuda_stream().context().clone();
         let stream =
             ctx.new_stream().map_err(|e| EngineError::Load(format!("cannot create a CUDA copy stream: {e}")))?;
-        Ok(Some(HostCopies { device: d.clone(), stream, pool: PinnedPool::new(ctx) }))
+        Ok(Some(HostCopies { device: d.clone(), stream, pool: PinnedPool::new(ctx, spin_wait) }))
     }
 
     /// Starts the copy of a prepared batch (see [`prepared_to_host`]) behind the work queued on

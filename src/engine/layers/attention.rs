@@ -11,6 +11,7 @@ use super::norm::RmsNorm;
 use super::sdpa::sequence_attention;
 use crate::engine::batch::BatchCtx;
 use crate::engine::config::ModelConfig;
+use crate::engine::options::EngineOptions;
 use crate::engine::profile;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
@@ -26,13 +27,17 @@ pub struct Attention {
     rotary_dim: usize,
     /// `q_proj` holds, per head, the query then its output gate.
     gated: bool,
-    /// The split, q/k norms and rotary embedding in one kernel, where it serves.
+    /// The split, q/k norms and rotary embedding in one kernel, where it serves and
+    /// `EngineOptions::fused_rope` leaves it on (chosen at load).
     #[cfg(feature = "cuda")]
     fused: Option<crate::engine::cuda::ops::QkvRope>,
 }
 
 impl Attention {
-    pub fn load(w: &Weights, c: &ModelConfig, prefix: &str) -> Result<Self, EngineError> {
+    /// The layer's weights, and its kernels as `o` chooses them. Whether the attention itself runs
+    /// in the CUDA kernel is the decoder's choice, made with the same options, since every layer
+    /// shares the batch's tile list ([`BatchCtx::tiles`]).
+    pub fn load(w: &Weights, c: &ModelConfig, prefix: &str, o: &EngineOptions) -> Result<Self, EngineError> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let q_out = if c.attn_output_gate { 2 * nq * hd } else { nq * hd };
@@ -42,26 +47,29 @@ impl Attention {
         let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms);
         let q_norm = c.qk_norm.then(|| norm("q_norm")).transpose()?;
         let k_norm = c.qk_norm.then(|| norm("k_norm")).transpose()?;
+        #[cfg(not(feature = "cuda"))]
+        let _ = o;
         #[cfg(feature = "cuda")]
-        let fused = if crate::engine::cuda::ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
-            let norms = match (&q_norm, &k_norm) {
-                (Some(qn), Some(kn)) => {
-                    let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
-                    Some((qw, kw, eps))
-                }
-                _ => None,
+        let fused =
+            if o.fused_rope && crate::engine::cuda::ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
+                let norms = match (&q_norm, &k_norm) {
+                    (Some(qn), Some(kn)) => {
+                        let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
+                        Some((qw, kw, eps))
+                    }
+                    _ => None,
+                };
+                Some(crate::engine::cuda::ops::QkvRope {
+                    heads: nq,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                    rotary_dim: c.rotary_dim,
+                    gated: c.attn_output_gate,
+                    norms,
+                })
+            } else {
+                None
             };
-            Some(crate::engine::cuda::ops::QkvRope {
-                heads: nq,
-                kv_heads: nkv,
-                head_dim: hd,
-                rotary_dim: c.rotary_dim,
-                gated: c.attn_output_gate,
-                norms,
-            })
-        } else {
-            None
-        };
         Ok(Attention {
             // On CUDA, fewer and larger matmuls; on the CPU the layout stays as the reference's.
             qkv: Projections::new(vec![q, k, v], w.device.is_cuda())?,

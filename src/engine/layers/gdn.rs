@@ -13,6 +13,7 @@ use super::linear::{Linear, Projections};
 use super::norm::GatedRmsNorm;
 use crate::engine::batch::{BatchCtx, GdnPlan};
 use crate::engine::config::{GdnLayout, LinearAttentionConfig, ModelConfig};
+use crate::engine::options::EngineOptions;
 use crate::engine::profile;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
@@ -22,9 +23,13 @@ pub struct GatedDeltaNet {
     proj: Projections,
     /// `taps[s]`: the conv weight applied to the token `s` positions back, `[conv_dim]` f32.
     taps: Vec<Tensor>,
-    /// The conv weight `[conv_dim, kernel]` f32, for the CUDA kernels.
+    /// The conv weight `[conv_dim, kernel]` f32, for the CUDA kernels: present where they serve
+    /// and `EngineOptions::cuda_gdn` leaves them on (chosen at load).
     #[cfg(feature = "cuda")]
     conv: Option<Tensor>,
+    /// How the CUDA kernels compute the chunk products (`EngineOptions::gdn_tf32`).
+    #[cfg(feature = "cuda")]
+    products: crate::engine::cuda::gdn::Products,
     /// `-exp(A_log)`, f32 `[value_heads]`.
     neg_a: Tensor,
     dt_bias: Tensor,
@@ -122,7 +127,7 @@ pub fn mix_portable(
 }
 
 impl GatedDeltaNet {
-    pub fn load(w: &Weights, c: &ModelConfig, p: &str) -> Result<Self, EngineError> {
+    pub fn load(w: &Weights, c: &ModelConfig, p: &str, o: &EngineOptions) -> Result<Self, EngineError> {
         let d = c
             .linear_attention
             .clone()
@@ -140,14 +145,21 @@ impl GatedDeltaNet {
         };
         let conv = w.get_f32(&format!("{p}.conv1d.weight"), &[conv_dim, 1, d.conv_kernel])?.squeeze(1)?;
         let taps = conv_taps(&conv)?;
+        #[cfg(not(feature = "cuda"))]
+        let _ = o;
         #[cfg(feature = "cuda")]
-        let conv =
-            if crate::engine::cuda::gdn::supported(&w.device, &d) { Some(conv.contiguous()?.copy()?) } else { None };
+        let conv = if o.cuda_gdn && crate::engine::cuda::gdn::supported(&w.device, &d) {
+            Some(conv.contiguous()?.copy()?)
+        } else {
+            None
+        };
         Ok(GatedDeltaNet {
             proj: Projections::new(parts, w.device.is_cuda())?,
             taps,
             #[cfg(feature = "cuda")]
             conv,
+            #[cfg(feature = "cuda")]
+            products: crate::engine::cuda::gdn::Products::for_dtype(w.dtype, o.gdn_tf32),
             neg_a: w.get_f32(&format!("{p}.A_log"), &[nv])?.exp()?.neg()?,
             dt_bias: w.get_f32(&format!("{p}.dt_bias"), &[nv])?,
             norm: GatedRmsNorm::load(w, &format!("{p}.norm"), d.value_head_dim, c.rms_norm_eps)?,
@@ -172,8 +184,7 @@ impl GatedDeltaNet {
         let kernels = match (&self.conv, &plan.cuda) {
             (Some(conv), Some(tables)) => {
                 let w = crate::engine::cuda::gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
-                let products = crate::engine::cuda::gdn::Products::for_dtype(qkv.dtype());
-                let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, products)?;
+                let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, self.products)?;
                 profile::mark(h.device(), 8, since);
                 let (weight, eps) = self.norm.parts();
                 Some(crate::engine::cuda::gdn::gated_norm(&core, &z, weight, eps)?)

@@ -7,6 +7,7 @@ use candle_core::{DType, Tensor, D};
 use super::linear::Linear;
 use super::mlp::GatedMlp;
 use crate::engine::config::MoeConfig;
+use crate::engine::options::EngineOptions;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -31,17 +32,28 @@ pub struct SparseMoe {
 }
 
 /// The experts of `{prefix}.experts`, stored either fused (`gate_up_proj` [E, 2I, H] with the
-/// gate rows first, `down_proj` [E, H, I]) or one module per expert.
-fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Experts, EngineError> {
+/// gate rows first, `down_proj` [E, H, I]) or one module per expert; stacked for the experts'
+/// CUDA kernels where they serve and `o.cuda_moe` leaves them on.
+fn load_experts(
+    w: &Weights,
+    prefix: &str,
+    m: &MoeConfig,
+    hidden: usize,
+    o: &EngineOptions,
+) -> Result<Experts, EngineError> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = o;
     #[cfg(feature = "cuda")]
-    if crate::engine::cuda::moe::supported(
-        &w.device,
-        w.dtype,
-        hidden,
-        m.expert_intermediate_size,
-        m.num_experts,
-        m.experts_per_token,
-    ) {
+    if o.cuda_moe
+        && crate::engine::cuda::moe::supported(
+            &w.device,
+            w.dtype,
+            hidden,
+            m.expert_intermediate_size,
+            m.num_experts,
+            m.experts_per_token,
+        )
+    {
         let (e, i) = (m.num_experts, m.expert_intermediate_size);
         let fused = format!("{prefix}.experts.gate_up_proj");
         if w.has(&fused) {
@@ -92,7 +104,13 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
 
 impl SparseMoe {
     /// `{prefix}` is the layer's `mlp`: router `gate`, `experts`, `shared_expert(_gate)`.
-    pub fn load(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Self, EngineError> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        m: &MoeConfig,
+        hidden: usize,
+        o: &EngineOptions,
+    ) -> Result<Self, EngineError> {
         let shared = match m.shared_expert_intermediate_size {
             Some(s) => Some((
                 GatedMlp::load(w, &format!("{prefix}.shared_expert"), hidden, s, false)?,
@@ -102,7 +120,7 @@ impl SparseMoe {
         };
         Ok(SparseMoe {
             router: Linear::load(w, &format!("{prefix}.gate"), m.num_experts, hidden, false)?,
-            experts: load_experts(w, prefix, m, hidden)?,
+            experts: load_experts(w, prefix, m, hidden, o)?,
             shared,
             top_k: m.experts_per_token,
             norm_topk_prob: m.norm_topk_prob,

@@ -87,7 +87,7 @@ pub fn supported(device: &Device, d: &LinearAttentionConfig) -> bool {
     let (dk, dv) = (d.key_head_dim, d.value_head_dim);
     device.is_cuda()
         && d.num_key_heads > 0
-        && d.num_value_heads % d.num_key_heads == 0
+        && d.num_value_heads.is_multiple_of(d.num_key_heads)
         && dk.max(dv) <= 1024
         && dk % 4 == 0
         && local_shared(dk, dv) <= MAX_SHARED

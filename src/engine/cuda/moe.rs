@@ -32,8 +32,8 @@ const PLACE_PAIRS: usize = 256 * 8;
 pub fn supported(device: &Device, dtype: DType, hidden: usize, inter: usize, experts: usize, top_k: usize) -> bool {
     device.is_cuda()
         && matches!(dtype, DType::BF16 | DType::F16)
-        && hidden % 8 == 0
-        && inter % 8 == 0
+        && hidden.is_multiple_of(8)
+        && inter.is_multiple_of(8)
         && experts <= MAX_EXPERTS
         && (1..=MAX_TOP_K.min(experts)).contains(&top_k)
 }
@@ -175,7 +175,7 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
     let rows = plan.t * plan.k;
     let n = if swiglu { wn / 2 } else { wn };
     let want_rows = if swiglu { plan.t } else { rows };
-    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(8);
     if kw != k || k % 8 != 0 || n % 8 != 0 || (swiglu && wn % 2 != 0) || xr != want_rows || x.dtype() != w.dtype() {
         candle_core::bail!("grouped matmul: x {:?} and w {:?} do not fit a plan of {rows} rows", x.shape(), w.shape());
     }

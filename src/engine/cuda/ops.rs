@@ -23,7 +23,7 @@ impl SiluMul {
         let (rows, two_inter) = l.shape().dims2()?;
         let inter = two_inter / 2;
         let vec = 16 / std::mem::size_of::<T>();
-        if two_inter % 2 != 0 || inter % 8 != 0 || l.start_offset() % vec != 0 {
+        if two_inter % 2 != 0 || inter % 8 != 0 || !l.start_offset().is_multiple_of(vec) {
             candle_core::bail!("silu_mul: [rows, 2*inter] contiguous with inter a multiple of 8, got {:?}", l.shape());
         }
         let src = contiguous_view(gu, l, "silu_mul: the gate and up projections")?;
@@ -340,7 +340,7 @@ impl QkvRope {
             && matches!(dtype, DType::BF16 | DType::F16)
             && matches!(head_dim, 64 | 128 | 256)
             && rotary_dim > 0
-            && rotary_dim % 64 == 0
+            && rotary_dim.is_multiple_of(64)
             && rotary_dim <= head_dim
             && (rotary_dim / 2 / (head_dim / 32)).is_power_of_two()
     }
@@ -406,7 +406,7 @@ impl QkvRopeOp {
                 self.inv_freq.dims()
             );
         }
-        if l.start_offset() % 8 != 0 {
+        if !l.start_offset().is_multiple_of(8) {
             candle_core::bail!("qkv_rope: qkv must start 16-byte aligned (offset {})", l.start_offset());
         }
         let src = contiguous_view(qkv, l, "qkv_rope: qkv")?;

@@ -405,8 +405,9 @@ fn gdn_kernel(
     let dev = case.qkv.device();
     assert!(cuda_gdn::supported(dev, d));
     let tables = cuda_gdn::Tables::new(seqs, dev).unwrap();
-    let w = cuda_gdn::GdnWeights { conv: &case.conv, neg_a: &case.neg_a, dt_bias: &case.dt_bias };
-    cuda_gdn::forward(&case.qkv, &case.b, &case.a, &w, &tables, d, products).unwrap()
+    let w = cuda_gdn::GdnWeights { conv: &case.conv, neg_a: &case.neg_a, dt_bias: &case.dt_bias, products };
+    let off = layertap::engine::profile::Profiler::off();
+    cuda_gdn::forward(&case.qkv, &case.b, &case.a, &w, &tables, d, &off).unwrap()
 }
 
 fn gdn_dims(nk: usize, nv: usize, dk: usize, dv: usize) -> layertap::engine::config::LinearAttentionConfig {

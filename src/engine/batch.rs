@@ -11,6 +11,7 @@ use super::config::{MixerKind, ModelConfig};
 use super::layers::rope::Rope;
 use super::layers::sdpa::{chunk_masks, QUERY_CHUNK};
 use super::options::AttentionKernel;
+use super::profile::Profiler;
 
 /// The kernels a decoder chose when it was loaded that its batches prepare for (CUDA; never
 /// set elsewhere).
@@ -43,6 +44,8 @@ pub struct BatchCtx {
     pub rope_inputs: Option<(Tensor, Tensor)>,
     /// Present when the model has linear-attention layers.
     pub gdn: Option<GdnPlan>,
+    /// The forward pass's phase clock (off unless `EngineOptions::profile`).
+    pub profile: Profiler,
 }
 
 /// Index tensors that let the Gated DeltaNet work on the whole packed batch at once while no
@@ -132,6 +135,7 @@ impl BatchCtx {
         dtype: DType,
         device: &Device,
         kernels: BatchKernels,
+        profile: bool,
     ) -> candle_core::Result<Self> {
         let seqs: Vec<(usize, usize)> = cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
         let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
@@ -179,6 +183,7 @@ impl BatchCtx {
             #[cfg(feature = "cuda")]
             rope_inputs,
             gdn,
+            profile: Profiler::new(device, profile),
         })
     }
 }

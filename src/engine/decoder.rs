@@ -14,7 +14,7 @@ use super::layers::moe::SparseMoe;
 use super::layers::norm::RmsNorm;
 use super::layers::rope::Rope;
 use super::options::EngineOptions;
-use super::profile;
+use super::profile::Phase;
 use super::weights::Weights;
 use super::{Cancel, EngineError};
 
@@ -70,18 +70,19 @@ impl Block {
         next: Option<&RmsNorm>,
         ctx: &BatchCtx,
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let mut since = std::time::Instant::now();
+        let profile = &ctx.profile;
+        profile.restart();
         let mixed = match &self.mixer {
-            Mixer::Attention(a) => a.forward(h, ctx, &mut since)?,
-            Mixer::GatedDeltaNet(g) => g.forward(h, ctx, &mut since)?,
+            Mixer::Attention(a) => a.forward(h, ctx)?,
+            Mixer::GatedDeltaNet(g) => g.forward(h, ctx)?,
         };
         let (x, h) = self.post_norm.add_forward(x, &mixed)?;
         let y = match &self.ffn {
             Ffn::Dense(m) => m.forward(&h)?,
             Ffn::Moe(m) => {
-                profile::mark(x.device(), 3, &mut since);
-                let y = m.forward(&h)?;
-                profile::mark(x.device(), 7, &mut since);
+                profile.mark(Phase::OProjMlp);
+                let y = m.forward(&h, profile)?;
+                profile.mark(Phase::Moe);
                 y
             }
         };
@@ -91,7 +92,7 @@ impl Block {
             Some(norm) => norm.add_forward(&x, &y).map(|(o, h)| (o, Some(h)))?,
             None => (residual(&x, &y)?, None),
         };
-        profile::mark(x.device(), 3, &mut since);
+        profile.mark(Phase::OProjMlp);
         Ok(out)
     }
 }
@@ -172,7 +173,15 @@ impl Decoder {
     }
 
     pub fn packing(&self, cu_seqlens: &[usize]) -> candle_core::Result<BatchCtx> {
-        BatchCtx::new(&self.cfg, &self.rope, cu_seqlens, self.dtype(), self.device(), self.kernels)
+        BatchCtx::new(
+            &self.cfg,
+            &self.rope,
+            cu_seqlens,
+            self.dtype(),
+            self.device(),
+            self.kernels,
+            self.options.profile,
+        )
     }
 
     /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in

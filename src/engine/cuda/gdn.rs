@@ -14,7 +14,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor}
 use super::module::{fatbin, kernel, Module};
 use super::{contiguous_view, cpu_fwd_cuda_only, cuda_view, kernel_name, KernelType};
 use crate::engine::config::{LinearAttentionConfig, GDN_CHUNK};
-use crate::engine::profile;
+use crate::engine::profile::{self, Phase, Profiler};
 
 /// `kernels/gdn.cu`.
 const GDN: Module = fatbin!("gdn");
@@ -135,19 +135,23 @@ fn rowwise(t: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// Weights of one layer the kernels read, on the device, f32.
+/// One layer as the kernels take it: the weights they read (on the device, f32) and how its
+/// chunk products are computed.
 pub struct GdnWeights<'a> {
     /// `[conv_dim, kernel]`: `w[c][kernel - 1]` multiplies the token itself.
     pub conv: &'a Tensor,
     /// `-exp(A_log)`, `[value_heads]`.
     pub neg_a: &'a Tensor,
     pub dt_bias: &'a Tensor,
+    /// See [`Products`]; shapes the tensor-core kernels do not serve use f32.
+    pub products: Products,
 }
 
 /// `qkv`: `[T, >= conv_dim]` (the q, k, v channels first), `b`, `a`: `[T, >= value_heads]`,
 /// all of the compute dtype with unit stride along the last dimension (views of a fused
 /// projection's output are fine). Returns the delta rule's output `[T, value_heads, dv]`, f32.
-/// `products`: see [`Products`]; shapes the tensor-core kernels do not serve use f32.
+/// With `profile` on, each launch's time is charged to its phase ([`Phase::GdnConv`],
+/// [`Phase::GdnLocal`], [`Phase::GdnScan`]).
 pub fn forward(
     qkv: &Tensor,
     b: &Tensor,
@@ -155,7 +159,7 @@ pub fn forward(
     w: &GdnWeights<'_>,
     tables: &Tables,
     d: &LinearAttentionConfig,
-    products: Products,
+    profile: &Profiler,
 ) -> candle_core::Result<Tensor> {
     let (qkv, b, a) = (rowwise(qkv)?, rowwise(b)?, rowwise(a)?);
     let op = GdnOp {
@@ -167,7 +171,8 @@ pub fn forward(
         seqs: tables.seqs.clone(),
         n_chunks: tables.n_chunks,
         n_seqs: tables.n_seqs,
-        tensor_cores: products == Products::Tf32 && tensor_cores_fit(d),
+        tensor_cores: w.products == Products::Tf32 && tensor_cores_fit(d),
+        timed: profile.is_on(),
         d: d.clone(),
     };
     qkv.apply_op3_no_bwd(&b, &a, &op)
@@ -183,6 +188,8 @@ struct GdnOp {
     n_chunks: usize,
     n_seqs: usize,
     tensor_cores: bool,
+    /// Time each launch (see [`Timer`]).
+    timed: bool,
     d: LinearAttentionConfig,
 }
 
@@ -207,15 +214,15 @@ fn rows<'a, T: DeviceRepr>(
     Ok((r, ld, s.slice(l.start_offset()..l.start_offset() + len)))
 }
 
-/// With `LAYERTAP_PROFILE=1`, the time of one launch (the stream drained before and after).
+/// When profiling, the time of one launch (the stream drained before and after).
 struct Timer(Option<std::time::Instant>);
 
 impl Timer {
-    fn start() -> Self {
-        Timer(profile::enabled().then(std::time::Instant::now))
+    fn start(on: bool) -> Self {
+        Timer(on.then(std::time::Instant::now))
     }
 
-    fn stop(self, dev: &CudaDevice, phase: usize) -> candle_core::Result<()> {
+    fn stop(self, dev: &CudaDevice, phase: Phase) -> candle_core::Result<()> {
         if let Some(t) = self.0 {
             dev.cuda_stream().synchronize().w()?;
             profile::add(phase, t.elapsed().as_secs_f64());
@@ -303,11 +310,11 @@ impl GdnOp {
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let timed = Timer::start();
+        let timed = Timer::start(self.timed);
         // SAFETY: arguments match the kernel's signature; every index it forms is below t rows
         // of the views, conv_dim channels and nv heads.
         unsafe { l.launch(cfg) }.w()?;
-        timed.stop(dev, 9)?;
+        timed.stop(dev, Phase::GdnConv)?;
 
         let tc = if self.tensor_cores { "_tc" } else { "" };
         let f = kernel(dev, GDN, &format!("gdn_chunk_local{tc}"))?;
@@ -331,15 +338,15 @@ impl GdnOp {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: bytes as u32,
         };
-        let timed = Timer::start();
+        let timed = Timer::start(self.timed);
         // SAFETY: as above; the chunk table lists chunks inside the batch.
         unsafe { l.launch(cfg) }.w()?;
-        timed.stop(dev, 10)?;
+        timed.stop(dev, Phase::GdnLocal)?;
 
         let f = kernel(dev, GDN, &format!("gdn_chunk_scan{tc}"))?;
         let bytes = if self.tensor_cores { scan_tc_shared(dk) } else { scan_shared(dk) };
         f.max_dynamic_shared(bytes)?;
-        let timed = Timer::start();
+        let timed = Timer::start(self.timed);
         // Every sequence's entry holds its own first token and first chunk, so a slice of the
         // table is scanned as the whole one would be.
         for s0 in (0..self.n_seqs).step_by(SEQS_PER_SCAN) {
@@ -365,7 +372,7 @@ impl GdnOp {
             // SAFETY: as above; the sequence table's chunks are those of the chunk table.
             unsafe { l.launch(cfg) }.w()?;
         }
-        timed.stop(dev, 11)?;
+        timed.stop(dev, Phase::GdnScan)?;
         Ok(out)
     }
 }

@@ -2,8 +2,6 @@
 //! RMSNorm, rotary embedding on the first `rotary_dim` dimensions of each head, causal
 //! attention per sequence, an optional sigmoid output gate, and the output projection.
 
-use std::time::Instant;
-
 use candle_core::{Tensor, D};
 
 use super::linear::{Linear, Projections};
@@ -12,7 +10,7 @@ use super::sdpa::sequence_attention;
 use crate::engine::batch::BatchCtx;
 use crate::engine::config::ModelConfig;
 use crate::engine::options::EngineOptions;
-use crate::engine::profile;
+use crate::engine::profile::Phase;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -98,16 +96,14 @@ impl Attention {
     }
 
     /// `h`: the normed input `[T, hidden]`; returns the attention block's output `[T, hidden]`.
-    /// `since`: the start of the current profile phase.
-    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
-        let dev = h.device();
+    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let (Some(fused), Some((pos, inv_freq))) = (&self.fused, &ctx.rope_inputs) {
             if let Some(qkv) = self.qkv.joined(h)? {
-                profile::mark(dev, 0, since);
+                ctx.profile.mark(Phase::NormQkv);
                 let (q, k, v, gate) = fused.forward(&qkv, pos, inv_freq)?;
-                profile::mark(dev, 1, since);
-                return self.finish(&q, &k, &v, gate, ctx, since);
+                ctx.profile.mark(Phase::Rope);
+                return self.finish(&q, &k, &v, gate, ctx);
             }
         }
         let t = h.dim(0)?;
@@ -130,11 +126,11 @@ impl Attention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        profile::mark(dev, 0, since);
+        ctx.profile.mark(Phase::NormQkv);
         let q = self.rope(&q, ctx)?;
         let k = self.rope(&k, ctx)?;
-        profile::mark(dev, 1, since);
-        self.finish(&q, &k, &v.contiguous()?, gate, ctx, since)
+        ctx.profile.mark(Phase::Rope);
+        self.finish(&q, &k, &v.contiguous()?, gate, ctx)
     }
 
     /// Attention of the rotated `q`, `k` and `v`, the output gate and the output projection.
@@ -145,11 +141,10 @@ impl Attention {
         v: &Tensor,
         gate: Option<Tensor>,
         ctx: &BatchCtx,
-        since: &mut Instant,
     ) -> candle_core::Result<Tensor> {
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let attn = self.attend(q, k, v, scale, ctx)?;
-        profile::mark(q.device(), 2, since);
+        ctx.profile.mark(Phase::Attention);
         let attn = match gate {
             Some(g) => gate_output(&attn, &g)?,
             None => attn,

@@ -4,8 +4,6 @@
 //! of q and k, the chunked delta rule, the gated RMSNorm with `silu(z)`, the output projection.
 //! Everything between the projections runs in f32.
 
-use std::time::Instant;
-
 use candle_core::{DType, Tensor, D};
 
 use super::delta_rule;
@@ -14,7 +12,7 @@ use super::norm::GatedRmsNorm;
 use crate::engine::batch::{BatchCtx, GdnPlan};
 use crate::engine::config::{GdnLayout, LinearAttentionConfig, ModelConfig};
 use crate::engine::options::EngineOptions;
-use crate::engine::profile;
+use crate::engine::profile::Phase;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -169,8 +167,7 @@ impl GatedDeltaNet {
     }
 
     /// `h`: the normed input `[T, hidden]`; returns the mixer's output `[T, hidden]`.
-    /// `since`: the start of the current profile phase.
-    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
+    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
         let plan = ctx.gdn.as_ref().ok_or_else(|| candle_core::Error::Msg("no linear-attention plan".into()))?;
         let t = h.dim(0)?;
         let d = &self.dims;
@@ -179,13 +176,18 @@ impl GatedDeltaNet {
         let (Some(qkv), Some(z), Some(b), Some(a)) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
             candle_core::bail!("gated deltanet: the projections returned fewer than four parts");
         };
-        profile::mark(h.device(), 5, since);
+        ctx.profile.mark(Phase::GdnProj);
         #[cfg(feature = "cuda")]
         let kernels = match (&self.conv, &plan.cuda) {
             (Some(conv), Some(tables)) => {
-                let w = crate::engine::cuda::gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
-                let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, self.products)?;
-                profile::mark(h.device(), 8, since);
+                let w = crate::engine::cuda::gdn::GdnWeights {
+                    conv,
+                    neg_a: &self.neg_a,
+                    dt_bias: &self.dt_bias,
+                    products: self.products,
+                };
+                let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, &ctx.profile)?;
+                ctx.profile.mark(Phase::GdnKernels);
                 let (weight, eps) = self.norm.parts();
                 Some(crate::engine::cuda::gdn::gated_norm(&core, &z, weight, eps)?)
             }
@@ -200,7 +202,7 @@ impl GatedDeltaNet {
                 self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?
             }
         };
-        profile::mark(h.device(), 6, since);
+        ctx.profile.mark(Phase::GdnCore);
         self.out.forward(&normed.reshape((t, nv * dv))?)
     }
 }

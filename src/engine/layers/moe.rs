@@ -8,6 +8,7 @@ use super::linear::Linear;
 use super::mlp::GatedMlp;
 use crate::engine::config::MoeConfig;
 use crate::engine::options::EngineOptions;
+use crate::engine::profile::Profiler;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -139,12 +140,17 @@ impl SparseMoe {
     }
 
     /// `x`: the normed input `[T, hidden]`; returns the block's output `[T, hidden]`.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `profile`: the forward pass's clock, whose phase the CUDA kernels' path splits (it marks
+    /// `moe_route`, `moe_experts` and `moe_combine` on a clock of its own).
+    pub fn forward(&self, x: &Tensor, profile: &Profiler) -> candle_core::Result<Tensor> {
         match &self.experts {
             #[cfg(feature = "cuda")]
-            Experts::Stacked { gate_up, down } => self.forward_stacked(x, gate_up, down),
+            Experts::Stacked { gate_up, down } => self.forward_stacked(x, gate_up, down, profile),
             #[cfg(not(feature = "cuda"))]
-            Experts::Stacked { .. } => candle_core::bail!("stacked experts need the cuda feature"),
+            Experts::Stacked { .. } => {
+                let _ = profile;
+                candle_core::bail!("stacked experts need the cuda feature")
+            }
             Experts::PerExpert(experts) => self.forward_per_expert(x, experts),
         }
     }
@@ -153,28 +159,34 @@ impl SparseMoe {
     /// the weighted sum (with the shared expert's gate) stay on the device. The weighted sum runs
     /// over the slots, best first, in f32, as on the other path; the routing weights stay f32.
     #[cfg(feature = "cuda")]
-    fn forward_stacked(&self, x: &Tensor, gate_up: &Tensor, down: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward_stacked(
+        &self,
+        x: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        profile: &Profiler,
+    ) -> candle_core::Result<Tensor> {
         use crate::engine::cuda::moe as cuda_moe;
-        use crate::engine::profile;
+        use crate::engine::profile::Phase;
         if x.dim(0)? == 0 {
             return x.zeros_like();
         }
-        let mut since = std::time::Instant::now();
-        let dev = x.device();
+        let profile = profile.nested();
         let (idx, weights) = cuda_moe::route(&self.router.forward(x)?, self.top_k, self.norm_topk_prob)?;
         let plan = cuda_moe::plan(&idx, down.dim(0)?)?;
-        profile::mark(dev, profile::MOE_ROUTE, &mut since);
+        profile.mark(Phase::MoeRoute);
         let ys = cuda_moe::grouped_matmul(&cuda_moe::grouped_swiglu(x, gate_up, &plan)?, down, &plan)?;
-        profile::mark(dev, profile::MOE_EXPERTS, &mut since);
+        profile.mark(Phase::MoeExperts);
         let out = match &self.shared {
             Some((mlp, gate)) => cuda_moe::combine(&ys, &plan, &weights, Some((&mlp.forward(x)?, x, gate)))?,
             None => cuda_moe::combine(&ys, &plan, &weights, None)?,
         };
-        profile::mark(dev, profile::MOE_COMBINE, &mut since);
+        profile.mark(Phase::MoeCombine);
         Ok(out)
     }
 
-    /// One matmul chain per expert (CPU, f32 on CUDA, or `LAYERTAP_CUDA_MOE=0`).
+    /// One matmul chain per expert (CPU, f32 on CUDA, or `LAYERTAP_CUDA_MOE=0`:
+    /// `EngineOptions::cuda_moe`).
     ///
     /// The `(token, slot)` pairs are sorted by expert (stably) and the tokens gathered once in
     /// that order, so each expert runs one matmul chain over a contiguous block of rows; the

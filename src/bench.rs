@@ -191,7 +191,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
                 taps.bytes(cu[i], s.len(), layers.indices(), dtype)?.len()
             };
         }
-        crate::engine::profile::mark(&device, 4, &mut since);
+        crate::engine::profile::mark(&device, crate::engine::profile::Phase::HostCopy, &mut since);
         Ok((bytes, taps))
     };
     let warm = launch(&mut m.engine, &batches[0])?;

@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Tensor};
-use layertap::engine::cuda_attention::{packed_attention, tiles_for, Variant};
+use layertap::engine::cuda::attention::{packed_attention, tiles_for, AttentionKernel};
 use layertap::engine::layers::sdpa::{chunk_masks, sequence_attention};
 
 mod common;
@@ -44,7 +44,7 @@ fn kernel_matches_portable_attention() {
                 let scale = 1.0 / (d as f64).sqrt();
                 let (qf, kf, vf) =
                     (q.to_dtype(DType::F32).unwrap(), k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
-                for variant in Variant::ALL {
+                for variant in AttentionKernel::ALL {
                     let t = tiles_for(&seqs, &dev, variant).unwrap();
                     let out = packed_attention(&q, &k, &v, &t, scale, window).unwrap();
                     assert_eq!(out.dims(), &[total, heads, d]);
@@ -82,7 +82,7 @@ fn kernel_is_batch_invariant() {
         let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let seqs = [(0, 300), (300, 77), (377, 1200)];
-        for variant in Variant::ALL {
+        for variant in AttentionKernel::ALL {
             let packed = packed_attention(&q, &k, &v, &tiles_for(&seqs, &dev, variant).unwrap(), 0.1, None).unwrap();
             for &(s, l) in &seqs {
                 let alone = packed_attention(
@@ -120,8 +120,8 @@ fn kernel_variants_agree_bitwise() {
                     let t = tiles_for(&seqs, &dev, variant).unwrap();
                     packed_attention(&q, &k, &v, &t, 0.08, window).unwrap()
                 };
-                let first = run(Variant::Simple);
-                for &variant in &Variant::ALL[1..] {
+                let first = run(AttentionKernel::Simple);
+                for &variant in &AttentionKernel::ALL[1..] {
                     let diff = max_abs_diff(&first, &run(variant));
                     assert_eq!(diff, 0.0, "{variant:?} {dtype:?} h{heads}/{kv} d{d} window {window:?}: {diff}");
                 }
@@ -143,7 +143,7 @@ fn silu_mul_matches_separate_ops() {
         let want = (candle_nn::ops::silu(&xf.narrow(1, 0, inter).unwrap()).unwrap()
             * xf.narrow(1, inter, inter).unwrap())
         .unwrap();
-        let got = layertap::engine::cuda_ops::silu_mul(&x).unwrap();
+        let got = layertap::engine::cuda::ops::silu_mul(&x).unwrap();
         assert_eq!(got.dims(), &[rows, inter]);
         let e = rel(&got, &want);
         assert!(e < tol, "{dtype:?}: rel err {e}");
@@ -157,7 +157,7 @@ fn silu_mul_matches_separate_ops() {
 /// gate) and a Llama-like d64 model without norms, over three packed sequences.
 #[test]
 fn fused_qkv_rope_matches_separate_ops() {
-    use layertap::engine::cuda_ops::QkvRope;
+    use layertap::engine::cuda::ops::QkvRope;
     let Some(dev) = device() else { return };
     let lens = [200usize, 1, 99];
     let positions: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();
@@ -244,13 +244,13 @@ fn residual_kernels_match_f32_ops() {
     let w = Tensor::randn(1f32, 0.3, cols, &dev).unwrap();
     for (dtype, tol) in [(DType::BF16, 8e-3), (DType::F16, 1e-3)] {
         let y = Tensor::randn(0f32, 1.0, (rows, cols), &dev).unwrap().to_dtype(dtype).unwrap();
-        let sum = layertap::engine::cuda_ops::add_f32(&x, &y).unwrap();
+        let sum = layertap::engine::cuda::ops::add_f32(&x, &y).unwrap();
         assert_eq!(sum.dtype(), DType::F32);
         let want = (&x + y.to_dtype(DType::F32).unwrap()).unwrap();
         let d = max_abs_diff(&sum, &want);
         assert_eq!(d, 0.0, "{dtype:?} add differs by {d}");
         let wd = w.to_dtype(dtype).unwrap();
-        let normed = layertap::engine::cuda_ops::rms_norm_f32(&sum, &wd, 1e-6).unwrap();
+        let normed = layertap::engine::cuda::ops::rms_norm_f32(&sum, &wd, 1e-6).unwrap();
         assert_eq!(normed.dtype(), dtype);
         let want = candle_nn::ops::rms_norm(&sum, &wd.to_dtype(DType::F32).unwrap(), 1e-6).unwrap();
         let e = rel(&normed, &want);
@@ -264,7 +264,7 @@ fn residual_kernels_match_f32_ops() {
 /// `RmsNorm::add_forward` takes it and refuses nothing it should serve.
 #[test]
 fn fused_add_norm_is_bitwise_the_two_kernels() {
-    use layertap::engine::cuda_ops::{add_f32, add_rms_norm_f32, rms_norm_f32};
+    use layertap::engine::cuda::ops::{add_f32, add_rms_norm_f32, rms_norm_f32};
     let Some(dev) = device() else { return };
     for (rows, cols) in [(33, 4096), (7, 576), (5, 1000), (3, 101)] {
         let x = (Tensor::randn(0f32, 2.0, (rows, cols), &dev).unwrap() * 10.0).unwrap();
@@ -312,7 +312,7 @@ fn fp8_cast_rounds_like_the_host() {
         v.push(((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 448.0);
     }
     let x = Tensor::new(v.as_slice(), &dev).unwrap();
-    let q = layertap::engine::cuda_ops::f32_to_fp8(&x).unwrap();
+    let q = layertap::engine::cuda::ops::f32_to_fp8(&x).unwrap();
     let got: Vec<u8> = q
         .to_device(&candle_core::Device::Cpu)
         .unwrap()
@@ -399,14 +399,15 @@ fn gdn_kernel(
     case: &GdnCase,
     seqs: &[(usize, usize)],
     d: &layertap::engine::config::LinearAttentionConfig,
-    products: layertap::engine::cuda_gdn::Products,
+    products: layertap::engine::cuda::gdn::Products,
 ) -> Tensor {
-    use layertap::engine::cuda_gdn;
+    use layertap::engine::cuda::gdn as cuda_gdn;
     let dev = case.qkv.device();
     assert!(cuda_gdn::supported(dev, d));
     let tables = cuda_gdn::Tables::new(seqs, dev).unwrap();
-    let w = cuda_gdn::GdnWeights { conv: &case.conv, neg_a: &case.neg_a, dt_bias: &case.dt_bias };
-    cuda_gdn::forward(&case.qkv, &case.b, &case.a, &w, &tables, d, products).unwrap()
+    let w = cuda_gdn::GdnWeights { conv: &case.conv, neg_a: &case.neg_a, dt_bias: &case.dt_bias, products };
+    let off = layertap::engine::profile::Profiler::off();
+    cuda_gdn::forward(&case.qkv, &case.b, &case.a, &w, &tables, d, &off).unwrap()
 }
 
 fn gdn_dims(nk: usize, nv: usize, dk: usize, dv: usize) -> layertap::engine::config::LinearAttentionConfig {
@@ -441,7 +442,7 @@ fn packed(lens: &[usize]) -> Vec<(usize, usize)> {
 #[test]
 fn gdn_kernels_match_the_portable_path() {
     use layertap::engine::batch::GdnPlan;
-    use layertap::engine::cuda_gdn::{tensor_cores_fit, Products};
+    use layertap::engine::cuda::gdn::{tensor_cores_fit, Products};
     use layertap::engine::layers::gdn::{conv_taps, mix_portable};
     let Some(dev) = device() else { return };
     let seqs = packed(&GDN_LENS);
@@ -480,7 +481,7 @@ fn gdn_kernels_match_the_portable_path() {
 /// with the f32 and with the tensor-core kernels.
 #[test]
 fn gdn_kernels_are_batch_invariant() {
-    use layertap::engine::cuda_gdn::Products;
+    use layertap::engine::cuda::gdn::Products;
     let Some(dev) = device() else { return };
     let d = gdn_dims(2, 4, 128, 128);
     let seqs = packed(&GDN_LENS);
@@ -509,7 +510,7 @@ fn gdn_gated_norm_matches_separate_ops() {
     for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3)] {
         let wide = Tensor::randn(0f32, 2.0, (t, nv * dv + 24), &dev).unwrap().to_dtype(dtype).unwrap();
         let z = wide.narrow(1, 0, nv * dv).unwrap();
-        let got = layertap::engine::cuda_gdn::gated_norm(&x, &z, &w, 1e-6).unwrap();
+        let got = layertap::engine::cuda::gdn::gated_norm(&x, &z, &w, 1e-6).unwrap();
         assert_eq!((got.dims(), got.dtype()), (&[t, nv, dv][..], dtype));
         let zf = z.to_dtype(DType::F32).unwrap().reshape((t, nv, dv)).unwrap();
         let want = (candle_nn::ops::rms_norm(&x, &w, 1e-6).unwrap() * candle_nn::ops::silu(&zf).unwrap()).unwrap();
@@ -544,7 +545,7 @@ const COUNTS: [usize; 9] = [0, 1, 64, 65, 0, 200, 7, 130, 13];
 /// cover each expert's rows exactly once in blocks of at most 64.
 #[test]
 fn moe_plan_sorts_pairs_by_expert() {
-    use layertap::engine::cuda_moe::plan;
+    use layertap::engine::cuda::moe::plan;
     let Some(dev) = device() else { return };
     let k = 4;
     let (idx, t) = choices_with_counts(&COUNTS, k);
@@ -581,7 +582,7 @@ fn moe_plan_sorts_pairs_by_expert() {
 /// result is the same bits when its expert's rows are a batch of their own.
 #[test]
 fn grouped_matmul_matches_a_matmul_per_expert() {
-    use layertap::engine::cuda_moe::{grouped_matmul, grouped_swiglu, plan};
+    use layertap::engine::cuda::moe::{grouped_matmul, grouped_swiglu, plan};
     let Some(dev) = device() else { return };
     let k = 4;
     let (idx, t) = choices_with_counts(&COUNTS, k);
@@ -600,7 +601,7 @@ fn grouped_matmul_matches_a_matmul_per_expert() {
             assert_eq!(act.dims(), &[t * k, inter]);
             let sorted = x.index_select(&p.tokens, 0).unwrap();
             let gu = grouped_matmul(&sorted, &gate_up, &p).unwrap();
-            let d = max_abs_diff(&act, &layertap::engine::cuda_ops::silu_mul(&gu).unwrap());
+            let d = max_abs_diff(&act, &layertap::engine::cuda::ops::silu_mul(&gu).unwrap());
             assert_eq!(d, 0.0, "{dtype:?} {hidden}x{inter}: the fused SwiGLU differs from grouped_mm + silu_mul");
             let y = grouped_matmul(&act, &down, &p).unwrap();
             assert_eq!(y.dims(), &[t * k, hidden]);
@@ -634,7 +635,7 @@ fn grouped_matmul_matches_a_matmul_per_expert() {
 /// softmax's (renormalised when asked), for several expert counts and k up to 32.
 #[test]
 fn moe_route_matches_softmax_top_k() {
-    use layertap::engine::cuda_moe::route;
+    use layertap::engine::cuda::moe::route;
     let Some(dev) = device() else { return };
     let t = 300;
     for (e, k, norm) in [(256, 8, true), (64, 10, false), (8, 2, true), (40, 32, true), (1024, 8, false)] {
@@ -666,7 +667,7 @@ fn moe_route_matches_softmax_top_k() {
 /// in f32 on the host to the output's rounding.
 #[test]
 fn moe_combine_matches_the_weighted_sum() {
-    use layertap::engine::cuda_moe::{combine, plan};
+    use layertap::engine::cuda::moe::{combine, plan};
     let Some(dev) = device() else { return };
     let k = 4;
     let (idx, t) = choices_with_counts(&COUNTS, k);
@@ -733,7 +734,7 @@ fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
 /// z's 65,535) gives every sequence, on both sides of the 65,535th, the bits it has alone.
 #[test]
 fn long_gdn_scan_takes_more_than_65535_sequences() {
-    use layertap::engine::cuda_gdn::Products;
+    use layertap::engine::cuda::gdn::Products;
     let Some(dev) = device() else { return };
     let d = gdn_dims(1, 2, 16, 16);
     let lens: Vec<usize> = (0..70_000).map(|i| 1 + i % 3).collect();
@@ -757,7 +758,7 @@ fn long_gdn_scan_takes_more_than_65535_sequences() {
 /// alone, and an infinity in the last row is flagged.
 #[test]
 fn long_stacked_taps_past_2_pow_32() {
-    use layertap::engine::cuda_ops::{copy_rows, stack_rows};
+    use layertap::engine::cuda::ops::{copy_rows, stack_rows};
     use layertap::engine::output::{prepare, Output, Rows};
     let Some(dev) = device() else { return };
     let (t, h, layers) = (262_144usize, 4_096usize, 5usize);
@@ -849,7 +850,7 @@ fn long_fused_projection_parts_past_2_pow_32() {
 /// alone.
 #[test]
 fn long_gather_cast_and_norm_past_2_pow_32() {
-    use layertap::engine::cuda_ops::copy_rows;
+    use layertap::engine::cuda::ops::copy_rows;
     use layertap::engine::large::map_rows;
     let Some(dev) = device() else { return };
     let (t, h, vocab) = (1_048_576usize, 4_608usize, 1_000usize);

@@ -202,3 +202,35 @@ fn the_batch_budget_grows_with_free_memory_and_counts_the_attention_chunk() {
     // Nothing fits when the attention scores of one chunk alone exceed the budget.
     assert_eq!(layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::F32, 1 << 20, 1 << 20), 0);
 }
+
+/// Options are handed to the loader, not read from the environment there: every switch turned
+/// away from its default, passed explicitly, loads and runs every family, and on the CPU (where
+/// the switches choose only CUDA kernels) gives bitwise the default's states.
+#[test]
+fn options_passed_to_the_loader_leave_the_cpu_path_as_it_is() {
+    use layertap::engine::{AttentionKernel, EngineOptions};
+    let flipped = EngineOptions {
+        profile: false,
+        f32_residual: false,
+        fused_add_norm: false,
+        fused_rope: false,
+        cuda_attention: false,
+        attention_kernel: Some(AttentionKernel::Simple),
+        cuda_gdn: false,
+        gdn_tf32: false,
+        cuda_moe: false,
+        spin_wait: true,
+        pool_release: true,
+    };
+    assert_eq!(flipped.changed().len(), 10, "every switch but profile differs: {:?}", flipped.changed());
+    let seqs = vec![vec![1u32, 5, 9, 2], vec![7, 3, 11]];
+    for dir in variants() {
+        let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+        let mut default = files.load_with(&Device::Cpu, DType::F32, &EngineOptions::default()).unwrap();
+        let mut other = files.load_with(&Device::Cpu, DType::F32, &flipped).unwrap();
+        let layers: Vec<usize> = (0..=default.info.num_layers).collect();
+        let want = run(&mut default.engine, &seqs, &layers);
+        let got = run(&mut other.engine, &seqs, &layers);
+        assert_eq!(got, want, "{}", dir.display());
+    }
+}

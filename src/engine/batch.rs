@@ -10,6 +10,20 @@ pub use super::config::GDN_CHUNK;
 use super::config::{MixerKind, ModelConfig};
 use super::layers::rope::Rope;
 use super::layers::sdpa::{chunk_masks, QUERY_CHUNK};
+use super::options::AttentionKernel;
+use super::profile::Profiler;
+
+/// The kernels a decoder chose when it was loaded that its batches prepare for (CUDA; never
+/// set elsewhere).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchKernels {
+    /// The attention kernel's variant, where the kernel serves the model's attention layers:
+    /// each batch then gets its tile list instead of masks.
+    pub attention: Option<AttentionKernel>,
+    /// Whether the attention layers split q/k/v and rotate q and k in one kernel: each batch
+    /// then gets the positions and frequencies instead of the rotary tables.
+    pub fused_rope: bool,
+}
 
 pub struct BatchCtx {
     /// `(start, len)` of each sequence in the token dimension.
@@ -18,18 +32,20 @@ pub struct BatchCtx {
     pub masks: HashMap<usize, Vec<Tensor>>,
     /// The CUDA kernel's tile list, where the kernel serves this model (then `masks` is empty).
     #[cfg(feature = "cuda")]
-    pub tiles: Option<super::cuda_attention::Tiles>,
+    pub tiles: Option<super::cuda::attention::Tiles>,
     /// Sliding attention window, if the model has one.
     pub window: Option<usize>,
     /// The rotary tables `(cos, sin)`, `[T, rotary_dim / 2]`, where the fused CUDA kernel does
     /// not serve the model's attention.
     pub tables: Option<(Tensor, Tensor)>,
-    /// For the fused CUDA kernel (`cuda_ops::QkvRope`), which computes the rotation itself: each
+    /// For the fused CUDA kernel (`cuda::ops::QkvRope`), which computes the rotation itself: each
     /// token's position `[T]` (u32) and the inverse frequencies `[rotary_dim / 2]` (f32).
     #[cfg(feature = "cuda")]
     pub rope_inputs: Option<(Tensor, Tensor)>,
     /// Present when the model has linear-attention layers.
     pub gdn: Option<GdnPlan>,
+    /// The forward pass's phase clock (off unless `EngineOptions::profile`).
+    pub profile: Profiler,
 }
 
 /// Index tensors that let the Gated DeltaNet work on the whole packed batch at once while no
@@ -53,7 +69,7 @@ pub struct GdnPlan {
     pub strict: Tensor,
     /// The CUDA kernels' tables, on a CUDA device.
     #[cfg(feature = "cuda")]
-    pub cuda: Option<super::cuda_gdn::Tables>,
+    pub cuda: Option<super::cuda::gdn::Tables>,
 }
 
 impl GdnPlan {
@@ -106,7 +122,7 @@ impl GdnPlan {
             steps,
             chunks: chunk,
             #[cfg(feature = "cuda")]
-            cuda: if device.is_cuda() { Some(super::cuda_gdn::Tables::new(seqs, device)?) } else { None },
+            cuda: if device.is_cuda() { Some(super::cuda::gdn::Tables::new(seqs, device)?) } else { None },
         })
     }
 }
@@ -118,14 +134,16 @@ impl BatchCtx {
         cu_seqlens: &[usize],
         dtype: DType,
         device: &Device,
+        kernels: BatchKernels,
+        profile: bool,
     ) -> candle_core::Result<Self> {
         let seqs: Vec<(usize, usize)> = cu_seqlens.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
         let positions: Vec<u32> = seqs.iter().flat_map(|&(_, len)| 0..len as u32).collect();
         let has = |m: MixerKind| cfg.layers.iter().any(|l| l.mixer == m);
+        #[cfg(not(feature = "cuda"))]
+        let _ = kernels;
         #[cfg(feature = "cuda")]
-        let rope_inputs = if has(MixerKind::FullAttention)
-            && super::cuda_ops::QkvRope::supported(device, dtype, cfg.head_dim, cfg.rotary_dim)
-        {
+        let rope_inputs = if kernels.fused_rope {
             Some((Tensor::new(positions.as_slice(), device)?, Tensor::new(rope.inv_freq(), device)?))
         } else {
             None
@@ -136,10 +154,9 @@ impl BatchCtx {
         let tables = Some(rope.tables(&positions, dtype, device)?);
         let mut masks = HashMap::new();
         #[cfg(feature = "cuda")]
-        let tiles = if has(MixerKind::FullAttention) && super::cuda_attention::supported(device, dtype, cfg.head_dim) {
-            Some(super::cuda_attention::tiles(&seqs, device, cfg.head_dim)?)
-        } else {
-            None
+        let tiles = match kernels.attention {
+            Some(variant) => Some(super::cuda::attention::tiles_for(&seqs, device, variant)?),
+            None => None,
         };
         // The fused CPU kernel (f32 on the CPU) needs no masks either.
         let fused_cpu = device.is_cpu() && dtype == DType::F32;
@@ -166,6 +183,7 @@ impl BatchCtx {
             #[cfg(feature = "cuda")]
             rope_inputs,
             gdn,
+            profile: Profiler::new(device, profile),
         })
     }
 }

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::batch::BatchCtx;
+use super::batch::{BatchCtx, BatchKernels};
 use super::config::{FfnKind, MixerKind, ModelConfig};
 use super::layers::attention::Attention;
 use super::layers::gdn::GatedDeltaNet;
@@ -13,7 +13,8 @@ use super::layers::mlp::GatedMlp;
 use super::layers::moe::SparseMoe;
 use super::layers::norm::RmsNorm;
 use super::layers::rope::Rope;
-use super::profile;
+use super::options::EngineOptions;
+use super::profile::Phase;
 use super::weights::Weights;
 use super::{Cancel, EngineError};
 
@@ -36,19 +37,24 @@ pub struct Block {
 }
 
 impl Block {
-    fn load(w: &Weights, c: &ModelConfig, i: usize) -> Result<Self, EngineError> {
+    fn load(w: &Weights, c: &ModelConfig, i: usize, o: &EngineOptions) -> Result<Self, EngineError> {
         let p = format!("layers.{i}");
         let spec = c.layers[i];
         let h = c.hidden_size;
-        let norm = |n: &str| RmsNorm::load(w, &format!("{p}.{n}"), h, c.rms_norm_eps, c.zero_centred_norms);
+        let norm = |n: &str| {
+            let norm = RmsNorm::load(w, &format!("{p}.{n}"), h, c.rms_norm_eps, c.zero_centred_norms)?;
+            Ok::<_, EngineError>(norm.fusing_add(o.fused_add_norm))
+        };
         let mixer = match spec.mixer {
-            MixerKind::FullAttention => Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"))?),
-            MixerKind::LinearAttention => Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"))?),
+            MixerKind::FullAttention => Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"), o)?),
+            MixerKind::LinearAttention => {
+                Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"), o)?)
+            }
         };
         let m = format!("{p}.mlp");
         let ffn = match (spec.ffn, &c.moe) {
             (FfnKind::Dense, _) => Ffn::Dense(GatedMlp::load(w, &m, h, c.intermediate_size, c.mlp_bias)?),
-            (FfnKind::Moe, Some(moe)) => Ffn::Moe(SparseMoe::load(w, &m, moe, h)?),
+            (FfnKind::Moe, Some(moe)) => Ffn::Moe(SparseMoe::load(w, &m, moe, h, o)?),
             (FfnKind::Moe, None) => return Err(EngineError::Load(format!("layer {i}: MoE without num_experts"))),
         };
         Ok(Block { input_norm: norm("input_layernorm")?, mixer, post_norm: norm("post_attention_layernorm")?, ffn })
@@ -64,18 +70,19 @@ impl Block {
         next: Option<&RmsNorm>,
         ctx: &BatchCtx,
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let mut since = std::time::Instant::now();
+        let profile = &ctx.profile;
+        profile.restart();
         let mixed = match &self.mixer {
-            Mixer::Attention(a) => a.forward(h, ctx, &mut since)?,
-            Mixer::GatedDeltaNet(g) => g.forward(h, ctx, &mut since)?,
+            Mixer::Attention(a) => a.forward(h, ctx)?,
+            Mixer::GatedDeltaNet(g) => g.forward(h, ctx)?,
         };
         let (x, h) = self.post_norm.add_forward(x, &mixed)?;
         let y = match &self.ffn {
             Ffn::Dense(m) => m.forward(&h)?,
             Ffn::Moe(m) => {
-                profile::mark(x.device(), 3, &mut since);
-                let y = m.forward(&h)?;
-                profile::mark(x.device(), 7, &mut since);
+                profile.mark(Phase::OProjMlp);
+                let y = m.forward(&h, profile)?;
+                profile.mark(Phase::Moe);
                 y
             }
         };
@@ -85,16 +92,20 @@ impl Block {
             Some(norm) => norm.add_forward(&x, &y).map(|(o, h)| (o, Some(h)))?,
             None => (residual(&x, &y)?, None),
         };
-        profile::mark(x.device(), 3, &mut since);
+        profile.mark(Phase::OProjMlp);
         Ok(out)
     }
 }
 
 pub struct Decoder {
     pub cfg: ModelConfig,
-    /// Keep the residual stream in f32 while the model computes in bf16/f16 (CUDA; set
-    /// `LAYERTAP_F32_RESIDUAL=0` to keep it in the compute dtype, as Hugging Face does).
+    /// The switches it was loaded with.
+    options: EngineOptions,
+    /// Keep the residual stream in f32 while the model computes in bf16/f16 (CUDA, unless
+    /// `EngineOptions::f32_residual` is off: then in the compute dtype, as Hugging Face does).
     f32_residual: bool,
+    /// The kernels chosen at load that each batch prepares for.
+    kernels: BatchKernels,
     embed: Tensor,
     layers: Vec<Block>,
     norm: RmsNorm,
@@ -103,38 +114,54 @@ pub struct Decoder {
 
 impl Decoder {
     /// Loads every tensor the decoder needs (never `lm_head`, nor a vision tower or MTP head),
-    /// with a progress callback per layer.
-    pub fn load(cfg: ModelConfig, w: &Weights, progress: impl FnMut(usize, usize)) -> Result<Self, EngineError> {
+    /// with a progress callback per layer. Each layer picks its kernels now, as `options` say.
+    pub fn load(
+        cfg: ModelConfig,
+        w: &Weights,
+        options: &EngineOptions,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<Self, EngineError> {
         let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
-        Self::load_with(cfg, w, embed, progress)
+        Self::load_with(cfg, w, embed, options, progress)
     }
 
     /// [`Decoder::load`] with only the embedding rows of `tokens`: token `tokens[i]` is then id
     /// `i` (for a decoder that runs a few known sequences, such as the self-check's reference).
-    pub fn load_for_tokens(cfg: ModelConfig, w: &Weights, tokens: &[u32]) -> Result<Self, EngineError> {
+    pub fn load_for_tokens(
+        cfg: ModelConfig,
+        w: &Weights,
+        tokens: &[u32],
+        options: &EngineOptions,
+    ) -> Result<Self, EngineError> {
         let embed = w.get_rows("embed_tokens.weight", tokens, &[cfg.vocab_size, cfg.hidden_size])?;
-        Self::load_with(cfg, w, embed, |_, _| {})
+        Self::load_with(cfg, w, embed, options, |_, _| {})
     }
 
     fn load_with(
         cfg: ModelConfig,
         w: &Weights,
         embed: Tensor,
+        options: &EngineOptions,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self, EngineError> {
         let n = cfg.num_hidden_layers;
         let mut layers = Vec::with_capacity(n);
         for i in 0..n {
-            layers.push(Block::load(w, &cfg, i)?);
+            layers.push(Block::load(w, &cfg, i, options)?);
             progress(i + 1, n);
         }
-        let norm = RmsNorm::load(w, "norm", cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norms)?;
+        let norm = RmsNorm::load(w, "norm", cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norms)?
+            .fusing_add(options.fused_add_norm);
         let rope = Rope::new(&cfg);
-        let f32_residual = cfg!(feature = "cuda")
-            && embed.device().is_cuda()
-            && embed.dtype() != DType::F32
-            && !std::env::var("LAYERTAP_F32_RESIDUAL").is_ok_and(|v| v == "0");
-        Ok(Decoder { cfg, embed, layers, norm, rope, f32_residual })
+        let f32_residual =
+            cfg!(feature = "cuda") && embed.device().is_cuda() && embed.dtype() != DType::F32 && options.f32_residual;
+        let kernels = batch_kernels(&cfg, embed.device(), embed.dtype(), options);
+        Ok(Decoder { cfg, options: options.clone(), embed, layers, norm, rope, f32_residual, kernels })
+    }
+
+    /// The switches the decoder was loaded with.
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
     }
 
     pub fn dtype(&self) -> DType {
@@ -146,7 +173,15 @@ impl Decoder {
     }
 
     pub fn packing(&self, cu_seqlens: &[usize]) -> candle_core::Result<BatchCtx> {
-        BatchCtx::new(&self.cfg, &self.rope, cu_seqlens, self.dtype(), self.device())
+        BatchCtx::new(
+            &self.cfg,
+            &self.rope,
+            cu_seqlens,
+            self.dtype(),
+            self.device(),
+            self.kernels,
+            self.options.profile,
+        )
     }
 
     /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in
@@ -223,12 +258,29 @@ impl Decoder {
     }
 }
 
+/// The kernels the batches of a model with `cfg` prepare for on `device` in `dtype`: those its
+/// attention layers chose at load ([`Attention::load`] asks the same questions).
+fn batch_kernels(cfg: &ModelConfig, device: &candle_core::Device, dtype: DType, o: &EngineOptions) -> BatchKernels {
+    #[cfg(feature = "cuda")]
+    if cfg.layers.iter().any(|l| l.mixer == MixerKind::FullAttention) {
+        use super::cuda::{attention, ops::QkvRope};
+        let hd = cfg.head_dim;
+        return BatchKernels {
+            attention: (o.cuda_attention && attention::supported(device, dtype, hd))
+                .then(|| o.attention_kernel.unwrap_or(super::AttentionKernel::default_for(hd))),
+            fused_rope: o.fused_rope && QkvRope::supported(device, dtype, hd, cfg.rotary_dim),
+        };
+    }
+    let _ = (cfg, device, dtype, o);
+    BatchKernels::default()
+}
+
 /// The embedding rows of `ids`. Candle's gather indexes its output in 32 bits; past that (a
 /// million tokens of a 4,096-wide model) a kernel of ours on CUDA copies the rows.
 fn embed(table: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if table.device().is_cuda() && ids.elem_count().saturating_mul(table.dim(1)?) > super::large::MAX_ELEMS {
-        return super::cuda_ops::copy_rows(table, Some(ids));
+        return super::cuda::ops::copy_rows(table, Some(ids));
     }
     table.index_select(ids, 0)
 }

@@ -10,6 +10,7 @@ use candle_core::{DType, Device};
 use super::config::ModelConfig;
 use super::decoder::Decoder;
 use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
+use super::options::EngineOptions;
 use super::weights::{TensorSource, Weights};
 use super::{EngineError, ModelEngine, ModelInfo, OutDType};
 
@@ -243,8 +244,19 @@ impl ModelFiles {
         Ok(weights)
     }
 
-    /// Loads the decoder onto `device` in `dtype`, with a progress bar on a terminal.
+    /// Loads the decoder onto `device` in `dtype`, with a progress bar on a terminal, with this
+    /// process's options ([`EngineOptions::startup`]: the `LAYERTAP_*` variables).
     pub fn load(&self, device: &Device, dtype: DType) -> Result<LoadedModel, EngineError> {
+        self.load_with(device, dtype, EngineOptions::startup())
+    }
+
+    /// [`ModelFiles::load`] with the given options.
+    pub fn load_with(
+        &self,
+        device: &Device,
+        dtype: DType,
+        options: &EngineOptions,
+    ) -> Result<LoadedModel, EngineError> {
         let config = self.config().clone();
         let weights = self.weights(device, dtype)?;
         let bar = indicatif::ProgressBar::new(config.num_hidden_layers as u64).with_style(
@@ -252,7 +264,7 @@ impl ModelFiles {
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         bar.set_message(self.id.clone());
-        let decoder = Decoder::load(config.clone(), &weights, |_, _| bar.inc(1));
+        let decoder = Decoder::load(config.clone(), &weights, options, |_, _| bar.inc(1));
         bar.finish_and_clear();
         let decoder = decoder?;
         weights.check_unread(config.num_hidden_layers)?;
@@ -268,7 +280,7 @@ impl ModelFiles {
     pub fn load_prefix_f32(&self, depth: usize, tokens: &[u32]) -> Result<ModelEngine, EngineError> {
         let config = self.config().truncated(depth);
         let weights = self.weights(&Device::Cpu, DType::F32)?;
-        ModelEngine::new(Decoder::load_for_tokens(config, &weights, tokens)?)
+        ModelEngine::new(Decoder::load_for_tokens(config, &weights, tokens, EngineOptions::startup())?)
     }
 }
 

@@ -4,21 +4,14 @@
 pub mod batch;
 pub mod config;
 #[cfg(feature = "cuda")]
-pub mod cuda_attention;
-#[cfg(feature = "cuda")]
-pub mod cuda_gdn;
-#[cfg(feature = "cuda")]
-pub mod cuda_module;
-#[cfg(feature = "cuda")]
-pub mod cuda_moe;
-#[cfg(feature = "cuda")]
-pub mod cuda_ops;
+pub mod cuda;
 pub mod decoder;
 pub mod gguf;
 pub mod host;
 pub mod large;
 pub mod layers;
 pub mod loader;
+pub mod options;
 pub mod output;
 pub mod profile;
 pub mod selfcheck;
@@ -30,6 +23,7 @@ pub use candle_core::{DType, Device};
 pub use config::{Family, LayerKinds, ModelConfig, ARCHITECTURES};
 pub use host::{Fp8Taps, HostBytes, HostTensor, LentBuffer, Taps};
 pub use loader::{load, LoadedModel, TokenizerSource};
+pub use options::{AttentionKernel, EngineOptions};
 pub use output::{Output, Rows};
 
 #[derive(Debug, thiserror::Error)]
@@ -222,8 +216,12 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
                 .and_then(|i| i.parse::<usize>().ok())
                 .ok_or_else(|| EngineError::Load(format!("unknown device {s:?}; use cpu or cuda:N")))?;
             #[cfg(feature = "cuda")]
-            if let Err(e) = sleep_in_device_waits(idx) {
-                tracing::warn!(device = s, "waits on the device keep the driver's default scheduling: {e}");
+            let options = EngineOptions::startup();
+            #[cfg(feature = "cuda")]
+            if !options.spin_wait {
+                if let Err(e) = cuda::device::sleep_in_device_waits(idx) {
+                    tracing::warn!(device = s, "waits on the device keep the driver's default scheduling: {e}");
+                }
             }
             let d = Device::new_cuda(idx).map_err(|e| {
                 EngineError::Load(format!(
@@ -234,11 +232,11 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
             {
                 tracing::info!(
                     device = s,
-                    kernels = cuda_module::ARCHS,
+                    kernels = cuda::module::ARCHS,
                     "CUDA device opened; kernels built for these compute capabilities"
                 );
-                if let Device::Cuda(c) = &d {
-                    if let Err(e) = keep_freed_device_memory(c) {
+                if !options.pool_release {
+                    if let Err(e) = cuda::device::keep_freed_device_memory(&d) {
                         tracing::warn!(device = s, "the device's memory pool keeps its default release threshold: {e}");
                     }
                 }
@@ -248,66 +246,11 @@ pub fn parse_device(s: &str) -> Result<Device, EngineError> {
     }
 }
 
-/// `LAYERTAP_SPIN_WAIT=1`: threads that wait on the GPU spin under the driver's default
-/// scheduling instead of sleeping (the device thread's waits and the result thread's), for
-/// comparison. Read once.
-#[cfg(feature = "cuda")]
-pub(crate) fn spin_wait() -> bool {
-    static SPIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| std::env::var("LAYERTAP_SPIN_WAIT").is_ok_and(|v| v == "1"))
-}
-
-/// Makes the host threads that wait on device `ordinal` sleep instead of spin, before its
-/// (primary) context is opened. Under the driver's default scheduling a thread waiting for the
-/// GPU (a synchronisation, or a copy from pageable memory that must wait for the stream) spins
-/// while there are fewer contexts than cores: the device thread then holds a core all the time
-/// the GPU works, and that core is one the encoders cannot use. `LAYERTAP_SPIN_WAIT=1` keeps the
-/// default, for comparison.
-#[cfg(feature = "cuda")]
-fn sleep_in_device_waits(ordinal: usize) -> Result<(), String> {
-    use candle_core::cuda_backend::cudarc::driver::{result, sys};
-    if spin_wait() {
-        return Ok(());
-    }
-    result::init().map_err(|e| e.to_string())?;
-    let dev = result::device::get(ordinal as i32).map_err(|e| e.to_string())?;
-    let flags = sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32;
-    // SAFETY: `dev` is a device handle the driver just returned; the call only records flags for
-    // the primary context that `Device::new_cuda` retains next.
-    unsafe { sys::cuDevicePrimaryCtxSetFlags_v2(dev, flags) }.result().map_err(|e| e.to_string())
-}
-
-/// Keeps the memory a CUDA device's default pool has freed (the pool `cuMemAllocAsync` draws
-/// from) mapped for reuse. With the pool's default release threshold of 0, every synchronisation
-/// hands the freed blocks back to the driver, and the next batch maps them again. The server's
-/// activations are reused batch after batch, as PyTorch's caching allocator keeps its own.
-/// `LAYERTAP_POOL_RELEASE=1` leaves the default.
-#[cfg(feature = "cuda")]
-fn keep_freed_device_memory(d: &candle_core::CudaDevice) -> Result<(), String> {
-    use candle_core::cuda_backend::cudarc::driver::{result, sys};
-    if std::env::var("LAYERTAP_POOL_RELEASE").is_ok_and(|v| v == "1") {
-        return Ok(());
-    }
-    let ctx = d.cuda_stream().context().clone();
-    ctx.bind_to_thread().map_err(|e| e.to_string())?;
-    let mut keep = u64::MAX;
-    // SAFETY: the device comes from a live context; the release threshold's value is a u64.
-    unsafe {
-        let pool = result::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| e.to_string())?;
-        result::mem_pool::set_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut keep as *mut u64).cast(),
-        )
-        .map_err(|e| e.to_string())
-    }
-}
-
 /// Number of visible CUDA devices (0 without the `cuda` feature).
 pub fn cuda_device_count() -> usize {
     #[cfg(feature = "cuda")]
     {
-        candle_core::cuda_backend::cudarc::driver::CudaContext::device_count().map(|n| n as usize).unwrap_or(0)
+        cuda::device::count()
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -319,17 +262,13 @@ pub fn cuda_device_count() -> usize {
 pub fn device_memory(device: &Device) -> Option<(u64, u64)> {
     #[cfg(feature = "cuda")]
     {
-        if let Device::Cuda(d) = device {
-            return d
-                .cuda_stream()
-                .context()
-                .mem_get_info()
-                .ok()
-                .map(|(free, total)| ((total - free) as u64, total as u64));
-        }
+        cuda::device::memory(device)
     }
-    let _ = device;
-    None
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        None
+    }
 }
 
 /// A handle for reading a device's memory from another thread (the metrics endpoint), taken once
@@ -363,7 +302,8 @@ pub struct LoadedEngine {
 /// the most demanding layer kind the model has: see [`ModelConfig::layer_bytes_per_token`])
 /// plus, where the portable attention runs (not the CUDA kernels, which keep scores on chip), the
 /// attention scores of one query chunk of the longest allowed input (f32 scores and
-/// probabilities), using 80% of what is free.
+/// probabilities), using 80% of what is free. Whether the CUDA attention kernels serve follows
+/// this process's [`EngineOptions::startup`], as the models it loads do.
 pub fn tokens_for_memory(
     cfg: &ModelConfig,
     device: &Device,
@@ -381,7 +321,7 @@ pub fn tokens_for_memory(
     let per_token = taps + layer + 8 * 2;
     // The CUDA attention kernels keep scores on chip; only the portable path holds them.
     #[cfg(feature = "cuda")]
-    let on_chip = cuda_attention::supported(device, dtype, cfg.head_dim);
+    let on_chip = EngineOptions::startup().cuda_attention && cuda::attention::supported(device, dtype, cfg.head_dim);
     #[cfg(not(feature = "cuda"))]
     let on_chip = {
         let _ = device;
@@ -505,28 +445,17 @@ pub trait Engine: Send {
 /// The real engine: a resident decoder on one device.
 pub struct ModelEngine {
     pub decoder: decoder::Decoder,
-    /// The stream that copies results to the host, on CUDA devices.
+    /// The copies of results to the host, on CUDA devices.
     #[cfg(feature = "cuda")]
-    copy_stream: Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>,
-    #[cfg(feature = "cuda")]
-    pinned: Option<std::sync::Arc<host::cuda_copy::PinnedPool>>,
+    copies: Option<cuda::pinned::HostCopies>,
 }
 
 impl ModelEngine {
     pub fn new(decoder: decoder::Decoder) -> Result<Self, EngineError> {
         #[cfg(feature = "cuda")]
         {
-            let (copy_stream, pinned) = match decoder.device() {
-                Device::Cuda(d) => {
-                    let ctx = d.cuda_stream().context().clone();
-                    let stream = ctx
-                        .new_stream()
-                        .map_err(|e| EngineError::Load(format!("cannot create a CUDA copy stream: {e}")))?;
-                    (Some(stream), Some(host::cuda_copy::PinnedPool::new(ctx)))
-                }
-                _ => (None, None),
-            };
-            Ok(ModelEngine { decoder, copy_stream, pinned })
+            let copies = cuda::pinned::HostCopies::for_device(decoder.device(), decoder.options().spin_wait)?;
+            Ok(ModelEngine { decoder, copies })
         }
         #[cfg(not(feature = "cuda"))]
         Ok(ModelEngine { decoder })
@@ -574,7 +503,7 @@ impl Engine for ModelEngine {
         // (262,144 tokens x 5 layers x 4,096); on CUDA a kernel of ours indexes in 64 bits.
         #[cfg(feature = "cuda")]
         let stacked = if device.is_cuda() && !states.is_empty() && states.iter().all(|s| s.rank() == 2) {
-            cuda_ops::stack_rows(&states)?
+            cuda::ops::stack_rows(&states)?
         } else {
             Tensor::stack(&states, 1)?
         };
@@ -588,22 +517,8 @@ impl Engine for ModelEngine {
         let prepared = output::prepare(&stacked, &batch.output)?;
         drop(stacked);
         #[cfg(feature = "cuda")]
-        if let (Some(stream), Some(pool), Device::Cuda(d)) = (&self.copy_stream, &self.pinned, &device) {
-            // The copy runs on its own stream, so it must be ordered after the work that wrote
-            // the prepared blocks: an event recorded now, behind that work on the compute stream. (Kernels
-            // that take their output as a shared reference record no write for the copy to wait
-            // on, and a copy that starts early reads rows not yet written.)
-            let written = d
-                .cuda_stream()
-                .record_event(None)
-                .map_err(|e| EngineError::from(candle_core::Error::Msg(format!("recording a CUDA event: {e}"))))?;
-            let (stream, pool) = (stream.clone(), pool.clone());
-            return Ok(Pending::new(move || {
-                stream
-                    .wait(&written)
-                    .map_err(|e| EngineError::from(candle_core::Error::Msg(format!("waiting on a CUDA event: {e}"))))?;
-                host::cuda_copy::prepared_to_host(layers, prepared, dtype, hidden, layers_run, &stream, &pool)
-            }));
+        if let Some(copies) = &self.copies {
+            return Ok(Pending::new(copies.start(layers, prepared, dtype, hidden, layers_run)?));
         }
         Ok(Pending::ready(Taps::from_prepared(layers, prepared, dtype, hidden, layers_run)))
     }

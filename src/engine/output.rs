@@ -93,7 +93,7 @@ fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> 
             if stacked.device().is_cuda() && stacked.elem_count() > super::large::MAX_ELEMS {
                 let (rows, layers, hidden) = stacked.dims3()?;
                 let flat = stacked.reshape((rows, layers * hidden))?;
-                return Ok(Some(super::cuda_ops::copy_rows(&flat, Some(&idx))?.reshape((r.len(), layers, hidden))?));
+                return Ok(Some(super::cuda::ops::copy_rows(&flat, Some(&idx))?.reshape((r.len(), layers, hidden))?));
             }
             Ok(Some(stacked.index_select(&idx, 0)?))
         }
@@ -157,7 +157,7 @@ pub fn quantize_fp8(states: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
 fn to_fp8(x: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return super::cuda_ops::f32_to_fp8(x);
+        return super::cuda::ops::f32_to_fp8(x);
     }
     x.to_dtype(DType::F8E4M3)
 }

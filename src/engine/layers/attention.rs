@@ -2,8 +2,6 @@
 //! RMSNorm, rotary embedding on the first `rotary_dim` dimensions of each head, causal
 //! attention per sequence, an optional sigmoid output gate, and the output projection.
 
-use std::time::Instant;
-
 use candle_core::{Tensor, D};
 
 use super::linear::{Linear, Projections};
@@ -11,7 +9,8 @@ use super::norm::RmsNorm;
 use super::sdpa::sequence_attention;
 use crate::engine::batch::BatchCtx;
 use crate::engine::config::ModelConfig;
-use crate::engine::profile;
+use crate::engine::options::EngineOptions;
+use crate::engine::profile::Phase;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -26,13 +25,17 @@ pub struct Attention {
     rotary_dim: usize,
     /// `q_proj` holds, per head, the query then its output gate.
     gated: bool,
-    /// The split, q/k norms and rotary embedding in one kernel, where it serves.
+    /// The split, q/k norms and rotary embedding in one kernel, where it serves and
+    /// `EngineOptions::fused_rope` leaves it on (chosen at load).
     #[cfg(feature = "cuda")]
-    fused: Option<crate::engine::cuda_ops::QkvRope>,
+    fused: Option<crate::engine::cuda::ops::QkvRope>,
 }
 
 impl Attention {
-    pub fn load(w: &Weights, c: &ModelConfig, prefix: &str) -> Result<Self, EngineError> {
+    /// The layer's weights, and its kernels as `o` chooses them. Whether the attention itself runs
+    /// in the CUDA kernel is the decoder's choice, made with the same options, since every layer
+    /// shares the batch's tile list ([`BatchCtx::tiles`]).
+    pub fn load(w: &Weights, c: &ModelConfig, prefix: &str, o: &EngineOptions) -> Result<Self, EngineError> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let q_out = if c.attn_output_gate { 2 * nq * hd } else { nq * hd };
@@ -42,26 +45,29 @@ impl Attention {
         let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms);
         let q_norm = c.qk_norm.then(|| norm("q_norm")).transpose()?;
         let k_norm = c.qk_norm.then(|| norm("k_norm")).transpose()?;
+        #[cfg(not(feature = "cuda"))]
+        let _ = o;
         #[cfg(feature = "cuda")]
-        let fused = if crate::engine::cuda_ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
-            let norms = match (&q_norm, &k_norm) {
-                (Some(qn), Some(kn)) => {
-                    let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
-                    Some((qw, kw, eps))
-                }
-                _ => None,
+        let fused =
+            if o.fused_rope && crate::engine::cuda::ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
+                let norms = match (&q_norm, &k_norm) {
+                    (Some(qn), Some(kn)) => {
+                        let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
+                        Some((qw, kw, eps))
+                    }
+                    _ => None,
+                };
+                Some(crate::engine::cuda::ops::QkvRope {
+                    heads: nq,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                    rotary_dim: c.rotary_dim,
+                    gated: c.attn_output_gate,
+                    norms,
+                })
+            } else {
+                None
             };
-            Some(crate::engine::cuda_ops::QkvRope {
-                heads: nq,
-                kv_heads: nkv,
-                head_dim: hd,
-                rotary_dim: c.rotary_dim,
-                gated: c.attn_output_gate,
-                norms,
-            })
-        } else {
-            None
-        };
         Ok(Attention {
             // On CUDA, fewer and larger matmuls; on the CPU the layout stays as the reference's.
             qkv: Projections::new(vec![q, k, v], w.device.is_cuda())?,
@@ -90,16 +96,14 @@ impl Attention {
     }
 
     /// `h`: the normed input `[T, hidden]`; returns the attention block's output `[T, hidden]`.
-    /// `since`: the start of the current profile phase.
-    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
-        let dev = h.device();
+    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let (Some(fused), Some((pos, inv_freq))) = (&self.fused, &ctx.rope_inputs) {
             if let Some(qkv) = self.qkv.joined(h)? {
-                profile::mark(dev, 0, since);
+                ctx.profile.mark(Phase::NormQkv);
                 let (q, k, v, gate) = fused.forward(&qkv, pos, inv_freq)?;
-                profile::mark(dev, 1, since);
-                return self.finish(&q, &k, &v, gate, ctx, since);
+                ctx.profile.mark(Phase::Rope);
+                return self.finish(&q, &k, &v, gate, ctx);
             }
         }
         let t = h.dim(0)?;
@@ -122,11 +126,11 @@ impl Attention {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
         }
-        profile::mark(dev, 0, since);
+        ctx.profile.mark(Phase::NormQkv);
         let q = self.rope(&q, ctx)?;
         let k = self.rope(&k, ctx)?;
-        profile::mark(dev, 1, since);
-        self.finish(&q, &k, &v.contiguous()?, gate, ctx, since)
+        ctx.profile.mark(Phase::Rope);
+        self.finish(&q, &k, &v.contiguous()?, gate, ctx)
     }
 
     /// Attention of the rotated `q`, `k` and `v`, the output gate and the output projection.
@@ -137,11 +141,10 @@ impl Attention {
         v: &Tensor,
         gate: Option<Tensor>,
         ctx: &BatchCtx,
-        since: &mut Instant,
     ) -> candle_core::Result<Tensor> {
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let attn = self.attend(q, k, v, scale, ctx)?;
-        profile::mark(q.device(), 2, since);
+        ctx.profile.mark(Phase::Attention);
         let attn = match gate {
             Some(g) => gate_output(&attn, &g)?,
             None => attn,
@@ -155,7 +158,7 @@ impl Attention {
         let t = q.dim(0)?;
         #[cfg(feature = "cuda")]
         if let Some(tiles) = &ctx.tiles {
-            return crate::engine::cuda_attention::packed_attention(q, k, v, tiles, scale, ctx.window)?
+            return crate::engine::cuda::attention::packed_attention(q, k, v, tiles, scale, ctx.window)?
                 .reshape((t, self.heads * self.head_dim));
         }
         if super::cpu_attention::supported(q) {

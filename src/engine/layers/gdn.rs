@@ -4,8 +4,6 @@
 //! of q and k, the chunked delta rule, the gated RMSNorm with `silu(z)`, the output projection.
 //! Everything between the projections runs in f32.
 
-use std::time::Instant;
-
 use candle_core::{DType, Tensor, D};
 
 use super::delta_rule;
@@ -13,7 +11,8 @@ use super::linear::{Linear, Projections};
 use super::norm::GatedRmsNorm;
 use crate::engine::batch::{BatchCtx, GdnPlan};
 use crate::engine::config::{GdnLayout, LinearAttentionConfig, ModelConfig};
-use crate::engine::profile;
+use crate::engine::options::EngineOptions;
+use crate::engine::profile::Phase;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -22,9 +21,13 @@ pub struct GatedDeltaNet {
     proj: Projections,
     /// `taps[s]`: the conv weight applied to the token `s` positions back, `[conv_dim]` f32.
     taps: Vec<Tensor>,
-    /// The conv weight `[conv_dim, kernel]` f32, for the CUDA kernels.
+    /// The conv weight `[conv_dim, kernel]` f32, for the CUDA kernels: present where they serve
+    /// and `EngineOptions::cuda_gdn` leaves them on (chosen at load).
     #[cfg(feature = "cuda")]
     conv: Option<Tensor>,
+    /// How the CUDA kernels compute the chunk products (`EngineOptions::gdn_tf32`).
+    #[cfg(feature = "cuda")]
+    products: crate::engine::cuda::gdn::Products,
     /// `-exp(A_log)`, f32 `[value_heads]`.
     neg_a: Tensor,
     dt_bias: Tensor,
@@ -122,7 +125,7 @@ pub fn mix_portable(
 }
 
 impl GatedDeltaNet {
-    pub fn load(w: &Weights, c: &ModelConfig, p: &str) -> Result<Self, EngineError> {
+    pub fn load(w: &Weights, c: &ModelConfig, p: &str, o: &EngineOptions) -> Result<Self, EngineError> {
         let d = c
             .linear_attention
             .clone()
@@ -140,14 +143,21 @@ impl GatedDeltaNet {
         };
         let conv = w.get_f32(&format!("{p}.conv1d.weight"), &[conv_dim, 1, d.conv_kernel])?.squeeze(1)?;
         let taps = conv_taps(&conv)?;
+        #[cfg(not(feature = "cuda"))]
+        let _ = o;
         #[cfg(feature = "cuda")]
-        let conv =
-            if crate::engine::cuda_gdn::supported(&w.device, &d) { Some(conv.contiguous()?.copy()?) } else { None };
+        let conv = if o.cuda_gdn && crate::engine::cuda::gdn::supported(&w.device, &d) {
+            Some(conv.contiguous()?.copy()?)
+        } else {
+            None
+        };
         Ok(GatedDeltaNet {
             proj: Projections::new(parts, w.device.is_cuda())?,
             taps,
             #[cfg(feature = "cuda")]
             conv,
+            #[cfg(feature = "cuda")]
+            products: crate::engine::cuda::gdn::Products::for_dtype(w.dtype, o.gdn_tf32),
             neg_a: w.get_f32(&format!("{p}.A_log"), &[nv])?.exp()?.neg()?,
             dt_bias: w.get_f32(&format!("{p}.dt_bias"), &[nv])?,
             norm: GatedRmsNorm::load(w, &format!("{p}.norm"), d.value_head_dim, c.rms_norm_eps)?,
@@ -157,8 +167,7 @@ impl GatedDeltaNet {
     }
 
     /// `h`: the normed input `[T, hidden]`; returns the mixer's output `[T, hidden]`.
-    /// `since`: the start of the current profile phase.
-    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx, since: &mut Instant) -> candle_core::Result<Tensor> {
+    pub fn forward(&self, h: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
         let plan = ctx.gdn.as_ref().ok_or_else(|| candle_core::Error::Msg("no linear-attention plan".into()))?;
         let t = h.dim(0)?;
         let d = &self.dims;
@@ -167,16 +176,20 @@ impl GatedDeltaNet {
         let (Some(qkv), Some(z), Some(b), Some(a)) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
             candle_core::bail!("gated deltanet: the projections returned fewer than four parts");
         };
-        profile::mark(h.device(), 5, since);
+        ctx.profile.mark(Phase::GdnProj);
         #[cfg(feature = "cuda")]
         let kernels = match (&self.conv, &plan.cuda) {
             (Some(conv), Some(tables)) => {
-                let w = crate::engine::cuda_gdn::GdnWeights { conv, neg_a: &self.neg_a, dt_bias: &self.dt_bias };
-                let products = crate::engine::cuda_gdn::Products::for_dtype(qkv.dtype());
-                let core = crate::engine::cuda_gdn::forward(&qkv, &b, &a, &w, tables, d, products)?;
-                profile::mark(h.device(), 8, since);
+                let w = crate::engine::cuda::gdn::GdnWeights {
+                    conv,
+                    neg_a: &self.neg_a,
+                    dt_bias: &self.dt_bias,
+                    products: self.products,
+                };
+                let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, &ctx.profile)?;
+                ctx.profile.mark(Phase::GdnKernels);
                 let (weight, eps) = self.norm.parts();
-                Some(crate::engine::cuda_gdn::gated_norm(&core, &z, weight, eps)?)
+                Some(crate::engine::cuda::gdn::gated_norm(&core, &z, weight, eps)?)
             }
             _ => None,
         };
@@ -189,7 +202,7 @@ impl GatedDeltaNet {
                 self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?
             }
         };
-        profile::mark(h.device(), 6, since);
+        ctx.profile.mark(Phase::GdnCore);
         self.out.forward(&normed.reshape((t, nv * dv))?)
     }
 }

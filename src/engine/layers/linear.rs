@@ -114,7 +114,7 @@ fn split_part(y: &Tensor, at: usize, w: usize) -> candle_core::Result<Tensor> {
     let part = y.narrow(1, at, w)?;
     #[cfg(feature = "cuda")]
     if y.device().is_cuda() && y.elem_count() > crate::engine::large::MAX_ELEMS {
-        return crate::engine::cuda_ops::copy_rows(&part, None);
+        return crate::engine::cuda::ops::copy_rows(&part, None);
     }
     part.contiguous()
 }
@@ -123,7 +123,7 @@ fn split_part(y: &Tensor, at: usize, w: usize) -> candle_core::Result<Tensor> {
 pub fn residual(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if x.dtype() == DType::F32 && y.dtype() != DType::F32 {
-        return crate::engine::cuda_ops::add_f32(x, y);
+        return crate::engine::cuda::ops::add_f32(x, y);
     }
     if x.rank() > 0 && x.dims() == y.dims() {
         let extent = crate::engine::large::row_extent(x).max(crate::engine::large::row_extent(y));

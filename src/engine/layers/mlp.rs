@@ -56,7 +56,7 @@ impl GatedMlp {
                 }
             }
             #[cfg(feature = "cuda")]
-            GateUp::Fused(l) => crate::engine::cuda_ops::silu_mul(&l.forward(h)?)?,
+            GateUp::Fused(l) => crate::engine::cuda::ops::silu_mul(&l.forward(h)?)?,
             #[cfg(not(feature = "cuda"))]
             GateUp::Fused(_) => candle_core::bail!("fused gate/up needs the cuda feature"),
         };

@@ -7,6 +7,8 @@ use candle_core::{DType, Tensor, D};
 use super::linear::Linear;
 use super::mlp::GatedMlp;
 use crate::engine::config::MoeConfig;
+use crate::engine::options::EngineOptions;
+use crate::engine::profile::Profiler;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -31,17 +33,28 @@ pub struct SparseMoe {
 }
 
 /// The experts of `{prefix}.experts`, stored either fused (`gate_up_proj` [E, 2I, H] with the
-/// gate rows first, `down_proj` [E, H, I]) or one module per expert.
-fn load_experts(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Experts, EngineError> {
+/// gate rows first, `down_proj` [E, H, I]) or one module per expert; stacked for the experts'
+/// CUDA kernels where they serve and `o.cuda_moe` leaves them on.
+fn load_experts(
+    w: &Weights,
+    prefix: &str,
+    m: &MoeConfig,
+    hidden: usize,
+    o: &EngineOptions,
+) -> Result<Experts, EngineError> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = o;
     #[cfg(feature = "cuda")]
-    if crate::engine::cuda_moe::supported(
-        &w.device,
-        w.dtype,
-        hidden,
-        m.expert_intermediate_size,
-        m.num_experts,
-        m.experts_per_token,
-    ) {
+    if o.cuda_moe
+        && crate::engine::cuda::moe::supported(
+            &w.device,
+            w.dtype,
+            hidden,
+            m.expert_intermediate_size,
+            m.num_experts,
+            m.experts_per_token,
+        )
+    {
         let (e, i) = (m.num_experts, m.expert_intermediate_size);
         let fused = format!("{prefix}.experts.gate_up_proj");
         if w.has(&fused) {
@@ -92,7 +105,13 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
 
 impl SparseMoe {
     /// `{prefix}` is the layer's `mlp`: router `gate`, `experts`, `shared_expert(_gate)`.
-    pub fn load(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Self, EngineError> {
+    pub fn load(
+        w: &Weights,
+        prefix: &str,
+        m: &MoeConfig,
+        hidden: usize,
+        o: &EngineOptions,
+    ) -> Result<Self, EngineError> {
         let shared = match m.shared_expert_intermediate_size {
             Some(s) => Some((
                 GatedMlp::load(w, &format!("{prefix}.shared_expert"), hidden, s, false)?,
@@ -102,7 +121,7 @@ impl SparseMoe {
         };
         Ok(SparseMoe {
             router: Linear::load(w, &format!("{prefix}.gate"), m.num_experts, hidden, false)?,
-            experts: load_experts(w, prefix, m, hidden)?,
+            experts: load_experts(w, prefix, m, hidden, o)?,
             shared,
             top_k: m.experts_per_token,
             norm_topk_prob: m.norm_topk_prob,
@@ -121,42 +140,53 @@ impl SparseMoe {
     }
 
     /// `x`: the normed input `[T, hidden]`; returns the block's output `[T, hidden]`.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `profile`: the forward pass's clock, whose phase the CUDA kernels' path splits (it marks
+    /// `moe_route`, `moe_experts` and `moe_combine` on a clock of its own).
+    pub fn forward(&self, x: &Tensor, profile: &Profiler) -> candle_core::Result<Tensor> {
         match &self.experts {
             #[cfg(feature = "cuda")]
-            Experts::Stacked { gate_up, down } => self.forward_stacked(x, gate_up, down),
+            Experts::Stacked { gate_up, down } => self.forward_stacked(x, gate_up, down, profile),
             #[cfg(not(feature = "cuda"))]
-            Experts::Stacked { .. } => candle_core::bail!("stacked experts need the cuda feature"),
+            Experts::Stacked { .. } => {
+                let _ = profile;
+                candle_core::bail!("stacked experts need the cuda feature")
+            }
             Experts::PerExpert(experts) => self.forward_per_expert(x, experts),
         }
     }
 
-    /// The CUDA kernels' path (`cuda_moe`): routing, sorting by expert, both projections and
+    /// The CUDA kernels' path (`cuda::moe`): routing, sorting by expert, both projections and
     /// the weighted sum (with the shared expert's gate) stay on the device. The weighted sum runs
     /// over the slots, best first, in f32, as on the other path; the routing weights stay f32.
     #[cfg(feature = "cuda")]
-    fn forward_stacked(&self, x: &Tensor, gate_up: &Tensor, down: &Tensor) -> candle_core::Result<Tensor> {
-        use crate::engine::cuda_moe;
-        use crate::engine::profile;
+    fn forward_stacked(
+        &self,
+        x: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        profile: &Profiler,
+    ) -> candle_core::Result<Tensor> {
+        use crate::engine::cuda::moe as cuda_moe;
+        use crate::engine::profile::Phase;
         if x.dim(0)? == 0 {
             return x.zeros_like();
         }
-        let mut since = std::time::Instant::now();
-        let dev = x.device();
+        let profile = profile.nested();
         let (idx, weights) = cuda_moe::route(&self.router.forward(x)?, self.top_k, self.norm_topk_prob)?;
         let plan = cuda_moe::plan(&idx, down.dim(0)?)?;
-        profile::mark(dev, profile::MOE_ROUTE, &mut since);
+        profile.mark(Phase::MoeRoute);
         let ys = cuda_moe::grouped_matmul(&cuda_moe::grouped_swiglu(x, gate_up, &plan)?, down, &plan)?;
-        profile::mark(dev, profile::MOE_EXPERTS, &mut since);
+        profile.mark(Phase::MoeExperts);
         let out = match &self.shared {
             Some((mlp, gate)) => cuda_moe::combine(&ys, &plan, &weights, Some((&mlp.forward(x)?, x, gate)))?,
             None => cuda_moe::combine(&ys, &plan, &weights, None)?,
         };
-        profile::mark(dev, profile::MOE_COMBINE, &mut since);
+        profile.mark(Phase::MoeCombine);
         Ok(out)
     }
 
-    /// One matmul chain per expert (CPU, f32 on CUDA, or `LAYERTAP_CUDA_MOE=0`).
+    /// One matmul chain per expert (CPU, f32 on CUDA, or `LAYERTAP_CUDA_MOE=0`:
+    /// `EngineOptions::cuda_moe`).
     ///
     /// The `(token, slot)` pairs are sorted by expert (stably) and the tokens gathered once in
     /// that order, so each expert runs one matmul chain over a contiguous block of rows; the

@@ -12,6 +12,10 @@ pub struct RmsNorm {
     eps: f32,
     /// Zero-centred norms keep `1 + w` in f32 and round once, to this dtype, at the end.
     zero_centred: Option<DType>,
+    /// Whether [`RmsNorm::add_forward`] may run the fused kernel (`EngineOptions::fused_add_norm`,
+    /// through [`RmsNorm::fusing_add`]; off unless set).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fuse_add: bool,
 }
 
 impl RmsNorm {
@@ -20,9 +24,15 @@ impl RmsNorm {
         if zero_centred {
             // Transformers computes `x_f32 * rsqrt(mean(x^2) + eps) * (1 + w_f32)`, then rounds.
             let weight = (w.get_f32(&format!("{name}.weight"), &[size])? + 1.0)?;
-            return Ok(RmsNorm { weight, eps, zero_centred: Some(w.dtype) });
+            return Ok(RmsNorm { weight, eps, zero_centred: Some(w.dtype), fuse_add: false });
         }
-        Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps, zero_centred: None })
+        Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps, zero_centred: None, fuse_add: false })
+    }
+
+    /// The same norm, its residual add fused where the kernel serves when `on` (the norms a
+    /// residual add feeds: each layer's two and the final one).
+    pub fn fusing_add(self, on: bool) -> Self {
+        RmsNorm { fuse_add: on, ..self }
     }
 
     /// The weight in f32 (`1 + w` for zero-centred norms) and epsilon, for fused kernels.
@@ -50,19 +60,19 @@ impl RmsNorm {
         }
         #[cfg(feature = "cuda")]
         if x.dtype() == DType::F32 && self.weight.dtype() != DType::F32 {
-            return crate::engine::cuda_ops::rms_norm_f32(x, &self.weight, self.eps);
+            return crate::engine::cuda::ops::rms_norm_f32(x, &self.weight, self.eps);
         }
         candle_nn::ops::rms_norm(x, &self.weight, self.eps)
     }
 
     /// `x + y` (the residual add) and this norm of it. On CUDA, for the f32 stream, a 16-bit
-    /// sublayer output and a 16-bit weight, one kernel does both, bitwise as the two ops
-    /// (`LAYERTAP_FUSED_ADD_NORM=0` keeps them separate, for comparison); elsewhere [`residual`]
-    /// then [`RmsNorm::forward`].
+    /// sublayer output and a 16-bit weight, one kernel does both, bitwise as the two ops (unless
+    /// [`RmsNorm::fusing_add`] turned it off, for comparison); elsewhere [`residual`] then
+    /// [`RmsNorm::forward`].
     pub fn add_forward(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if self.fuses_add(x, y) {
-            return crate::engine::cuda_ops::add_rms_norm_f32(x, y, &self.weight, self.eps);
+            return crate::engine::cuda::ops::add_rms_norm_f32(x, y, &self.weight, self.eps);
         }
         let x = residual(x, y)?;
         let h = self.forward(&x)?;
@@ -78,7 +88,7 @@ impl RmsNorm {
                 && x.dtype() == DType::F32
                 && matches!(self.weight.dtype(), DType::BF16 | DType::F16)
                 && y.dtype() == self.weight.dtype()
-                && fused_add_norm()
+                && self.fuse_add
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -86,12 +96,6 @@ impl RmsNorm {
             false
         }
     }
-}
-
-#[cfg(feature = "cuda")]
-fn fused_add_norm() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !std::env::var("LAYERTAP_FUSED_ADD_NORM").is_ok_and(|v| v == "0"))
 }
 
 /// `rms_norm(x) * w * silu(z)` over the last dimension, in f32 (the weight may be stored in

@@ -2,15 +2,18 @@
 //! models, with no round trip to the host: the router's top k per token, the (token, slot) pairs
 //! sorted by expert into a [`Plan`], the experts' SwiGLU and down projections as one grouped
 //! launch each (the first gathers its rows straight from the tokens), and the weighted sum over
-//! the slots with the shared expert in one pass. `LAYERTAP_CUDA_MOE=0` turns the kernels off
+//! the slots with the shared expert in one pass. `EngineOptions::cuda_moe` turns the kernels off
 //! (one matmul chain per expert instead, sorted on the host).
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Shape, Storage, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{DType, Device, Tensor};
 
-use super::cuda_module::{cuda_view, kernel, MOE};
+use super::module::{fatbin, kernel, Module};
+use super::{cuda_device, cuda_view, kernel_name, tensor as wrap};
+
+/// `kernels/moe.cu`.
+const MOE: Module = fatbin!("moe");
 
 /// Rows of the grouped kernel's tiles (`BM` in the kernel).
 const BM: usize = 64;
@@ -27,25 +30,12 @@ const PLACE_PAIRS: usize = 256 * 8;
 /// Whether the kernels serve `experts` experts of `hidden` x `inter`, `top_k` per token, in
 /// `dtype` on `device`.
 pub fn supported(device: &Device, dtype: DType, hidden: usize, inter: usize, experts: usize, top_k: usize) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_MOE").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda()
+    device.is_cuda()
         && matches!(dtype, DType::BF16 | DType::F16)
-        && hidden % 8 == 0
-        && inter % 8 == 0
+        && hidden.is_multiple_of(8)
+        && inter.is_multiple_of(8)
         && experts <= MAX_EXPERTS
         && (1..=MAX_TOP_K.min(experts)).contains(&top_k)
-}
-
-fn cuda_device(t: &Tensor) -> candle_core::Result<CudaDevice> {
-    match t.device() {
-        Device::Cuda(d) => Ok(d.clone()),
-        _ => candle_core::bail!("the experts' kernels run on CUDA devices only"),
-    }
-}
-
-fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
-    Tensor::from_storage(Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())), shape, BackpropOp::none(), false)
 }
 
 fn launch(b: &mut LaunchArgs<'_>, grid: (u32, u32), block: u32) -> candle_core::Result<()> {
@@ -60,18 +50,16 @@ fn as_i32(n: usize, what: &str) -> candle_core::Result<i32> {
     i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("the experts' kernels: {what} = {n} is too large")))
 }
 
-/// Runs `$body` with `$t` the half type of `$dtype` and `$sfx` its kernel suffix.
+/// Runs `$body` with `$t` the half type of `$dtype`.
 macro_rules! half_type {
-    ($dtype:expr, $t:ident, $sfx:ident, $body:block) => {
+    ($dtype:expr, $t:ident, $body:block) => {
         match $dtype {
             DType::BF16 => {
                 type $t = half::bf16;
-                let $sfx = "bf16";
                 $body
             }
             DType::F16 => {
                 type $t = half::f16;
-                let $sfx = "f16";
                 $body
             }
             other => candle_core::bail!("the experts' kernels take bf16 or f16, got {other:?}"),
@@ -87,22 +75,22 @@ pub fn route(logits: &Tensor, k: usize, norm: bool) -> candle_core::Result<(Tens
     if e > MAX_EXPERTS || k == 0 || k > MAX_TOP_K.min(e) {
         candle_core::bail!("routing: {k} of {e} experts is not served (at most {MAX_TOP_K} of {MAX_EXPERTS})");
     }
-    let dev = cuda_device(&logits)?;
+    let dev = cuda_device(&logits, "moe routing")?;
     // SAFETY: the kernel writes k experts and weights for each of the t tokens.
     let idx = unsafe { dev.alloc::<u32>(t * k)? };
     let w = unsafe { dev.alloc::<f32>(t * k)? };
     if t > 0 {
         let (s, l) = logits.storage_and_layout();
         let (t_i, e_i, k_i, n_i) = (as_i32(t, "tokens")?, e as i32, k as i32, norm as i32);
-        half_type!(logits.dtype(), H, sfx, {
+        half_type!(logits.dtype(), H, {
             let lv = cuda_view::<H>(&s, l, "the router's logits")?;
-            let f = kernel(&dev, MOE, &format!("moe_route_{sfx}"))?;
+            let f = kernel(dev, MOE, &kernel_name::<H>("moe_route"))?;
             let mut b = f.builder();
             b.arg(&lv).arg(&idx).arg(&w).arg(&t_i).arg(&e_i).arg(&k_i).arg(&n_i);
             launch(&mut b, (t.div_ceil(ROUTE_WARPS) as u32, 1), (ROUTE_WARPS * 32) as u32)?;
         });
     }
-    Ok((wrap(idx, &dev, (t, k)), wrap(w, &dev, (t, k))))
+    Ok((wrap(idx, dev, (t, k)), wrap(w, dev, (t, k))))
 }
 
 /// The (token, slot) pairs of a batch sorted by expert, all on the device.
@@ -128,7 +116,7 @@ pub fn plan(idx: &Tensor, experts: usize) -> candle_core::Result<Plan> {
     if experts == 0 || experts > MAX_EXPERTS {
         candle_core::bail!("sorting by expert: {experts} experts (1 to {MAX_EXPERTS} are served)");
     }
-    let dev = cuda_device(&idx)?;
+    let dev = cuda_device(&idx, "moe sorting")?;
     let bound = pairs.div_ceil(BM) + experts.min(pairs);
     let counts = dev.alloc_zeros::<u32>(experts)?;
     let cursor = dev.alloc_zeros::<u32>(experts)?;
@@ -143,24 +131,24 @@ pub fn plan(idx: &Tensor, experts: usize) -> candle_core::Result<Plan> {
         let (s, l) = idx.storage_and_layout();
         let iv = cuda_view::<u32>(&s, l, "the chosen experts")?;
         let (p_i, e_i, t_i, k_i) = (as_i32(pairs, "pairs")?, experts as i32, t as i32, k as i32);
-        let f = kernel(&dev, MOE, "moe_count")?;
+        let f = kernel(dev, MOE, "moe_count")?;
         let mut b = f.builder();
         b.arg(&iv).arg(&counts).arg(&p_i).arg(&e_i);
         launch(&mut b, (pairs.div_ceil(PLACE_PAIRS).min(1024) as u32, 1), 256)?;
-        let f = kernel(&dev, MOE, "moe_offsets")?;
+        let f = kernel(dev, MOE, "moe_offsets")?;
         let mut b = f.builder();
         b.arg(&counts).arg(&starts).arg(&tiles).arg(&n_tiles).arg(&e_i);
         launch(&mut b, (1, 1), 256)?;
-        let f = kernel(&dev, MOE, "moe_place")?;
+        let f = kernel(dev, MOE, "moe_place")?;
         let mut b = f.builder();
         b.arg(&iv).arg(&starts).arg(&cursor).arg(&tokens).arg(&row_of).arg(&t_i).arg(&k_i).arg(&e_i);
         launch(&mut b, (pairs.div_ceil(PLACE_PAIRS) as u32, 1), 256)?;
     }
     Ok(Plan {
-        tokens: wrap(tokens, &dev, pairs),
-        row_of: wrap(row_of, &dev, pairs),
-        tiles: wrap(tiles, &dev, (bound.max(1), 3)),
-        n_tiles: wrap(n_tiles, &dev, 1),
+        tokens: wrap(tokens, dev, pairs),
+        row_of: wrap(row_of, dev, pairs),
+        tiles: wrap(tiles, dev, (bound.max(1), 3)),
+        n_tiles: wrap(n_tiles, dev, 1),
         bound,
         t,
         k,
@@ -187,14 +175,14 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
     let rows = plan.t * plan.k;
     let n = if swiglu { wn / 2 } else { wn };
     let want_rows = if swiglu { plan.t } else { rows };
-    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(8);
     if kw != k || k % 8 != 0 || n % 8 != 0 || (swiglu && wn % 2 != 0) || xr != want_rows || x.dtype() != w.dtype() {
         candle_core::bail!("grouped matmul: x {:?} and w {:?} do not fit a plan of {rows} rows", x.shape(), w.shape());
     }
     if !aligned(&x) || !aligned(&w) {
         candle_core::bail!("grouped matmul: x and w must start 16-byte aligned");
     }
-    let dev = cuda_device(&x)?;
+    let dev = cuda_device(&x, "grouped matmul")?;
     let (n_i, k_i) = (as_i32(n, "columns")?, as_i32(k, "the reduction")?);
     let block_cols = if swiglu { BN_SWIGLU } else { BN };
     let (xs, xl) = x.storage_and_layout();
@@ -205,15 +193,15 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
     let tiles = cuda_view::<u32>(&ts, tl, "the tile list")?;
     let n_tiles = cuda_view::<u32>(&cs, cl, "the tile count")?;
     let gather = cuda_view::<u32>(&gs, gl, "the rows' tokens")?;
-    half_type!(x.dtype(), H, sfx, {
+    half_type!(x.dtype(), H, {
         let xv = cuda_view::<H>(&xs, xl, "x")?;
         let wv = cuda_view::<H>(&ws, wl, "w")?;
         // SAFETY: the tiles cover every row of the plan once, and each writes all n columns of
         // its rows.
         let y = unsafe { dev.alloc::<H>(rows * n)? };
         if rows > 0 {
-            let name = if swiglu { format!("grouped_swiglu_{sfx}") } else { format!("grouped_mm_{sfx}") };
-            let f = kernel(&dev, MOE, &name)?;
+            let name = kernel_name::<H>(if swiglu { "grouped_swiglu" } else { "grouped_mm" });
+            let f = kernel(dev, MOE, &name)?;
             let mut b = f.builder();
             let null = 0u64;
             b.arg(&xv);
@@ -225,7 +213,7 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
             b.arg(&wv).arg(&y).arg(&tiles).arg(&n_tiles).arg(&n_i).arg(&k_i);
             launch(&mut b, (plan.bound as u32, n.div_ceil(block_cols) as u32), 128)?;
         }
-        Ok(wrap(y, &dev, (rows, n)))
+        Ok(wrap(y, dev, (rows, n)))
     })
 }
 
@@ -259,19 +247,19 @@ pub fn combine(
         }
         None => None,
     };
-    let dev = cuda_device(&ys)?;
+    let dev = cuda_device(&ys, "moe combine")?;
     let (ys_s, ys_l) = ys.storage_and_layout();
     let (ro_s, ro_l) = plan.row_of.storage_and_layout();
     let (w_s, w_l) = weights.storage_and_layout();
     let row_of = cuda_view::<u32>(&ro_s, ro_l, "the rows of the slots")?;
     let wv = cuda_view::<f32>(&w_s, w_l, "the routing weights")?;
     let (t_i, h_i, k_i) = (as_i32(t, "tokens")?, as_i32(h, "hidden")?, k as i32);
-    half_type!(ys.dtype(), H, sfx, {
+    half_type!(ys.dtype(), H, {
         let yv = cuda_view::<H>(&ys_s, ys_l, "the experts' outputs")?;
         // SAFETY: one block per token writes all h columns of its row.
         let out = unsafe { dev.alloc::<H>(t * h)? };
         if t > 0 {
-            let f = kernel(&dev, MOE, &format!("moe_combine_{sfx}"))?;
+            let f = kernel(dev, MOE, &kernel_name::<H>("moe_combine"))?;
             let mut b = f.builder();
             b.arg(&yv).arg(&row_of).arg(&wv);
             let null = 0u64;
@@ -297,6 +285,6 @@ pub fn combine(
             b.arg(&out).arg(&t_i).arg(&h_i).arg(&k_i);
             launch(&mut b, (t as u32, 1), 256)?;
         }
-        Ok(wrap(out, &dev, (t, h)))
+        Ok(wrap(out, dev, (t, h)))
     })
 }

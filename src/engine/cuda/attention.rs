@@ -2,78 +2,42 @@
 //! scores kept on chip, each sequence attending only to itself. Used for bf16 and f16 with head
 //! dimensions 64, 128 and 256; other cases take the portable path in `attention.rs`.
 
-use super::cuda_module::{cuda_view, kernel, ATTENTION};
+use super::module::{fatbin, kernel, Module};
+use super::{contiguous_view, cpu_fwd_cuda_only, cuda_view, kernel_name, KernelType};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
-/// The kernel's variants (`kernels/attention.cu`). They give bitwise the same output: each query
-/// row meets the same key tiles in the same order; they differ in how the tiles reach the
-/// tensor cores and in how many query rows a block holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Variant {
-    /// The first kernel: 64 query rows per block, K/V tiles loaded through registers.
-    Simple,
-    /// K/V tiles streamed by cp.async in two stages and read by ldmatrix; 4 warps, 64 rows.
-    Pipelined4,
-    /// The same with 8 warps, 128 rows: each K/V tile serves twice as many queries.
-    Pipelined8,
-    /// 128 rows, each warp holding 32 of them (two groups of 16 sharing every K/V fragment it
-    /// reads), Q staged in shared memory; for head dim 256, 8 warps of 16 rows.
-    Wide,
-}
+/// `kernels/attention.cu`.
+const ATTENTION: Module = fatbin!("attention");
 
-impl Variant {
-    pub const ALL: [Variant; 4] = [Variant::Simple, Variant::Pipelined4, Variant::Pipelined8, Variant::Wide];
+pub use crate::engine::options::AttentionKernel;
 
-    /// `LAYERTAP_ATTENTION_KERNEL=simple|w4|w8|wide` picks one (for comparing them); otherwise
-    /// [`Variant::default_for`] the head dimension.
-    pub fn chosen(head_dim: usize) -> Variant {
-        static CHOSEN: std::sync::OnceLock<Option<Variant>> = std::sync::OnceLock::new();
-        let picked = *CHOSEN.get_or_init(|| match std::env::var("LAYERTAP_ATTENTION_KERNEL").as_deref() {
-            Ok("simple") => Some(Variant::Simple),
-            Ok("w4") => Some(Variant::Pipelined4),
-            Ok("w8") => Some(Variant::Pipelined8),
-            Ok("wide") => Some(Variant::Wide),
-            _ => None,
-        });
-        picked.unwrap_or(Variant::default_for(head_dim))
-    }
-
-    /// The wide kernel for head dims 64 and 128 (measured on the dense 8B shape: +4 % end to end
-    /// over the 4-warp pipelined kernel); the 4-warp pipelined kernel for 256 (Qwen3.5/3.6's
-    /// full-attention layers), where the wide one has 8 warps of 16 rows and was not measured.
-    pub fn default_for(head_dim: usize) -> Variant {
-        if head_dim == 256 {
-            Variant::Pipelined4
-        } else {
-            Variant::Wide
-        }
-    }
-
+/// How each variant launches (`kernels/attention.cu`).
+impl AttentionKernel {
     /// Query rows per block (`BM` in the kernel).
     pub fn rows(self) -> usize {
         match self {
-            Variant::Simple | Variant::Pipelined4 => 64,
-            Variant::Pipelined8 | Variant::Wide => 128,
+            AttentionKernel::Simple | AttentionKernel::Pipelined4 => 64,
+            AttentionKernel::Pipelined8 | AttentionKernel::Wide => 128,
         }
     }
 
     /// Threads per block for head dimension `d`.
     fn threads(self, d: usize) -> u32 {
         match self {
-            Variant::Wide if d != 256 => 128,
+            AttentionKernel::Wide if d != 256 => 128,
             _ => 2 * self.rows() as u32,
         }
     }
 
     fn prefix(self) -> &'static str {
         match self {
-            Variant::Simple => "packed_attention",
-            Variant::Pipelined4 => "pipelined_attention_w4",
-            Variant::Pipelined8 => "pipelined_attention_w8",
-            Variant::Wide => "wide_attention",
+            AttentionKernel::Simple => "packed_attention",
+            AttentionKernel::Pipelined4 => "pipelined_attention_w4",
+            AttentionKernel::Pipelined8 => "pipelined_attention_w8",
+            AttentionKernel::Wide => "wide_attention",
         }
     }
 
@@ -82,9 +46,9 @@ impl Variant {
     /// them; the first kernel's is static.
     fn shared_bytes(self, d: usize) -> usize {
         match self {
-            Variant::Simple => 0,
-            Variant::Pipelined4 | Variant::Pipelined8 => 2 * 2 * keys(d) * (d + 8) * 2,
-            Variant::Wide => (self.rows() + 2 * 2 * keys(d)) * (d + 8) * 2,
+            AttentionKernel::Simple => 0,
+            AttentionKernel::Pipelined4 | AttentionKernel::Pipelined8 => 2 * 2 * keys(d) * (d + 8) * 2,
+            AttentionKernel::Wide => (self.rows() + 2 * 2 * keys(d)) * (d + 8) * 2,
         }
     }
 }
@@ -102,26 +66,18 @@ fn keys(d: usize) -> usize {
 pub struct Tiles {
     list: Tensor,
     n: usize,
-    variant: Variant,
+    variant: AttentionKernel,
 }
 
-/// Whether the kernel covers this case. `LAYERTAP_CUDA_ATTENTION=0` turns it off (the portable
-/// path then runs on the GPU too), for comparing the two.
+/// Whether the kernel covers this case (`EngineOptions::cuda_attention` can still turn it off).
 pub fn supported(device: &Device, dtype: DType, head_dim: usize) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_ATTENTION").is_ok_and(|v| v == "0"));
-    !off && device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128 | 256)
-}
-
-/// The work list for a batch, for the variant chosen for this head dimension ([`Variant::chosen`]).
-pub fn tiles(seqs: &[(usize, usize)], device: &Device, head_dim: usize) -> candle_core::Result<Tiles> {
-    tiles_for(seqs, device, Variant::chosen(head_dim))
+    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && matches!(head_dim, 64 | 128 | 256)
 }
 
 /// The work list for a batch: one `(sequence start, sequence length, tile index)` triple per
 /// tile of `variant.rows()` queries, the tiles with the most keys first so long sequences do not
 /// finish last.
-pub fn tiles_for(seqs: &[(usize, usize)], device: &Device, variant: Variant) -> candle_core::Result<Tiles> {
+pub fn tiles_for(seqs: &[(usize, usize)], device: &Device, variant: AttentionKernel) -> candle_core::Result<Tiles> {
     let mut list: Vec<[u32; 3]> = Vec::new();
     for &(start, len) in seqs {
         for i in 0..len.div_ceil(variant.rows()) {
@@ -157,28 +113,15 @@ pub fn packed_attention(
 struct PackedAttention {
     tiles: Tensor,
     n_tiles: usize,
-    variant: Variant,
+    variant: AttentionKernel,
     scale: f32,
     window: Option<usize>,
 }
 
-fn view<'a, T: DeviceRepr>(
-    s: &'a CudaSlice<T>,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    match l.contiguous_offsets() {
-        Some((a, b)) if a % 8 == 0 => Ok(s.slice(a..b)),
-        _ => candle_core::bail!("packed attention: {what} must be contiguous and 16-byte aligned"),
-    }
-}
-
 impl PackedAttention {
-    #[allow(clippy::too_many_arguments)]
-    fn launch<T: DeviceRepr>(
+    fn launch<T: KernelType>(
         &self,
         dev: &CudaDevice,
-        name: &str,
         q: (&CudaSlice<T>, &Layout),
         k: (&CudaSlice<T>, &Layout),
         v: (&CudaSlice<T>, &Layout),
@@ -194,8 +137,13 @@ impl PackedAttention {
                 v.1.shape()
             );
         }
-        let (qv, kv, vv) = (view(q.0, q.1, "q")?, view(k.0, k.1, "k")?, view(v.0, v.1, "v")?);
-        let func = kernel(dev, ATTENTION, &format!("{}_{name}", self.variant.prefix()))?;
+        if [q.1, k.1, v.1].iter().any(|l| l.start_offset() % 8 != 0) {
+            candle_core::bail!("packed attention: q, k and v must start 16-byte aligned");
+        }
+        let qv = contiguous_view(q.0, q.1, "packed attention: q")?;
+        let kv = contiguous_view(k.0, k.1, "packed attention: k")?;
+        let vv = contiguous_view(v.0, v.1, "packed attention: v")?;
+        let func = kernel(dev, ATTENTION, &format!("{}_d{d}", kernel_name::<T>(self.variant.prefix())))?;
         let shared = self.variant.shared_bytes(d);
         if shared > 0 {
             func.max_dynamic_shared(shared)?;
@@ -235,17 +183,7 @@ impl candle_core::CustomOp3 for PackedAttention {
         "packed-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("packed attention kernel runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -259,13 +197,12 @@ impl candle_core::CustomOp3 for PackedAttention {
         let dev = q.device();
         let (tiles_storage, tiles_layout) = self.tiles.storage_and_layout();
         let tiles = cuda_view::<u32>(&tiles_storage, tiles_layout, "packed attention: the tile list")?;
-        let d = ql.shape().dims3()?.2;
         let slice = match (&q.slice, &k.slice, &v.slice) {
             (CudaStorageSlice::BF16(qs), CudaStorageSlice::BF16(ks), CudaStorageSlice::BF16(vs)) => {
-                CudaStorageSlice::BF16(self.launch(dev, &format!("bf16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?)
+                CudaStorageSlice::BF16(self.launch(dev, (qs, ql), (ks, kl), (vs, vl), &tiles)?)
             }
             (CudaStorageSlice::F16(qs), CudaStorageSlice::F16(ks), CudaStorageSlice::F16(vs)) => {
-                CudaStorageSlice::F16(self.launch(dev, &format!("f16_d{d}"), (qs, ql), (ks, kl), (vs, vl), &tiles)?)
+                CudaStorageSlice::F16(self.launch(dev, (qs, ql), (ks, kl), (vs, vl), &tiles)?)
             }
             _ => candle_core::bail!("packed attention: q, k, v must all be bf16 or all f16, got {:?}", q.dtype()),
         };

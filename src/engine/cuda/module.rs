@@ -5,23 +5,35 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, CudaView, LaunchArgs};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaDevice, Layout, Storage};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::CudaDevice;
 
-/// One of the fat binaries.
+/// One of the fat binaries: build.rs compiles every `kernels/{name}.cu` into `{name}.fatbin`,
+/// and the wrapper of those kernels embeds it with [`fatbin!`].
 #[derive(Clone, Copy)]
 pub struct Module {
     name: &'static str,
     image: &'static [u8],
 }
 
-pub const ATTENTION: Module =
-    Module { name: "attention", image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")) };
-pub const GDN: Module = Module { name: "gdn", image: include_bytes!(concat!(env!("OUT_DIR"), "/gdn.fatbin")) };
-pub const MOE: Module = Module { name: "moe", image: include_bytes!(concat!(env!("OUT_DIR"), "/moe.fatbin")) };
-pub const OPS: Module = Module { name: "ops", image: include_bytes!(concat!(env!("OUT_DIR"), "/ops.fatbin")) };
+impl Module {
+    pub const fn new(name: &'static str, image: &'static [u8]) -> Self {
+        Module { name, image }
+    }
+}
+
+/// The [`Module`] of `kernels/{name}.cu`, embedded from the fat binary build.rs made of it.
+macro_rules! fatbin {
+    ($name:literal) => {
+        $crate::engine::cuda::module::Module::new(
+            $name,
+            include_bytes!(concat!(env!("OUT_DIR"), "/", $name, ".fatbin")),
+        )
+    };
+}
+pub(crate) use fatbin;
 
 /// The compute capabilities the kernels carry machine code for, and the one whose PTX they
 /// carry, as build.rs compiled them.
@@ -42,18 +54,6 @@ impl Kernel {
     pub fn max_dynamic_shared(&self, bytes: usize) -> candle_core::Result<()> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as A;
         self.func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).w()
-    }
-}
-
-/// The elements of a contiguous tensor held on the GPU, borrowed from its storage (`s`, `l`: what
-/// `Tensor::storage_and_layout` returns); `what` names it in the error otherwise.
-pub fn cuda_view<'a, T: CudaDType>(s: &'a Storage, l: &Layout, what: &str) -> candle_core::Result<CudaView<'a, T>> {
-    match s {
-        Storage::Cuda(c) if l.is_contiguous() => {
-            let start = l.start_offset();
-            Ok(c.as_cuda_slice::<T>()?.slice(start..start + l.shape().elem_count()))
-        }
-        _ => candle_core::bail!("{what} must be a contiguous tensor on the GPU"),
     }
 }
 

@@ -1,10 +1,14 @@
 //! Fused element-wise kernels for CUDA (`kernels/ops.cu`).
 
-use super::cuda_module::{kernel, OPS};
+use super::module::{fatbin, kernel, Module};
+use super::{contiguous_view, cpu_fwd_cuda_only, cuda_device, cuda_view, kernel_name, tensor, KernelType};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
+use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Tensor};
+
+/// `kernels/ops.cu`.
+const OPS: Module = fatbin!("ops");
 
 /// `silu(gate) * up` where `gu` is `[rows, 2 * inter]` holding the gate projection then the up
 /// projection (one matmul makes both). Returns `[rows, inter]`. `inter` must be a multiple of 8.
@@ -15,26 +19,17 @@ pub fn silu_mul(gu: &Tensor) -> candle_core::Result<Tensor> {
 struct SiluMul;
 
 impl SiluMul {
-    fn launch<T: DeviceRepr>(
-        dev: &CudaDevice,
-        name: &str,
-        gu: &CudaSlice<T>,
-        l: &Layout,
-    ) -> candle_core::Result<CudaSlice<T>> {
+    fn launch<T: KernelType>(dev: &CudaDevice, gu: &CudaSlice<T>, l: &Layout) -> candle_core::Result<CudaSlice<T>> {
         let (rows, two_inter) = l.shape().dims2()?;
         let inter = two_inter / 2;
         let vec = 16 / std::mem::size_of::<T>();
-        let start = match l.contiguous_offsets() {
-            Some((a, _)) if two_inter % 2 == 0 && inter % 8 == 0 && a % vec == 0 => a,
-            _ => candle_core::bail!(
-                "silu_mul: [rows, 2*inter] contiguous with inter a multiple of 8, got {:?}",
-                l.shape()
-            ),
-        };
-        let src = gu.slice(start..start + rows * two_inter);
+        if two_inter % 2 != 0 || inter % 8 != 0 || !l.start_offset().is_multiple_of(vec) {
+            candle_core::bail!("silu_mul: [rows, 2*inter] contiguous with inter a multiple of 8, got {:?}", l.shape());
+        }
+        let src = contiguous_view(gu, l, "silu_mul: the gate and up projections")?;
         // SAFETY: the kernel writes every element of the output.
         let out = unsafe { dev.alloc::<T>(rows * inter)? };
-        let func = kernel(dev, OPS, name)?;
+        let func = kernel(dev, OPS, &kernel_name::<T>("silu_mul"))?;
         // The count in usize: an f32 [1M, 2 x 17408] input has 4.6 G vectors, past u32 (the
         // kernel strides over the grid with size_t indices).
         let vecs = rows * inter / vec;
@@ -62,20 +57,14 @@ impl candle_core::CustomOp1 for SiluMul {
         "silu-mul"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("silu_mul runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(1);
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = s.device();
         let slice = match &s.slice {
-            CudaStorageSlice::BF16(x) => CudaStorageSlice::BF16(Self::launch(dev, "silu_mul_bf16", x, l)?),
-            CudaStorageSlice::F16(x) => CudaStorageSlice::F16(Self::launch(dev, "silu_mul_f16", x, l)?),
-            CudaStorageSlice::F32(x) => CudaStorageSlice::F32(Self::launch(dev, "silu_mul_f32", x, l)?),
+            CudaStorageSlice::BF16(x) => CudaStorageSlice::BF16(Self::launch(dev, x, l)?),
+            CudaStorageSlice::F16(x) => CudaStorageSlice::F16(Self::launch(dev, x, l)?),
+            CudaStorageSlice::F32(x) => CudaStorageSlice::F32(Self::launch(dev, x, l)?),
             _ => candle_core::bail!("silu_mul: unsupported dtype {:?}", s.dtype()),
         };
         let (rows, two_inter) = l.shape().dims2()?;
@@ -104,8 +93,6 @@ pub fn rms_norm_f32(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Ten
 /// (f32) and its RMSNorm in `w`'s type, bitwise what [`add_f32`] then [`rms_norm_f32`] give,
 /// with one pass over memory instead of two.
 pub fn add_rms_norm_f32(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<(Tensor, Tensor)> {
-    use candle_core::op::BackpropOp;
-    use candle_core::Storage;
     let cols = x.dim(candle_core::D::Minus1)?;
     if x.dims() != y.dims() || w.dims() != [cols] || x.dtype() != DType::F32 || y.dtype() != w.dtype() {
         candle_core::bail!(
@@ -118,38 +105,28 @@ pub fn add_rms_norm_f32(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> candle_
             w.dtype()
         );
     }
-    let Device::Cuda(dev) = x.device() else { candle_core::bail!("add_rms_norm_f32 runs on CUDA devices only") };
+    let dev = cuda_device(x, "add_rms_norm_f32")?;
     let (x, y) = (x.contiguous()?, y.contiguous()?);
     let rows = x.elem_count() / cols.max(1);
     // SAFETY: the kernel writes every element (one block per row, all of its columns).
     let x_out = unsafe { dev.alloc::<f32>(rows * cols)? };
     let normed = match w.dtype() {
-        DType::BF16 => {
-            CudaStorageSlice::BF16(add_rms_norm_launch::<half::bf16>(dev, "bf16", (&x, &y, w), &x_out, rows, eps)?)
-        }
-        DType::F16 => {
-            CudaStorageSlice::F16(add_rms_norm_launch::<half::f16>(dev, "f16", (&x, &y, w), &x_out, rows, eps)?)
-        }
+        DType::BF16 => tensor(add_rms_norm_launch::<half::bf16>(dev, (&x, &y, w), &x_out, rows, eps)?, dev, x.shape()),
+        DType::F16 => tensor(add_rms_norm_launch::<half::f16>(dev, (&x, &y, w), &x_out, rows, eps)?, dev, x.shape()),
         d => candle_core::bail!("add_rms_norm_f32: the weight must be bf16 or f16, got {d:?}"),
     };
-    let wrap = |slice| {
-        let storage = Storage::Cuda(CudaStorage { slice, device: dev.clone() });
-        Tensor::from_storage(storage, x.shape().clone(), BackpropOp::none(), false)
-    };
-    Ok((wrap(CudaStorageSlice::F32(x_out)), wrap(normed)))
+    Ok((tensor(x_out, dev, x.shape()), normed))
 }
 
-/// Launches `add_rms_norm_f32_{suffix}` on contiguous `x` (f32), `y` and `w` (`T`), writing
+/// Launches `add_rms_norm_f32_{bf16,f16}` on contiguous `x` (f32), `y` and `w` (`T`), writing
 /// `x_out` and returning the normed rows.
-fn add_rms_norm_launch<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+fn add_rms_norm_launch<T: KernelType>(
     dev: &CudaDevice,
-    suffix: &str,
     (x, y, w): (&Tensor, &Tensor, &Tensor),
     x_out: &CudaSlice<f32>,
     rows: usize,
     eps: f32,
 ) -> candle_core::Result<CudaSlice<T>> {
-    use super::cuda_module::cuda_view;
     let cols = w.elem_count();
     let (xs, xl) = x.storage_and_layout();
     let (ys, yl) = y.storage_and_layout();
@@ -159,7 +136,7 @@ fn add_rms_norm_launch<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
     let wv = cuda_view::<T>(&ws, wl, "add_rms_norm_f32: w")?;
     // SAFETY: the kernel writes every element.
     let normed = unsafe { dev.alloc::<T>(rows * cols)? };
-    let func = kernel(dev, OPS, &format!("add_rms_norm_f32_{suffix}"))?;
+    let func = kernel(dev, OPS, &kernel_name::<T>("add_rms_norm_f32"))?;
     let mut b = func.builder();
     b.arg(&xv);
     b.arg(&yv);
@@ -178,33 +155,41 @@ fn add_rms_norm_launch<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
     Ok(normed)
 }
 
-fn contiguous<'a, T: DeviceRepr>(
-    s: &'a CudaSlice<T>,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(s.slice(a..b)),
-        None => candle_core::bail!("{what} must be contiguous"),
+struct AddF32;
+
+impl AddF32 {
+    fn launch<T: KernelType>(
+        dev: &CudaDevice,
+        x: &CudaSlice<f32>,
+        xl: &Layout,
+        y: &CudaSlice<T>,
+        yl: &Layout,
+    ) -> candle_core::Result<CudaSlice<f32>> {
+        let n = xl.shape().elem_count();
+        let x = contiguous_view(x, xl, "add_f32: x")?;
+        let y = contiguous_view(y, yl, "add_f32: y")?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<f32>(n)? };
+        let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let func = kernel(dev, OPS, &kernel_name::<T>("add_f32"))?;
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&y);
+        b.arg(&out);
+        b.arg(&n);
+        // SAFETY: argument types and order match the kernel.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(out)
     }
 }
-
-struct AddF32;
 
 impl candle_core::CustomOp2 for AddF32 {
     fn name(&self) -> &'static str {
         "add-f32"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("add_f32 runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(2);
 
     fn cuda_fwd(
         &self,
@@ -214,40 +199,12 @@ impl candle_core::CustomOp2 for AddF32 {
         yl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = xs.device();
-        let n = xl.shape().elem_count();
-        let x = match &xs.slice {
-            CudaStorageSlice::F32(x) => contiguous(x, xl, "add_f32: x")?,
-            _ => candle_core::bail!("add_f32: x must be f32"),
-        };
-        // SAFETY: the kernel writes every element.
-        let out = unsafe { dev.alloc::<f32>(n)? };
-        let blocks = n.div_ceil(256).clamp(1, 1 << 20) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        match &ys.slice {
-            CudaStorageSlice::BF16(y) => {
-                let y = contiguous(y, yl, "add_f32: y")?;
-                let func = kernel(dev, OPS, "add_f32_bf16")?;
-                let mut b = func.builder();
-                b.arg(&x);
-                b.arg(&y);
-                b.arg(&out);
-                b.arg(&n);
-                // SAFETY: argument types and order match the kernel.
-                unsafe { b.launch(cfg) }.w()?;
-            }
-            CudaStorageSlice::F16(y) => {
-                let y = contiguous(y, yl, "add_f32: y")?;
-                let func = kernel(dev, OPS, "add_f32_f16")?;
-                let mut b = func.builder();
-                b.arg(&x);
-                b.arg(&y);
-                b.arg(&out);
-                b.arg(&n);
-                // SAFETY: argument types and order match the kernel.
-                unsafe { b.launch(cfg) }.w()?;
-            }
+        let CudaStorageSlice::F32(x) = &xs.slice else { candle_core::bail!("add_f32: x must be f32") };
+        let out = match &ys.slice {
+            CudaStorageSlice::BF16(y) => Self::launch(dev, x, xl, y, yl)?,
+            CudaStorageSlice::F16(y) => Self::launch(dev, x, xl, y, yl)?,
             _ => candle_core::bail!("add_f32: y must be bf16 or f16"),
-        }
+        };
         Ok((CudaStorage { slice: CudaStorageSlice::F32(out), device: dev.clone() }, xl.shape().clone()))
     }
 }
@@ -256,20 +213,43 @@ struct RmsNormF32 {
     eps: f32,
 }
 
+impl RmsNormF32 {
+    fn launch<T: KernelType>(
+        &self,
+        dev: &CudaDevice,
+        x: &CudaSlice<f32>,
+        xl: &Layout,
+        w: &CudaSlice<T>,
+        wl: &Layout,
+    ) -> candle_core::Result<CudaSlice<T>> {
+        let (rows, cols) = xl.shape().dims2()?;
+        let x = contiguous_view(x, xl, "rms_norm_f32: x")?;
+        let w = contiguous_view(w, wl, "rms_norm_f32: w")?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>(rows * cols)? };
+        let func = kernel(dev, OPS, &kernel_name::<T>("rms_norm_f32"))?;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (c, eps) = (cols as i32, self.eps);
+        let mut b = func.builder();
+        b.arg(&x);
+        b.arg(&w);
+        b.arg(&out);
+        b.arg(&c);
+        b.arg(&eps);
+        if rows > 0 {
+            // SAFETY: argument types and order match the kernel.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(out)
+    }
+}
+
 impl candle_core::CustomOp2 for RmsNormF32 {
     fn name(&self) -> &'static str {
         "rms-norm-f32"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("rms_norm_f32 runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(2);
 
     fn cuda_fwd(
         &self,
@@ -279,51 +259,14 @@ impl candle_core::CustomOp2 for RmsNormF32 {
         wl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = xs.device();
-        let (rows, cols) = xl.shape().dims2()?;
+        let cols = xl.shape().dims2()?.1;
         if wl.shape().elem_count() != cols {
             candle_core::bail!("rms_norm_f32: weight {:?} for rows of {cols}", wl.shape());
         }
-        let x = match &xs.slice {
-            CudaStorageSlice::F32(x) => contiguous(x, xl, "rms_norm_f32: x")?,
-            _ => candle_core::bail!("rms_norm_f32: x must be f32"),
-        };
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let (c, eps) = (cols as i32, self.eps);
+        let CudaStorageSlice::F32(x) = &xs.slice else { candle_core::bail!("rms_norm_f32: x must be f32") };
         let slice = match &ws.slice {
-            CudaStorageSlice::BF16(w) => {
-                let w = contiguous(w, wl, "rms_norm_f32: w")?;
-                // SAFETY: the kernel writes every element.
-                let out = unsafe { dev.alloc::<half::bf16>(rows * cols)? };
-                let func = kernel(dev, OPS, "rms_norm_f32_bf16")?;
-                let mut b = func.builder();
-                b.arg(&x);
-                b.arg(&w);
-                b.arg(&out);
-                b.arg(&c);
-                b.arg(&eps);
-                if rows > 0 {
-                    // SAFETY: argument types and order match the kernel.
-                    unsafe { b.launch(cfg) }.w()?;
-                }
-                CudaStorageSlice::BF16(out)
-            }
-            CudaStorageSlice::F16(w) => {
-                let w = contiguous(w, wl, "rms_norm_f32: w")?;
-                // SAFETY: the kernel writes every element.
-                let out = unsafe { dev.alloc::<half::f16>(rows * cols)? };
-                let func = kernel(dev, OPS, "rms_norm_f32_f16")?;
-                let mut b = func.builder();
-                b.arg(&x);
-                b.arg(&w);
-                b.arg(&out);
-                b.arg(&c);
-                b.arg(&eps);
-                if rows > 0 {
-                    // SAFETY: argument types and order match the kernel.
-                    unsafe { b.launch(cfg) }.w()?;
-                }
-                CudaStorageSlice::F16(out)
-            }
+            CudaStorageSlice::BF16(w) => CudaStorageSlice::BF16(self.launch(dev, x, xl, w, wl)?),
+            CudaStorageSlice::F16(w) => CudaStorageSlice::F16(self.launch(dev, x, xl, w, wl)?),
             _ => candle_core::bail!("rms_norm_f32: the weight must be bf16 or f16"),
         };
         Ok((CudaStorage { slice, device: dev.clone() }, xl.shape().clone()))
@@ -343,18 +286,12 @@ impl candle_core::CustomOp1 for F32ToFp8 {
         "f32-to-fp8"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("f32_to_fp8 runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(1);
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = s.device();
         let x = match &s.slice {
-            CudaStorageSlice::F32(x) => contiguous(x, l, "f32_to_fp8: x")?,
+            CudaStorageSlice::F32(x) => contiguous_view(x, l, "f32_to_fp8: x")?,
             _ => candle_core::bail!("f32_to_fp8: x must be f32"),
         };
         let n = l.shape().elem_count();
@@ -396,16 +333,14 @@ pub struct QkvRope {
 impl QkvRope {
     /// Whether the kernel serves this shape: 16-bit, head dim 64, 128 or 256, rotary dims a
     /// multiple of 64 whose rotary partners are a power-of-two number of lanes apart
-    /// (`rotary_dim / 2 / (head_dim / 32)`; all but 192 of 256). `LAYERTAP_FUSED_ROPE=0` turns it
-    /// off (for comparison).
+    /// (`rotary_dim / 2 / (head_dim / 32)`; all but 192 of 256). `EngineOptions::fused_rope`
+    /// can still turn it off (for comparison).
     pub fn supported(device: &candle_core::Device, dtype: DType, head_dim: usize, rotary_dim: usize) -> bool {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_FUSED_ROPE").is_ok_and(|v| v == "0"));
-        !off && device.is_cuda()
+        device.is_cuda()
             && matches!(dtype, DType::BF16 | DType::F16)
             && matches!(head_dim, 64 | 128 | 256)
             && rotary_dim > 0
-            && rotary_dim % 64 == 0
+            && rotary_dim.is_multiple_of(64)
             && rotary_dim <= head_dim
             && (rotary_dim / 2 / (head_dim / 32)).is_power_of_two()
     }
@@ -454,14 +389,12 @@ struct QkvRopeOp {
 }
 
 impl QkvRopeOp {
-    fn launch<T: DeviceRepr>(
+    fn launch<T: KernelType>(
         &self,
         dev: &CudaDevice,
-        name: &str,
         qkv: &CudaSlice<T>,
         l: &Layout,
     ) -> candle_core::Result<CudaSlice<T>> {
-        use super::cuda_module::cuda_view;
         let (t, w) = l.shape().dims2()?;
         let (nq, nkv, hd) = (self.nq, self.nkv, self.hd);
         let q_width = if self.gated { 2 * nq * hd } else { nq * hd };
@@ -473,10 +406,10 @@ impl QkvRopeOp {
                 self.inv_freq.dims()
             );
         }
-        if l.start_offset() % 8 != 0 {
+        if !l.start_offset().is_multiple_of(8) {
             candle_core::bail!("qkv_rope: qkv must start 16-byte aligned (offset {})", l.start_offset());
         }
-        let src = contiguous(qkv, l, "qkv_rope: qkv")?;
+        let src = contiguous_view(qkv, l, "qkv_rope: qkv")?;
         let (ps, pl) = self.pos.storage_and_layout();
         let pos = cuda_view::<u32>(&ps, pl, "qkv_rope: the positions")?;
         let (fs, fl) = self.inv_freq.storage_and_layout();
@@ -494,7 +427,7 @@ impl QkvRopeOp {
         // SAFETY: the kernel writes every element: each token's block covers all its head rows
         // (and the gate rows with them).
         let out = unsafe { dev.alloc::<T>(t * parts * hd)? };
-        let func = kernel(dev, OPS, name)?;
+        let func = kernel(dev, OPS, &format!("{}_d{hd}", kernel_name::<T>("qkv_rope")))?;
         let mut b = func.builder();
         b.arg(&src);
         b.arg(&pos);
@@ -541,22 +474,13 @@ impl candle_core::CustomOp1 for QkvRopeOp {
         "qkv-rope"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("qkv_rope runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(1);
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let dev = s.device();
-        let d = self.hd;
         let slice = match &s.slice {
-            CudaStorageSlice::BF16(x) => {
-                CudaStorageSlice::BF16(self.launch(dev, &format!("qkv_rope_bf16_d{d}"), x, l)?)
-            }
-            CudaStorageSlice::F16(x) => CudaStorageSlice::F16(self.launch(dev, &format!("qkv_rope_f16_d{d}"), x, l)?),
+            CudaStorageSlice::BF16(x) => CudaStorageSlice::BF16(self.launch(dev, x, l)?),
+            CudaStorageSlice::F16(x) => CudaStorageSlice::F16(self.launch(dev, x, l)?),
             _ => candle_core::bail!("qkv_rope: unsupported dtype {:?}", s.dtype()),
         };
         let t = l.shape().dims2()?.0;
@@ -571,7 +495,7 @@ impl candle_core::CustomOp1 for QkvRopeOp {
 /// the same device, each below R) row `idx[i]` of `src` becomes row `i`; without, every row is
 /// copied in order. Returns a new contiguous `[n, C]` (or `[R, C]`), bitwise the rows it copied.
 pub fn copy_rows(src: &Tensor, idx: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    let Device::Cuda(dev) = src.device() else { candle_core::bail!("copy_rows runs on CUDA devices only") };
+    let dev = cuda_device(src, "copy_rows")?;
     let cols = src.dim(1)?;
     let rows = match idx {
         Some(i) => i.dim(0)?,
@@ -582,8 +506,7 @@ pub fn copy_rows(src: &Tensor, idx: Option<&Tensor>) -> candle_core::Result<Tens
             // SAFETY: the kernel writes every element (each of the rows, all of its columns).
             let mut out = unsafe { dev.alloc::<$t>(rows * cols)? };
             copy_rows_into::<$t>(dev, src, idx, &mut out, 0, cols)?;
-            let storage = candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone()));
-            Ok(Tensor::from_storage(storage, (rows, cols), candle_core::op::BackpropOp::none(), false))
+            Ok(tensor(out, dev, (rows, cols)))
         }};
     }
     match src.dtype() {
@@ -602,7 +525,7 @@ pub fn copy_rows(src: &Tensor, idx: Option<&Tensor>) -> candle_core::Result<Tens
 /// elements, where candle's copy wraps).
 pub fn stack_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
     let Some(first) = parts.first() else { candle_core::bail!("stack_rows: no tensors") };
-    let Device::Cuda(dev) = first.device() else { candle_core::bail!("stack_rows runs on CUDA devices only") };
+    let dev = cuda_device(first, "stack_rows")?;
     let (t, h) = first.dims2()?;
     let l = parts.len();
     if parts.iter().any(|p| p.dims() != [t, h] || p.dtype() != first.dtype()) {
@@ -615,8 +538,7 @@ pub fn stack_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
             for (j, p) in parts.iter().enumerate() {
                 copy_rows_into::<$t>(dev, p, None, &mut out, j * h, l * h)?;
             }
-            let storage = candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone()));
-            Ok(Tensor::from_storage(storage, (t, l, h), candle_core::op::BackpropOp::none(), false))
+            Ok(tensor(out, dev, (t, l, h)))
         }};
     }
     match first.dtype() {
@@ -630,7 +552,7 @@ pub fn stack_rows(parts: &[Tensor]) -> candle_core::Result<Tensor> {
 
 /// Copies the rows of `src` (`[R, C]`, unit column stride), or those `idx` picks, into `dst`:
 /// row `i` at `dst[dst_offset + i * dst_s ..][..C]`.
-fn copy_rows_into<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+fn copy_rows_into<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
     src: &Tensor,
     idx: Option<&Tensor>,
@@ -638,7 +560,6 @@ fn copy_rows_into<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
     dst_offset: usize,
     dst_s: usize,
 ) -> candle_core::Result<()> {
-    use super::cuda_module::cuda_view;
     let (src_rows, cols) = src.dims2()?;
     let st = src.stride();
     if cols > 1 && st[1] != 1 {

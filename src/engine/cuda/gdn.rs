@@ -3,17 +3,21 @@
 //! sequence, three launches per layer over the whole packed batch. Everything is f32 from the
 //! projections' outputs on, as on the portable path (`layers::delta_rule`), which stays the
 //! definition the kernel tests compare against; for bf16 and f16 models the chunk products run
-//! on tensor cores with TF32 operands ([`Products`]). `LAYERTAP_CUDA_GDN=0` turns the kernels
-//! off, `LAYERTAP_GDN_TF32=0` keeps every product in f32.
+//! on tensor cores with TF32 operands ([`Products`]). `EngineOptions::cuda_gdn` turns the kernels
+//! off, `EngineOptions::gdn_tf32` keeps every product in f32.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Tensor};
 
-use super::config::{LinearAttentionConfig, GDN_CHUNK};
-use super::cuda_module::{cuda_view, kernel, GDN};
-use super::profile;
+use super::module::{fatbin, kernel, Module};
+use super::{contiguous_view, cpu_fwd_cuda_only, cuda_view, kernel_name, KernelType};
+use crate::engine::config::{LinearAttentionConfig, GDN_CHUNK};
+use crate::engine::profile::{self, Phase, Profiler};
+
+/// `kernels/gdn.cu`.
+const GDN: Module = fatbin!("gdn");
 
 /// Value columns per scan block (`BV` in the kernel; `BVT` in the tensor-core one).
 const BV: usize = 32;
@@ -61,12 +65,11 @@ pub enum Products {
 }
 
 impl Products {
-    /// [`Products::Tf32`] for bf16 and f16 models, unless `LAYERTAP_GDN_TF32=0`; f32 otherwise.
-    pub fn for_dtype(dtype: DType) -> Self {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_GDN_TF32").is_ok_and(|v| v == "0"));
+    /// [`Products::Tf32`] for bf16 and f16 models when `tf32` (`EngineOptions::gdn_tf32`); f32
+    /// otherwise.
+    pub fn for_dtype(dtype: DType, tf32: bool) -> Self {
         match dtype {
-            DType::BF16 | DType::F16 if !off => Products::Tf32,
+            DType::BF16 | DType::F16 if tf32 => Products::Tf32,
             _ => Products::F32,
         }
     }
@@ -78,14 +81,13 @@ pub fn tensor_cores_fit(d: &LinearAttentionConfig) -> bool {
     dk % 16 == 0 && dv % 8 == 0 && local_tc_shared(dk, dv) <= MAX_SHARED && scan_tc_shared(dk) <= MAX_SHARED
 }
 
-/// Whether the kernels serve this layer shape on `device`.
+/// Whether the kernels serve this layer shape on `device` (`EngineOptions::cuda_gdn` can still
+/// turn them off).
 pub fn supported(device: &Device, d: &LinearAttentionConfig) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("LAYERTAP_CUDA_GDN").is_ok_and(|v| v == "0"));
     let (dk, dv) = (d.key_head_dim, d.value_head_dim);
-    !off && device.is_cuda()
+    device.is_cuda()
         && d.num_key_heads > 0
-        && d.num_value_heads % d.num_key_heads == 0
+        && d.num_value_heads.is_multiple_of(d.num_key_heads)
         && dk.max(dv) <= 1024
         && dk % 4 == 0
         && local_shared(dk, dv) <= MAX_SHARED
@@ -133,19 +135,23 @@ fn rowwise(t: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// Weights of one layer the kernels read, on the device, f32.
+/// One layer as the kernels take it: the weights they read (on the device, f32) and how its
+/// chunk products are computed.
 pub struct GdnWeights<'a> {
     /// `[conv_dim, kernel]`: `w[c][kernel - 1]` multiplies the token itself.
     pub conv: &'a Tensor,
     /// `-exp(A_log)`, `[value_heads]`.
     pub neg_a: &'a Tensor,
     pub dt_bias: &'a Tensor,
+    /// See [`Products`]; shapes the tensor-core kernels do not serve use f32.
+    pub products: Products,
 }
 
 /// `qkv`: `[T, >= conv_dim]` (the q, k, v channels first), `b`, `a`: `[T, >= value_heads]`,
 /// all of the compute dtype with unit stride along the last dimension (views of a fused
 /// projection's output are fine). Returns the delta rule's output `[T, value_heads, dv]`, f32.
-/// `products`: see [`Products`]; shapes the tensor-core kernels do not serve use f32.
+/// With `profile` on, each launch's time is charged to its phase ([`Phase::GdnConv`],
+/// [`Phase::GdnLocal`], [`Phase::GdnScan`]).
 pub fn forward(
     qkv: &Tensor,
     b: &Tensor,
@@ -153,7 +159,7 @@ pub fn forward(
     w: &GdnWeights<'_>,
     tables: &Tables,
     d: &LinearAttentionConfig,
-    products: Products,
+    profile: &Profiler,
 ) -> candle_core::Result<Tensor> {
     let (qkv, b, a) = (rowwise(qkv)?, rowwise(b)?, rowwise(a)?);
     let op = GdnOp {
@@ -165,7 +171,8 @@ pub fn forward(
         seqs: tables.seqs.clone(),
         n_chunks: tables.n_chunks,
         n_seqs: tables.n_seqs,
-        tensor_cores: products == Products::Tf32 && tensor_cores_fit(d),
+        tensor_cores: w.products == Products::Tf32 && tensor_cores_fit(d),
+        timed: profile.is_on(),
         d: d.clone(),
     };
     qkv.apply_op3_no_bwd(&b, &a, &op)
@@ -181,6 +188,8 @@ struct GdnOp {
     n_chunks: usize,
     n_seqs: usize,
     tensor_cores: bool,
+    /// Time each launch (see [`Timer`]).
+    timed: bool,
     d: LinearAttentionConfig,
 }
 
@@ -205,15 +214,15 @@ fn rows<'a, T: DeviceRepr>(
     Ok((r, ld, s.slice(l.start_offset()..l.start_offset() + len)))
 }
 
-/// With `LAYERTAP_PROFILE=1`, the time of one launch (the stream drained before and after).
+/// When profiling, the time of one launch (the stream drained before and after).
 struct Timer(Option<std::time::Instant>);
 
 impl Timer {
-    fn start() -> Self {
-        Timer(profile::enabled().then(std::time::Instant::now))
+    fn start(on: bool) -> Self {
+        Timer(on.then(std::time::Instant::now))
     }
 
-    fn stop(self, dev: &CudaDevice, phase: usize) -> candle_core::Result<()> {
+    fn stop(self, dev: &CudaDevice, phase: Phase) -> candle_core::Result<()> {
         if let Some(t) = self.0 {
             dev.cuda_stream().synchronize().w()?;
             profile::add(phase, t.elapsed().as_secs_f64());
@@ -223,10 +232,9 @@ impl Timer {
 }
 
 impl GdnOp {
-    fn launch<T: CudaDType + DeviceRepr>(
+    fn launch<T: KernelType>(
         &self,
         dev: &CudaDevice,
-        suffix: &str,
         x: (&CudaSlice<T>, &Layout),
         b: (&CudaSlice<T>, &Layout),
         a: (&CudaSlice<T>, &Layout),
@@ -273,7 +281,7 @@ impl GdnOp {
         let p = unsafe { dev.alloc::<f32>(ch * GDN_CHUNK * GDN_CHUNK)? };
         let (nk_i, nv_i, dk_i, dv_i) = (nk as i32, nv as i32, dk as i32, dv as i32);
 
-        let f = kernel(dev, GDN, &format!("gdn_conv_{suffix}"))?;
+        let f = kernel(dev, GDN, &kernel_name::<T>("gdn_conv"))?;
         let mut l = f.builder();
         let (ldx_i, k_i, ldb_i, lda_i) = (ldx as i32, kernel_size as i32, ldb as i32, lda as i32);
         let q_scale = (dk as f64).powf(-0.5) as f32;
@@ -302,11 +310,11 @@ impl GdnOp {
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let timed = Timer::start();
+        let timed = Timer::start(self.timed);
         // SAFETY: arguments match the kernel's signature; every index it forms is below t rows
         // of the views, conv_dim channels and nv heads.
         unsafe { l.launch(cfg) }.w()?;
-        timed.stop(dev, 9)?;
+        timed.stop(dev, Phase::GdnConv)?;
 
         let tc = if self.tensor_cores { "_tc" } else { "" };
         let f = kernel(dev, GDN, &format!("gdn_chunk_local{tc}"))?;
@@ -330,15 +338,15 @@ impl GdnOp {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: bytes as u32,
         };
-        let timed = Timer::start();
+        let timed = Timer::start(self.timed);
         // SAFETY: as above; the chunk table lists chunks inside the batch.
         unsafe { l.launch(cfg) }.w()?;
-        timed.stop(dev, 10)?;
+        timed.stop(dev, Phase::GdnLocal)?;
 
         let f = kernel(dev, GDN, &format!("gdn_chunk_scan{tc}"))?;
         let bytes = if self.tensor_cores { scan_tc_shared(dk) } else { scan_shared(dk) };
         f.max_dynamic_shared(bytes)?;
-        let timed = Timer::start();
+        let timed = Timer::start(self.timed);
         // Every sequence's entry holds its own first token and first chunk, so a slice of the
         // table is scanned as the whole one would be.
         for s0 in (0..self.n_seqs).step_by(SEQS_PER_SCAN) {
@@ -364,7 +372,7 @@ impl GdnOp {
             // SAFETY: as above; the sequence table's chunks are those of the chunk table.
             unsafe { l.launch(cfg) }.w()?;
         }
-        timed.stop(dev, 11)?;
+        timed.stop(dev, Phase::GdnScan)?;
         Ok(out)
     }
 }
@@ -374,17 +382,7 @@ impl candle_core::CustomOp3 for GdnOp {
         "gated-deltanet"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the gated deltanet kernels run on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(3);
 
     fn cuda_fwd(
         &self,
@@ -398,13 +396,13 @@ impl candle_core::CustomOp3 for GdnOp {
         let dev = x.device();
         let out = match (&x.slice, &b.slice, &a.slice) {
             (CudaStorageSlice::F32(xs), CudaStorageSlice::F32(bs), CudaStorageSlice::F32(as_)) => {
-                self.launch(dev, "f32", (xs, xl), (bs, bl), (as_, al))?
+                self.launch(dev, (xs, xl), (bs, bl), (as_, al))?
             }
             (CudaStorageSlice::BF16(xs), CudaStorageSlice::BF16(bs), CudaStorageSlice::BF16(as_)) => {
-                self.launch(dev, "bf16", (xs, xl), (bs, bl), (as_, al))?
+                self.launch(dev, (xs, xl), (bs, bl), (as_, al))?
             }
             (CudaStorageSlice::F16(xs), CudaStorageSlice::F16(bs), CudaStorageSlice::F16(as_)) => {
-                self.launch(dev, "f16", (xs, xl), (bs, bl), (as_, al))?
+                self.launch(dev, (xs, xl), (bs, bl), (as_, al))?
             }
             _ => candle_core::bail!(
                 "gated deltanet kernels: qkv, b, a must share one of f32, bf16, f16, got {:?}, {:?}, {:?}",
@@ -436,18 +434,14 @@ struct GatedNorm {
 }
 
 impl GatedNorm {
-    fn launch<T: CudaDType + DeviceRepr>(
+    fn launch<T: KernelType>(
         &self,
         dev: &CudaDevice,
-        suffix: &str,
         x: (&CudaSlice<f32>, &Layout),
         z: (&CudaSlice<T>, &Layout),
     ) -> candle_core::Result<CudaSlice<T>> {
         let (t, nv, dv) = x.1.shape().dims3()?;
-        let xv = match x.1.contiguous_offsets() {
-            Some((a, b)) => x.0.slice(a..b),
-            None => candle_core::bail!("gated norm: x must be contiguous"),
-        };
+        let xv = contiguous_view(x.0, x.1, "gated norm: x")?;
         let (tz, ldz, zv) = rows(z.0, z.1, nv * dv, "z")?;
         if tz != t || self.w.dims() != [dv] || dv > 1024 {
             candle_core::bail!(
@@ -464,7 +458,7 @@ impl GatedNorm {
         if t * nv == 0 {
             return Ok(out);
         }
-        let f = kernel(dev, GDN, &format!("gdn_gated_norm_{suffix}"))?;
+        let f = kernel(dev, GDN, &kernel_name::<T>("gdn_gated_norm"))?;
         let mut l = f.builder();
         let (ldz_i, nv_i, dv_i) = (ldz as i32, nv as i32, dv as i32);
         l.arg(&xv);
@@ -491,15 +485,7 @@ impl candle_core::CustomOp2 for GatedNorm {
         "gated-rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the gated norm kernel runs on CUDA devices only")
-    }
+    cpu_fwd_cuda_only!(2);
 
     fn cuda_fwd(
         &self,
@@ -513,9 +499,9 @@ impl candle_core::CustomOp2 for GatedNorm {
             candle_core::bail!("gated norm: x must be f32, got {:?}", x.dtype())
         };
         let slice = match &z.slice {
-            CudaStorageSlice::F32(zs) => CudaStorageSlice::F32(self.launch(dev, "f32", (xs, xl), (zs, zl))?),
-            CudaStorageSlice::BF16(zs) => CudaStorageSlice::BF16(self.launch(dev, "bf16", (xs, xl), (zs, zl))?),
-            CudaStorageSlice::F16(zs) => CudaStorageSlice::F16(self.launch(dev, "f16", (xs, xl), (zs, zl))?),
+            CudaStorageSlice::F32(zs) => CudaStorageSlice::F32(self.launch(dev, (xs, xl), (zs, zl))?),
+            CudaStorageSlice::BF16(zs) => CudaStorageSlice::BF16(self.launch(dev, (xs, xl), (zs, zl))?),
+            CudaStorageSlice::F16(zs) => CudaStorageSlice::F16(self.launch(dev, (xs, xl), (zs, zl))?),
             _ => candle_core::bail!("gated norm: z must be f32, bf16 or f16, got {:?}", z.dtype()),
         };
         Ok((CudaStorage { slice, device: dev.clone() }, xl.shape().clone()))

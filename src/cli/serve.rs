@@ -266,6 +266,7 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::{Cli, Command};
     use clap::Parser;
 
     fn serve(extra: &[&str]) -> Result<ServeArgs, String> {

@@ -24,6 +24,7 @@
 
 mod answer;
 mod input;
+mod manifest;
 mod pool;
 mod verify;
 
@@ -44,6 +45,7 @@ use crate::cli::{BulkArgs, BulkLayout, Shard};
 use crate::engine::OutDType;
 use answer::{prepare, Prepared};
 use input::{Input, Row, Sample};
+use manifest::{failures_name, lock_manifest, manifest_name, read_manifest};
 use pool::{Pool, Server};
 
 const SHARD_SIZE: usize = 1000;
@@ -57,49 +59,6 @@ fn file_stem(id: &str) -> String {
     } else {
         s
     }
-}
-
-/// The manifest's name: `manifest.jsonl`, or `manifest-I-of-N.jsonl` for a shard.
-pub(crate) fn manifest_name(shard: Option<Shard>) -> String {
-    match shard {
-        None => "manifest.jsonl".into(),
-        Some(Shard { index, count }) => format!("manifest-{index}-of-{count}.jsonl"),
-    }
-}
-
-fn failures_name(shard: Option<Shard>) -> String {
-    match shard {
-        None => "failures.jsonl".into(),
-        Some(Shard { index, count }) => format!("failures-{index}-of-{count}.jsonl"),
-    }
-}
-
-/// Takes an exclusive lock on the open manifest, so two processes of one shard never write the
-/// same samples. Where the file system cannot lock, says so and goes on.
-fn lock_manifest(f: &std::fs::File, name: &str) -> anyhow::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: flock on a file descriptor this process holds open.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(());
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        anyhow::bail!("another layertap bulk is writing {name} in this folder: one process per shard");
-    }
-    eprintln!("note: cannot lock {name} ({e}); make sure no other process writes it");
-    Ok(())
-}
-
-/// Ids already recorded in the manifest, and whether its last line is torn (no newline). Lines
-/// are read as bytes, so a corrupted line (a torn write, invalid UTF-8) hides no line after it.
-fn read_manifest(path: &std::path::Path) -> (HashSet<String>, bool) {
-    let Ok(bytes) = std::fs::read(path) else { return (HashSet::new(), false) };
-    let ids = bytes
-        .split(|&b| b == b'\n')
-        .filter_map(|l| serde_json::from_slice::<Value>(l).ok())
-        .filter_map(|v| v["id"].as_str().map(String::from))
-        .collect();
-    (ids, bytes.last().is_some_and(|&b| b != b'\n'))
 }
 
 struct Shared {

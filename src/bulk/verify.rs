@@ -10,6 +10,7 @@ use safetensors::SafeTensors;
 use serde_json::Value;
 
 use super::answer::metadata;
+use super::manifest::{manifest_name, manifests};
 use crate::answer::codec::{verify_checksums, xxh64_hex};
 use crate::cli::BulkArgs;
 
@@ -72,32 +73,11 @@ fn replace_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The manifests of `out`: `manifest.jsonl` and every `manifest-I-of-N.jsonl`, sorted.
-fn manifests(out: &Path) -> Vec<std::path::PathBuf> {
-    let mut v: Vec<_> = std::fs::read_dir(out)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            name == "manifest.jsonl"
-                || name
-                    .strip_prefix("manifest-")
-                    .and_then(|r| r.strip_suffix(".jsonl"))
-                    .and_then(|r| r.split_once("-of-"))
-                    .is_some_and(|(i, n)| i.parse::<u64>().is_ok() && n.parse::<u64>().is_ok())
-        })
-        .collect();
-    v.sort();
-    v
-}
-
 /// `--verify`: checks every manifest of `--out` (or `--shard`'s only). Returns 0 when every file
 /// is intact, 1 otherwise.
 pub fn verify(a: &BulkArgs) -> anyhow::Result<i32> {
     let paths = match a.shard {
-        Some(shard) => vec![a.out.join(super::manifest_name(Some(shard)))],
+        Some(shard) => vec![a.out.join(manifest_name(Some(shard)))],
         None => manifests(&a.out),
     };
     if paths.is_empty() {

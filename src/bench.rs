@@ -146,7 +146,7 @@ fn answers(
 
 /// Runs the workload through the engine in process and returns the result line.
 pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
-    let (dtype, max_tokens) = (a.dtype, a.max_batch_tokens);
+    let (dtype, max_tokens) = (a.dtype.out(), a.max_batch_tokens);
     let device = parse_device(&a.device)?;
     let (layers, mut seqs) = read_workload(&a.workload.to_string_lossy())?;
     anyhow::ensure!(!seqs.is_empty(), "the workload has no sequences");

@@ -27,7 +27,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     let tok = TextTokenizer::from_source(&tok_src)?;
     let layers = LayerSet::resolve(&a.layers, model.info.num_layers).map_err(anyhow::Error::msg)?;
     let seqs = inputs.iter().map(|i| i.tokenize(tok.as_ref())).collect::<Result<Vec<_>, _>>()?;
-    let out_dtype = a.out_dtype.unwrap_or(a.dtype);
+    let out_dtype = a.out_dtype.unwrap_or(a.dtype.out());
     let engine: &mut ModelEngine = &mut model.engine;
     let x = assemble::once(engine, &model.info, &seqs, &layers, out_dtype)?;
     let bytes = x.to_safetensors()?;

@@ -14,7 +14,7 @@ use crate::cli::{default, SelfCheckMode, ServeArgs};
 use crate::engine::loader::ModelFiles;
 use crate::engine::selfcheck::{self, Probe, Reference, Report, SharedReference};
 use crate::engine::{
-    parse_device, tokens_for_memory, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo, OutDType,
+    parse_device, tokens_for_memory, ComputeDType, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo,
 };
 use crate::http::{app, conn, AppState, Limits, SelfCheckState};
 use crate::metrics::Metrics;
@@ -347,7 +347,7 @@ pub fn run_selfcheck(
     engine: &mut dyn Engine,
     files: &ModelFiles,
     device: &str,
-    dtype: OutDType,
+    dtype: ComputeDType,
     reference: &SharedReference,
 ) -> Result<Report, EngineError> {
     let probe = Probe::new(files.config());
@@ -373,8 +373,8 @@ pub fn run_selfcheck(
 }
 
 /// Whether `device` in `dtype` runs the portable f32 path itself.
-fn is_portable(device: &str, dtype: OutDType) -> bool {
-    device == "cpu" && dtype == OutDType::Float32
+fn is_portable(device: &str, dtype: ComputeDType) -> bool {
+    device == "cpu" && dtype == ComputeDType::Float32
 }
 
 /// `layertap serve`.
@@ -408,7 +408,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
-    let dtype: OutDType = args.dtype;
+    let dtype: ComputeDType = args.dtype;
     let mode = args.selfcheck;
     // Computed on the CPU while the devices load, unless no device needs it.
     let reference = Arc::new(if mode != SelfCheckMode::Off && devices.iter().any(|d| !is_portable(d, dtype)) {

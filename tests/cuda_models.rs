@@ -9,7 +9,7 @@ mod common;
 
 use common::{read_safetensors, rel_err};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{Batch, DType, Engine, OutDType, Output, Rows};
+use layertap::engine::{Batch, ComputeDType, DType, Engine, OutDType, Output, Rows};
 
 /// A fixture's reference tensors, its sequences, and their offsets packed in one batch.
 fn reference_batch(
@@ -189,7 +189,7 @@ fn the_selfcheck_passes_on_the_gpu_for_every_family() {
         let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
         let probe = Probe::new(files.config());
         let reference = Reference::portable(&files, &probe).unwrap();
-        for (dtype, out) in [(DType::F32, OutDType::Float32), (DType::BF16, OutDType::Bfloat16)] {
+        for (dtype, out) in [(DType::F32, ComputeDType::Float32), (DType::BF16, ComputeDType::Bfloat16)] {
             let mut m = files.load(&dev, dtype).unwrap();
             let r = check(&mut m.engine, &probe, &reference, "cuda:0", out).unwrap();
             eprintln!("selfcheck {} {:?}: {:?}", dir.display(), dtype, r.errors);

@@ -11,7 +11,7 @@ use common::{fixture_models, fixtures, limits, real_server_with, wait_ready};
 use layertap::cli::SelfCheckMode;
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::selfcheck::{check, tolerance, Probe, Reference, PROBE_LENGTHS};
-use layertap::engine::{Batch, DType, Device, Engine, EngineError, OutDType, Taps};
+use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, EngineError, Taps};
 
 #[test]
 fn the_probe_reaches_the_first_layer_of_every_kind_and_stays_short() {
@@ -30,7 +30,7 @@ fn the_probe_reaches_the_first_layer_of_every_kind_and_stays_short() {
     let moe = Probe::new(&cfg("tiny/qwen3_moe"));
     assert_eq!(moe.depth, 2);
     assert!(moe.routed && !dense.routed && !hybrid.routed);
-    assert!(tolerance(OutDType::Bfloat16, true) > tolerance(OutDType::Bfloat16, false));
+    assert!(tolerance(ComputeDType::Bfloat16, true) > tolerance(ComputeDType::Bfloat16, false));
     assert_eq!(hybrid.tokens(), PROBE_LENGTHS.iter().sum::<usize>());
     assert!(hybrid.seqs.iter().flatten().all(|&t| (t as usize) < 512), "ids inside the vocabulary");
     assert_eq!(Probe::new(&cfg("tiny/qwen3_5_hybrid")).seqs, hybrid.seqs, "the same probe every time");
@@ -46,21 +46,21 @@ fn every_family_passes_in_f32_and_bf16_and_the_truncated_reference_is_the_whole_
         let portable = Reference::portable(&files, &probe).unwrap();
         let mut full = files.load(&Device::Cpu, DType::F32).unwrap().engine;
         let alone = Reference::from_engine(&mut full, &probe).unwrap();
-        let r = check(&mut full, &probe, &alone, "cpu", OutDType::Float32).unwrap();
-        let same = check(&mut full, &probe, &portable, "cpu", OutDType::Float32).unwrap();
+        let r = check(&mut full, &probe, &alone, "cpu", ComputeDType::Float32).unwrap();
+        let same = check(&mut full, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
         for (a, b) in r.errors.iter().zip(&same.errors) {
             assert!((a.1 - b.1).abs() < 1e-6, "{}: the truncated reference differs at index {}", dir.display(), a.0);
         }
         assert!(r.passed() && r.worst().1 < 1e-5, "{}: f32 packed against alone: {:?}", dir.display(), r.errors);
         let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
-        let b = check(&mut half, &probe, &portable, "cpu", OutDType::Bfloat16).unwrap();
+        let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
         eprintln!("{}: bf16 on the CPU against the f32 reference: {:?}", dir.display(), b.errors);
         assert!(
             b.passed(),
             "{}: bf16 {:?} over {}",
             dir.display(),
             b.errors,
-            tolerance(OutDType::Bfloat16, probe.routed)
+            tolerance(ComputeDType::Bfloat16, probe.routed)
         );
         assert!(b.worst().1 > 1e-4, "bf16 is not f32: the comparison sees the rounding");
     }
@@ -167,7 +167,7 @@ async fn the_binary_checks_bf16_against_the_f32_reference_computed_beside_the_lo
     child.kill().unwrap();
     let _ = child.wait();
     assert_eq!(sc["passed"], true, "{sc}");
-    assert_eq!(sc["tolerance"], tolerance(OutDType::Bfloat16, true), "a routed model's allowance: {sc}");
+    assert_eq!(sc["tolerance"], tolerance(ComputeDType::Bfloat16, true), "a routed model's allowance: {sc}");
     let worst = sc["worst_relative_error"].as_f64().unwrap();
     assert!(worst > 1e-4 && worst < 0.1, "bf16 rounding, seen against f32: {sc}");
 }

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::answer::LayerRef;
-use crate::engine::OutDType;
+use crate::engine::{ComputeDType, OutDType};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -52,8 +52,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Compute and output dtype.
-    #[arg(long, value_parser = compute_dtype, default_value = "f32")]
-    pub dtype: OutDType,
+    #[arg(long, default_value = "f32")]
+    pub dtype: ComputeDType,
     /// Most tokens per forward pass.
     #[arg(long, default_value_t = 4096)]
     pub max_batch_tokens: usize,
@@ -82,8 +82,8 @@ pub struct ExtractArgs {
     #[arg(long)]
     pub text: Vec<String>,
     /// Compute and output dtype: f32, bf16, f16 (or float32, bfloat16, float16).
-    #[arg(long, value_parser = compute_dtype, default_value = "f32", env = "LAYERTAP_DTYPE")]
-    pub dtype: OutDType,
+    #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
+    pub dtype: ComputeDType,
     /// Output dtype if different from the compute dtype (also fp8: float8_e4m3fn with one scale
     /// per token and layer, quantised on the device).
     #[arg(long = "out-dtype")]
@@ -94,14 +94,4 @@ pub struct ExtractArgs {
     /// Where to write the safetensors file.
     #[arg(long)]
     pub out: PathBuf,
-}
-
-/// A dtype the model can compute in: float32, bfloat16 or float16 (fp8 is an output dtype only).
-fn compute_dtype(s: &str) -> Result<OutDType, String> {
-    match s.parse::<OutDType>()? {
-        OutDType::Float8E4M3 => Err("fp8 is an output dtype only (answers quantised after the taps are taken); \
-             compute in f32, bf16 or f16"
-            .into()),
-        d => Ok(d),
-    }
 }

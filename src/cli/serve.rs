@@ -3,8 +3,7 @@
 
 use clap::Args;
 
-use super::compute_dtype;
-use crate::engine::OutDType;
+use crate::engine::ComputeDType;
 
 /// What the start-up self-check does with its verdict (see `--selfcheck`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -49,8 +48,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "cpu", env = "LAYERTAP_DEVICE")]
     pub device: String,
     /// Compute dtype (also the default output dtype): f32, bf16 or f16.
-    #[arg(long, value_parser = compute_dtype, default_value = "f32", env = "LAYERTAP_DTYPE")]
-    pub dtype: OutDType,
+    #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
+    pub dtype: ComputeDType,
     /// Most tokens in one forward pass (a longer input runs alone). Default: 1024 on CPU; on CUDA sized from free memory after loading.
     #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]
     pub max_batch_tokens: Option<usize>,

@@ -1,5 +1,5 @@
-//! The dtypes an answer can hold (the model computes in float32, bfloat16 or float16; fp8 is an
-//! output dtype only).
+//! Dtypes: the one a model computes in ([`ComputeDType`]: float32, bfloat16 or float16) and the
+//! ones an answer can hold ([`OutDType`]: those, or fp8 quantised after the taps are taken).
 
 use candle_core::DType;
 
@@ -69,5 +69,57 @@ impl std::str::FromStr for OutDType {
         OutDType::parse(s).ok_or_else(|| {
             format!("unknown dtype {s:?}; use f32, bf16, f16 or fp8 (or float32, bfloat16, float16, float8_e4m3fn)")
         })
+    }
+}
+
+/// The dtype a model computes in (the default dtype of its answers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDType {
+    Float32,
+    Bfloat16,
+    Float16,
+}
+
+impl ComputeDType {
+    /// The same dtype as an answer's.
+    pub fn out(self) -> OutDType {
+        match self {
+            ComputeDType::Float32 => OutDType::Float32,
+            ComputeDType::Bfloat16 => OutDType::Bfloat16,
+            ComputeDType::Float16 => OutDType::Float16,
+        }
+    }
+
+    pub fn candle(self) -> DType {
+        self.out().candle()
+    }
+
+    /// The compute dtype of a candle dtype the engine loads models in (f32 for any other).
+    pub fn from_candle(d: DType) -> Self {
+        match d {
+            DType::BF16 => ComputeDType::Bfloat16,
+            DType::F16 => ComputeDType::Float16,
+            _ => ComputeDType::Float32,
+        }
+    }
+
+    /// "float32", "bfloat16" or "float16".
+    pub fn name(self) -> &'static str {
+        self.out().name()
+    }
+}
+
+impl std::str::FromStr for ComputeDType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.parse::<OutDType>()? {
+            OutDType::Float32 => Ok(ComputeDType::Float32),
+            OutDType::Bfloat16 => Ok(ComputeDType::Bfloat16),
+            OutDType::Float16 => Ok(ComputeDType::Float16),
+            OutDType::Float8E4M3 => Err("fp8 is an output dtype only (answers quantised after the taps are \
+                 taken); compute in f32, bf16 or f16"
+                .into()),
+        }
     }
 }

@@ -12,7 +12,7 @@ use super::decoder::Decoder;
 use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
 use super::options::EngineOptions;
 use super::weights::{TensorSource, Weights};
-use super::{EngineError, ModelEngine, ModelInfo, OutDType};
+use super::{ComputeDType, EngineError, ModelEngine, ModelInfo};
 
 /// Where the tokenizer of a model comes from.
 pub enum TokenizerSource {
@@ -268,7 +268,7 @@ impl ModelFiles {
         bar.finish_and_clear();
         let decoder = decoder?;
         weights.check_unread(config.num_hidden_layers)?;
-        let info = ModelInfo::new(&self.id, &config, OutDType::from_candle(dtype));
+        let info = ModelInfo::new(&self.id, &config, ComputeDType::from_candle(dtype));
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }
 

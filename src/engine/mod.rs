@@ -27,7 +27,7 @@ pub use candle_core::{DType, Device};
 pub use budget::tokens_for_memory;
 pub use config::{Family, LayerKinds, ModelConfig, ARCHITECTURES};
 pub use device::{cuda_device_count, device_memory, parse_device, MemoryProbe};
-pub use dtype::OutDType;
+pub use dtype::{ComputeDType, OutDType};
 pub use error::EngineError;
 pub use host::{Fp8Taps, HostBytes, HostTensor, LentBuffer, Taps};
 pub use loader::{load, LoadedModel, TokenizerSource};
@@ -80,12 +80,12 @@ pub struct ModelInfo {
     pub num_layers: usize,
     pub hidden_size: usize,
     pub vocab_size: usize,
-    pub dtype: OutDType,
+    pub dtype: ComputeDType,
     pub layer_kinds: LayerKinds,
 }
 
 impl ModelInfo {
-    pub fn new(model_id: &str, cfg: &ModelConfig, dtype: OutDType) -> Self {
+    pub fn new(model_id: &str, cfg: &ModelConfig, dtype: ComputeDType) -> Self {
         ModelInfo {
             model_id: model_id.into(),
             architecture: cfg.architecture.clone(),

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::loader::ModelFiles;
-use super::{Batch, Engine, EngineError, ModelConfig, OutDType};
+use super::{Batch, ComputeDType, Engine, EngineError, ModelConfig, OutDType};
 
 /// Lengths of the probe's sequences: one token, a few, and lengths past the Gated DeltaNet chunk
 /// (64 tokens) and the attention kernels' 64- and 128-row tiles.
@@ -23,11 +23,11 @@ pub const PROBE_LENGTHS: [usize; 4] = [1, 5, 65, 129];
 /// whose router scores nearly tie, and each flip moves that token's state by a whole expert's
 /// share: measured on a random 35B-A3B-width model, whose near-uniform routers flip most, the
 /// errors are a few times those of dense models, so the allowance is five times theirs.
-pub fn tolerance(dtype: OutDType, routed: bool) -> f64 {
+pub fn tolerance(dtype: ComputeDType, routed: bool) -> f64 {
     let dense = match dtype {
-        OutDType::Float32 => 1e-3,
-        OutDType::Float16 => 0.05,
-        OutDType::Bfloat16 | OutDType::Float8E4M3 => 0.1,
+        ComputeDType::Float32 => 1e-3,
+        ComputeDType::Float16 => 0.05,
+        ComputeDType::Bfloat16 => 0.1,
     };
     if routed {
         5.0 * dense
@@ -191,7 +191,7 @@ impl SharedReference {
 #[derive(Clone, Debug)]
 pub struct Report {
     pub device: String,
-    pub dtype: OutDType,
+    pub dtype: ComputeDType,
     /// `(index, ||serving - reference|| / ||reference||)` over the probe's tokens; infinite where
     /// the serving path returned a non-finite value.
     pub errors: Vec<(usize, f64)>,
@@ -222,7 +222,7 @@ pub fn check(
     probe: &Probe,
     reference: &Reference,
     device: &str,
-    dtype: OutDType,
+    dtype: ComputeDType,
 ) -> Result<Report, EngineError> {
     let start = Instant::now();
     let ids: Vec<u32> = probe.seqs.iter().flatten().copied().collect();

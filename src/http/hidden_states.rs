@@ -262,7 +262,7 @@ pub async fn hidden_states(
 ) -> Result<Response, ApiError> {
     require_ready(&s)?;
     let dtype = match req.dtype.as_deref() {
-        None => s.info.dtype,
+        None => s.info.dtype.out(),
         Some(d) => OutDType::parse(d).ok_or_else(|| {
             ApiError::invalid(format!("unknown dtype {d:?}; use float32, bfloat16, float16 or float8_e4m3fn"))
         })?,

@@ -84,8 +84,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layertap::engine::{
-    Batch, Cancel, Device, Engine, EngineError, HostTensor, LoadedEngine, MemoryProbe, ModelInfo, OutDType, Pending,
-    Taps,
+    Batch, Cancel, ComputeDType, Device, Engine, EngineError, HostTensor, LoadedEngine, MemoryProbe, ModelInfo,
+    Pending, Taps,
 };
 use layertap::http::Limits;
 use layertap::server::{start, Running, Setup};
@@ -254,7 +254,7 @@ pub fn fake_info() -> ModelInfo {
         num_layers: FAKE_LAYERS,
         hidden_size: FAKE_HIDDEN,
         vocab_size: FAKE_VOCAB,
-        dtype: OutDType::Float32,
+        dtype: ComputeDType::Float32,
         layer_kinds: layertap::engine::LayerKinds {
             full_attention: FAKE_LAYERS,
             dense_mlp: FAKE_LAYERS,
@@ -396,7 +396,7 @@ pub fn real_server_with(
     let files = Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
     let cfg = files.config().clone();
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
-    let info = ModelInfo::new(&files.id, &cfg, OutDType::Float32);
+    let info = ModelInfo::new(&files.id, &cfg, ComputeDType::Float32);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let listener = tokio::net::TcpListener::from_std(listener).unwrap();
@@ -418,7 +418,7 @@ pub fn real_server_with(
                 let mut engine = wrap(Box::new(f.load(&Device::Cpu, DType::F32)?.engine));
                 let reference = layertap::engine::selfcheck::SharedReference::default();
                 let report =
-                    layertap::server::run_selfcheck(engine.as_mut(), &f, "cpu", OutDType::Float32, &reference)?;
+                    layertap::server::run_selfcheck(engine.as_mut(), &f, "cpu", ComputeDType::Float32, &reference)?;
                 Ok(LoadedEngine {
                     engine,
                     max_batch_tokens: None,

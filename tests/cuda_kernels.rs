@@ -157,7 +157,7 @@ fn silu_mul_matches_separate_ops() {
 /// gate) and a Llama-like d64 model without norms, over three packed sequences.
 #[test]
 fn fused_qkv_rope_matches_separate_ops() {
-    use layertap::engine::cuda::ops::QkvRope;
+    use layertap::engine::cuda::rope::QkvRope;
     let Some(dev) = device() else { return };
     let lens = [200usize, 1, 99];
     let positions: Vec<u32> = lens.iter().flat_map(|&l| 0..l as u32).collect();

@@ -38,7 +38,7 @@ pub struct BatchCtx {
     /// The rotary tables `(cos, sin)`, `[T, rotary_dim / 2]`, where the fused CUDA kernel does
     /// not serve the model's attention.
     pub tables: Option<(Tensor, Tensor)>,
-    /// For the fused CUDA kernel (`cuda::ops::QkvRope`), which computes the rotation itself: each
+    /// For the fused CUDA kernel (`cuda::rope::QkvRope`), which computes the rotation itself: each
     /// token's position `[T]` (u32) and the inverse frequencies `[rotary_dim / 2]` (f32).
     #[cfg(feature = "cuda")]
     pub rope_inputs: Option<(Tensor, Tensor)>,

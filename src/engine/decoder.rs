@@ -263,7 +263,7 @@ impl Decoder {
 fn batch_kernels(cfg: &ModelConfig, device: &candle_core::Device, dtype: DType, o: &EngineOptions) -> BatchKernels {
     #[cfg(feature = "cuda")]
     if cfg.layers.iter().any(|l| l.mixer == MixerKind::FullAttention) {
-        use super::cuda::{attention, ops::QkvRope};
+        use super::cuda::{attention, rope::QkvRope};
         let hd = cfg.head_dim;
         return BatchKernels {
             attention: (o.cuda_attention && attention::supported(device, dtype, hd))

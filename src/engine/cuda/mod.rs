@@ -15,6 +15,7 @@ pub mod module;
 pub mod moe;
 pub mod ops;
 pub mod pinned;
+pub mod rope;
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
 use candle_core::cuda_backend::CudaDType;

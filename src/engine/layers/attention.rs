@@ -28,7 +28,7 @@ pub struct Attention {
     /// The split, q/k norms and rotary embedding in one kernel, where it serves and
     /// `EngineOptions::fused_rope` leaves it on (chosen at load).
     #[cfg(feature = "cuda")]
-    fused: Option<crate::engine::cuda::ops::QkvRope>,
+    fused: Option<crate::engine::cuda::rope::QkvRope>,
 }
 
 impl Attention {
@@ -49,7 +49,7 @@ impl Attention {
         let _ = o;
         #[cfg(feature = "cuda")]
         let fused =
-            if o.fused_rope && crate::engine::cuda::ops::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
+            if o.fused_rope && crate::engine::cuda::rope::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
                 let norms = match (&q_norm, &k_norm) {
                     (Some(qn), Some(kn)) => {
                         let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
@@ -57,7 +57,7 @@ impl Attention {
                     }
                     _ => None,
                 };
-                Some(crate::engine::cuda::ops::QkvRope {
+                Some(crate::engine::cuda::rope::QkvRope {
                     heads: nq,
                     kv_heads: nkv,
                     head_dim: hd,

@@ -329,8 +329,7 @@ pub async fn hidden_states(
         Ok(Err(_)) => return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down")),
         Ok(Ok(r)) => r?,
     };
-    let mut assembly =
-        Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, metadata: Default::default() };
+    let mut assembly = Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, metadata: meta };
     // Non-finite values never pass silently: counted, then refused unless the caller allows them.
     let found = assembly.screen()?;
     let mut nonfinite = serde_json::Map::new();
@@ -352,7 +351,6 @@ pub async fn hidden_states(
             serde_json::Value::Object(nonfinite)
         )));
     }
-    assembly.metadata = meta;
     assembly.metadata.insert("nonfinite".into(), serde_json::Value::Object(nonfinite).to_string());
     let (queue_time, inference_time) = (answer.queue_time, answer.inference_time);
     let zstd = wants_zstd(&headers) && !json;

@@ -1,13 +1,16 @@
 //! What `layertap bulk` makes of an answer: checked against its checksums, then the file of the
 //! layout asked for.
 
-use safetensors::tensor::Dtype;
+use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde_json::{Map, Value};
 
 use super::Attempt;
 use crate::answer::codec::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
 use crate::cli::BulkLayout;
+
+/// The name hs-connectors reads an fp8 sample's scales under (`SCALES_KEY`).
+const SCALES: &str = "hidden_states_scales";
 
 /// A sample's file, ready to write.
 pub struct Prepared {
@@ -59,15 +62,32 @@ pub fn prepare(answer: &[u8], layout: BulkLayout) -> Attempt<Prepared> {
 /// verifier's last state, the others are flattened to the draft's input) and `token_ids` [seq_len],
 /// which must `torch.equal` the dataset's `input_ids` (int64) or the sample is dropped; the loss
 /// mask and positions come from the dataset, not the file. `CollateFn` casts `hidden_states` to the
-/// training dtype, so F32, BF16 and F16 all load; fp8 would be cast without its scales, so the
-/// layout refuses it. The metadata (checksums) is ignored by `load_file`.
+/// training dtype, so F32, BF16 and F16 all load. fp8 is read by hs-connectors' `FP8Transfer`
+/// (`hs_connectors/src/hs_connectors/transfer.py`, the `fp8` hidden-states backend): a sample holding
+/// `hidden_states_scales` is dequantised as `hidden_states.to(dtype) * hidden_states_scales.to(dtype)`,
+/// broadcasting, so the answer's `[rows, n_layers]` scales are written as `[rows, n_layers, 1]` f32
+/// (the same bytes). The metadata (checksums) is ignored by `load_file`.
 fn speculators_file(answer: &[u8], st: &SafeTensors) -> Result<Prepared, String> {
     let hs = st.tensor("hidden_states").map_err(|e| format!("the answer has no hidden_states: {e}"))?;
     let ids = st.tensor("input_ids").map_err(|e| format!("the answer has no input_ids: {e}"))?;
-    if !matches!(hs.dtype(), Dtype::F32 | Dtype::BF16 | Dtype::F16) {
-        return Err(format!("speculators reads float32, bfloat16 or float16 hidden states, not {:?}", hs.dtype()));
+    if !matches!(hs.dtype(), Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F8_E4M3) {
+        return Err(format!("speculators reads float32, bfloat16, float16 or fp8 hidden states, not {:?}", hs.dtype()));
     }
     let shape = hs.shape();
+    let scales = match hs.dtype() {
+        Dtype::F8_E4M3 => {
+            let s = st.tensor("hidden_states_scale").map_err(|e| format!("the fp8 answer has no scales: {e}"))?;
+            if s.dtype() != Dtype::F32 || shape.len() != 3 || s.shape() != [shape[0], shape[1]] {
+                return Err(format!(
+                    "the answer's hidden_states_scale {:?} ({:?}) does not fit its hidden_states {shape:?}",
+                    s.shape(),
+                    s.dtype()
+                ));
+            }
+            Some(TensorView::new(Dtype::F32, vec![shape[0], shape[1], 1], s.data()).map_err(|e| e.to_string())?)
+        }
+        _ => None,
+    };
     if shape.len() != 3 || ids.dtype() != Dtype::I64 || ids.shape() != [shape[0]] {
         return Err(format!(
             "the answer's hidden_states {:?} and input_ids {:?} ({:?}) do not match",
@@ -82,12 +102,16 @@ fn speculators_file(answer: &[u8], st: &SafeTensors) -> Result<Prepared, String>
     let mut checksums = Map::new();
     checksums.insert("hidden_states".into(), xxh64_hex([hs.data()]).into());
     checksums.insert("token_ids".into(), xxh64_hex([ids.data()]).into());
+    if let Some(s) = &scales {
+        checksums.insert(SCALES.into(), xxh64_hex([s.data()]).into());
+    }
     let mut meta = metadata(answer)?;
     meta.insert("format".into(), "speculators".into());
     meta.insert("checksum_algorithm".into(), CHECKSUM_ALGORITHM.into());
     meta.insert("checksums".into(), Value::Object(checksums.clone()).to_string());
     let rows = shape[0];
-    let tensors = [("hidden_states", hs), ("token_ids", ids)];
+    let mut tensors = vec![("hidden_states", hs), ("token_ids", ids)];
+    tensors.extend(scales.map(|s| (SCALES, s)));
     let bytes = safetensors::tensor::serialize(tensors, Some(meta)).map_err(|e| format!("writing the file: {e}"))?;
     Ok(Prepared { bytes, checksums, rows })
 }

@@ -11,8 +11,9 @@
 //!   [T], `loss_mask` [T], `cu_seqlens` [2] (and `hidden_states_scale` for fp8, `positions` for a
 //!   token selection), its metadata holding every tensor's checksum;
 //! - `--layout speculators`: `hs_I.safetensors` (I = the sample's row in the whole input, from 0,
-//!   whatever the shard) holding `hidden_states` [T, n_layers, H] and `token_ids` [T] (I64), as
-//!   speculators reads them.
+//!   whatever the shard) holding `hidden_states` [T, n_layers, H] and `token_ids` [T] (I64), and
+//!   for fp8 `hidden_states_scales` [T, n_layers, 1] (F32), as speculators and hs-connectors read
+//!   them.
 //!
 //! Every answer is checked against its checksums on receipt (a mismatch is retried like a 5xx)
 //! and written to a temporary name, synced, renamed, and only then recorded in the manifest, so a
@@ -42,7 +43,6 @@ use tokio::sync::Mutex;
 use crate::answer::codec::xxh64_hex;
 use crate::answer::{LayerRef, Selection, FINAL_PRENORM};
 use crate::cli::{BulkArgs, BulkLayout, Shard};
-use crate::engine::OutDType;
 use answer::{prepare, Prepared};
 use input::{Input, Row, Sample};
 use manifest::{failures_name, lock_manifest, manifest_name, read_manifest};
@@ -270,12 +270,6 @@ async fn process(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample
 fn check_layout(a: &BulkArgs) -> anyhow::Result<()> {
     if a.layout != BulkLayout::Speculators {
         return Ok(());
-    }
-    if a.dtype.as_deref().and_then(OutDType::parse) == Some(OutDType::Float8E4M3) {
-        anyhow::bail!(
-            "--layout speculators cannot hold fp8: speculators' loader casts hidden_states to its training \
-             dtype and has no place for the per-token scales; use --dtype bfloat16, float16 or float32"
-        );
     }
     if a.tokens != Selection::All {
         anyhow::bail!(

@@ -67,8 +67,8 @@ pub struct BulkArgs {
     #[arg(long)]
     pub verify: bool,
     /// Files written: plain (shard-NNNNN/ID.safetensors, the server's answer as it is) or
-    /// speculators (hs_I.safetensors with hidden_states and token_ids, I the sample's index in
-    /// the input, as speculators' trainers read them).
+    /// speculators (hs_I.safetensors with hidden_states and token_ids, and hidden_states_scales for
+    /// fp8; I the sample's index in the input, as speculators' trainers read them).
     #[arg(long, value_enum, default_value_t = BulkLayout::Plain)]
     pub layout: BulkLayout,
     /// Rows kept of each sample: all, assistant (rows whose loss_mask is 1) or last:K.
@@ -122,6 +122,7 @@ pub enum BulkLayout {
     /// `shard-NNNNN/ID.safetensors`: the answer as the server sent it.
     #[default]
     Plain,
-    /// `hs_I.safetensors`: `hidden_states` and `token_ids`, as speculators reads them.
+    /// `hs_I.safetensors`: `hidden_states` and `token_ids` (and `hidden_states_scales` for fp8), as
+    /// speculators and hs-connectors read them.
     Speculators,
 }

@@ -1,5 +1,6 @@
-//! `--layout speculators`: the files speculators reads, resumed and verified like the plain
-//! layout's, and what the layout cannot hold refused before any request.
+//! `--layout speculators`: the files speculators reads (fp8 with its scales as hs-connectors
+//! reads them), resumed and verified like the plain layout's, and what the layout cannot hold
+//! refused before any request.
 
 use crate::common::*;
 use crate::{assert_states, entry, manifest, p, raw_tensors, run_bulk, run_extract, tensor_start, write_input, xxh64};
@@ -102,12 +103,7 @@ async fn what_the_speculators_layout_cannot_hold_is_refused_before_any_request()
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("data.jsonl");
     write_input(&input, &[("a", vec![1, 2, 3])]);
-    for (extra, says) in [
-        (["--dtype", "fp8"], "fp8"),
-        (["--dtype", "float8_e4m3fn"], "fp8"),
-        (["--tokens", "assistant"], "--tokens all"),
-        (["--tokens", "last:2"], "--tokens all"),
-    ] {
+    for (extra, says) in [(["--tokens", "assistant"], "--tokens all"), (["--tokens", "last:2"], "--tokens all")] {
         let out = dir.path().join(format!("out-{}", extra[1]));
         let mut args = vec!["--server", &s.base, "--input", &input.to_str().unwrap(), "--out", out.to_str().unwrap()];
         args.extend(["--layers", "1,final_prenorm", "--layout", "speculators"]);
@@ -124,4 +120,56 @@ async fn what_the_speculators_layout_cannot_hold_is_refused_before_any_request()
     assert_eq!(code, Some(0), "{err}");
     let t = raw_tensors(&std::fs::read(out.join("shard-00000/a.safetensors")).unwrap());
     assert_eq!((t["hidden_states"].0.as_str(), t["hidden_states_scale"].1.clone()), ("F8_E4M3", vec![3, 1]));
+}
+
+/// fp8 in the speculators layout: the answer's fp8 states as they came, and its scales as
+/// `hidden_states_scales` [T, n_layers, 1] f32, which hs-connectors' fp8 reader multiplies in
+/// (broadcasting over the hidden size); checksummed like the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fp8_in_the_speculators_layout_carries_its_scales_as_hs_connectors_reads_them() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("data.jsonl");
+    let samples: Vec<(&str, Vec<u32>)> = vec![("a", vec![7, 8, 9, 10]), ("b", vec![300, 2])];
+    write_input(&input, &samples);
+    let (plain, spec) = (dir.path().join("plain"), dir.path().join("spec"));
+    for (out, layout) in [(&plain, "plain"), (&spec, "speculators")] {
+        let (code, err) = run_bulk(&[
+            "--server",
+            &s.base,
+            "--input",
+            &p(&input),
+            "--out",
+            &p(out),
+            "--layers",
+            "1,final_prenorm",
+            "--dtype",
+            "fp8",
+            "--layout",
+            layout,
+        ])
+        .await;
+        assert_eq!(code, Some(0), "{layout}: {err}");
+    }
+    let (pm, sm) = (manifest(&plain), manifest(&spec));
+    for (i, (id, ids)) in samples.iter().enumerate() {
+        let bytes = std::fs::read(spec.join(format!("hs_{i}.safetensors"))).unwrap();
+        let t = raw_tensors(&bytes);
+        let mut names: Vec<&String> = t.keys().collect();
+        names.sort();
+        assert_eq!(names, ["hidden_states", "hidden_states_scales", "token_ids"], "{id}");
+        let answer = raw_tensors(&std::fs::read(plain.join(entry(&pm, id)["file"].as_str().unwrap())).unwrap());
+        let (dt, shape, hs) = &t["hidden_states"];
+        assert_eq!((dt.as_str(), shape.clone()), ("F8_E4M3", vec![ids.len(), 2, FAKE_HIDDEN]), "{id}");
+        assert_eq!(hs, &answer["hidden_states"].2, "{id}: the answer's fp8 states");
+        let (dt, shape, scales) = &t["hidden_states_scales"];
+        assert_eq!((dt.as_str(), shape.clone()), ("F32", vec![ids.len(), 2, 1]), "{id}");
+        assert_eq!(scales, &answer["hidden_states_scale"].2, "{id}: the answer's scales, one per token and layer");
+        assert!(scales.chunks_exact(4).all(|c| f32::from_le_bytes(c.try_into().unwrap()) > 0.0), "{id}");
+        let e = entry(&sm, id);
+        assert_eq!(e["checksums"]["hidden_states_scales"], xxh64(scales), "{id}");
+        assert_eq!(e["xxh64"], xxh64(&bytes), "{id}");
+    }
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&spec)]).await;
+    assert_eq!(code, Some(0), "{err}");
 }

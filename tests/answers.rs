@@ -29,7 +29,7 @@ async fn answer(
     let status = r.status();
     let bytes = r.bytes().await.unwrap().to_vec();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
-    layertap::answer::codec::verify_checksums(&bytes).expect("every answer's checksums verify");
+    layertap::answer::checksum::verify_checksums(&bytes).expect("every answer's checksums verify");
     let (t, meta) = read_safetensors_bytes(&bytes);
     (t, meta, bytes)
 }
@@ -373,7 +373,7 @@ fn one_shot_extraction_writes_fp8_with_scales() {
         }
     }
     let bytes = x.to_safetensors().unwrap();
-    layertap::answer::codec::verify_checksums(&bytes).unwrap();
+    layertap::answer::checksum::verify_checksums(&bytes).unwrap();
     let (t, meta) = read_safetensors_bytes(&bytes);
     assert_eq!(t["hidden_states_scale"].shape, [3, 2]);
     assert_eq!(meta["layers"], "[3,\"final_prenorm\"]");

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use safetensors::tensor::Dtype;
 
-pub use super::checksum::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
+use super::checksum::{xxh64_hex, CHECKSUM_ALGORITHM};
 use crate::bufpool::AnswerBuf;
 use crate::engine::OutDType;
 
@@ -286,6 +286,7 @@ pub fn encode_answer_on(a: &AnswerParts, zstd_level: Option<i32>, threads: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::answer::checksum::verify_checksums;
     use safetensors::tensor::TensorView;
 
     fn parts(chunks: Vec<&[u8]>) -> AnswerParts<'_> {

@@ -6,7 +6,7 @@ use safetensors::SafeTensors;
 use serde_json::{Map, Value};
 
 use super::Attempt;
-use crate::answer::codec::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
+use crate::answer::checksum::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
 use crate::cli::BulkLayout;
 
 /// The name hs-connectors reads an fp8 sample's scales under (`SCALES_KEY`).

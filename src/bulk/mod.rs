@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 
-use crate::answer::codec::xxh64_hex;
+use crate::answer::checksum::xxh64_hex;
 use crate::answer::{LayerRef, Selection, FINAL_PRENORM};
 use crate::cli::{BulkArgs, BulkLayout, Shard};
 use answer::{prepare, Prepared};

@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::answer::metadata;
 use super::manifest::{manifest_name, manifests};
-use crate::answer::codec::{verify_checksums, xxh64_hex};
+use crate::answer::checksum::{verify_checksums, xxh64_hex};
 use crate::cli::BulkArgs;
 
 /// One sample recorded in the manifest, as `--verify` checks it.

@@ -104,7 +104,7 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
         }
         let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).unwrap();
         let mut meta = meta.metadata().clone().unwrap_or_default();
-        check!(codec::verify_checksums(bytes).is_ok(), "checksums do not verify");
+        check!(layertap::answer::checksum::verify_checksums(bytes).is_ok(), "checksums do not verify");
         check!(meta.remove("checksum_algorithm").as_deref() == Some("xxh64"), "checksum algorithm");
         check!(meta.remove("checksums").is_some(), "no checksums");
         check!(meta == c.metadata, "metadata {meta:?} != {:?}", c.metadata);

@@ -2,7 +2,7 @@
 //! from the request, the tokenizer and the fake engine's values without the server's code.
 
 use axum::http::{HeaderMap, StatusCode};
-use layertap::answer::codec;
+use layertap::answer::checksum::verify_checksums;
 use layertap::engine::OutDType;
 use layertap::tokenizer::ChatMessage;
 use proptest::test_runner::TestCaseError;
@@ -280,7 +280,7 @@ fn check_hidden_states_ok(req: &Value, headers: &[(&str, String)], r: &Reply) ->
     }
     want_names.sort();
     check!(names == want_names, "tensors {names:?}");
-    check!(codec::verify_checksums(&raw).is_ok(), "checksums do not verify");
+    check!(verify_checksums(&raw).is_ok(), "checksums do not verify");
     let (map, _) = common::read_safetensors_bytes(&raw);
     let hs = &map["hidden_states"];
     check!(hs.shape == [total, width, FAKE_HIDDEN], "hidden_states shape {:?}", hs.shape);

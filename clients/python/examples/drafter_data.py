@@ -3,7 +3,7 @@
 Needs torch (``pip install 'layertap-client[torch]'``); runs on the CPU.
 
     layertap bulk --server http://127.0.0.1:8080 --input chats.jsonl --out hs \\
-        --layers 3,15,27,final_prenorm --dtype bfloat16
+        --layers 2,15,27,final_prenorm --dtype bfloat16
     python clients/python/examples/drafter_data.py hs --batch-size 8 --workers 4          # padded batches
     python clients/python/examples/drafter_data.py hs --batch-size 8 --workers 4 --pack   # packed rows
     torchrun --nproc-per-node 2 clients/python/examples/drafter_data.py hs                # one share per rank

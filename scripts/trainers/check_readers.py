@@ -33,7 +33,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,7 +142,6 @@ def check_specforge(binary, url, client, work, n):
     from specforge.algorithms.common import dflash_family_data as dflash
     from specforge.algorithms.eagle3 import data as eagle3
     from specforge.runtime.data_plane.feature_store import load_feature_file
-    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
 
     inputs = work / "chats.jsonl"
     inputs.write_text("".join(json.dumps({"id": f"c{i}", "messages": m}) + "\n" for i, m in enumerate(chats(n))))

@@ -63,6 +63,17 @@ def _binary() -> Path:
     return b
 
 
+def run_bulk(url: str, samples, out: Path, flags) -> Path:
+    """`layertap bulk` of the binary under test: ``samples`` (dicts, one JSONL line each) from
+    the server at ``url`` into ``out``, with ``flags``; fails the test on a non-zero exit."""
+    data = out.parent / f"{out.name}.input.jsonl"
+    data.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    cmd = [str(_binary()), "bulk", "--server", url, "--input", str(data), "--out", str(out), *flags]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ import pytest
 from layertap_client import _torchsave
 from layertap_client.convert import FAILURES, MANIFEST, ConvertError, convert_folder
 from layertap_client.dataset import BulkFolder
-from test_client import HIDDEN, NUM_LAYERS, Server, _binary, _flip
+from test_client import HIDDEN, NUM_LAYERS, Server, _flip, run_bulk
 
 try:
     import torch
@@ -55,18 +55,9 @@ RUNS = {
 @pytest.fixture(scope="module")
 def bulk(tmp_path_factory):
     root = tmp_path_factory.mktemp("bulk")
-    data = root / "input.jsonl"
-    data.write_text("".join(json.dumps(s) + "\n" for s in SAMPLES))
     server = Server()
     try:
-        folders = {}
-        for name, flags in RUNS.items():
-            out = root / name
-            cmd = [str(_binary()), "bulk", "--server", server.url, "--input", str(data), "--out", str(out), *flags]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            assert p.returncode == 0, p.stdout + p.stderr
-            folders[name] = out
-        yield folders
+        yield {name: run_bulk(server.url, SAMPLES, root / name, flags) for name, flags in RUNS.items()}
     finally:
         server.stop()
 

@@ -19,7 +19,7 @@ import pytest
 
 from layertap_client import ChecksumMismatch, Client, LayertapError
 from layertap_client.dataset import BulkFolder, manifest_paths, shard_indices
-from test_client import CHAT, HIDDEN, Server, _binary, _flip
+from test_client import CHAT, HIDDEN, Server, _flip, run_bulk
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "drafter_data.py"
 
@@ -59,18 +59,12 @@ def _input(s):
 def bulk(tmp_path_factory):
     """{name: folder} made by `layertap bulk`, and the client's answers for the same inputs."""
     root = tmp_path_factory.mktemp("bulk")
-    data = root / "input.jsonl"
-    data.write_text("".join(json.dumps(s) + "\n" for s in SAMPLES))
     server = Server()
     try:
         folders, expected = {}, {}
         with Client(server.url) as client:
             for name, (flags, layers, dtype) in [*RUNS.items(), ("spec", SPEC)]:
-                out = root / name
-                cmd = [str(_binary()), "bulk", "--server", server.url, "--input", str(data), "--out", str(out)]
-                p = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=300)
-                assert p.returncode == 0, p.stdout + p.stderr
-                folders[name] = out
+                folders[name] = run_bulk(server.url, SAMPLES, root / name, flags)
                 tokens = {"last": 3} if "--tokens" in flags else None
                 expected[name] = {
                     s["id"]: client.hidden_states([_input(s)], layers=layers, dtype=dtype, tokens=tokens)[0]

@@ -17,13 +17,18 @@ gives (written to logprobs.safetensors in the fixture's folder):
     seq{i}.topk_ids         int64   [R, K]   ids sorted by descending lp, ties by ascending id
     seq{i}.topk_logprobs    float32 [R, K]   their lp
     seq{i}.target_logprobs  float32 [R]      lp[t, ids[t + 1]]; NaN at the last position
+    seq{i}.final_state      float32 [R, H]   hidden_states[L] (after the final norm) of this pass,
+                                             so a test can check the head alone on the same state
 
 plus logprobs.json: K, the versions, the smallest gap between the K-th and (K+1)-th lp of any row
 (the references hold no tie at the cut when it is > 0) and whether any two of the top K are
 equal, and the largest difference between the final-norm state of this forward pass and the
 committed hidden_states[L] (the same setup as the committed reference).
 
-Usage:  python scripts/make_logprob_references.py [--gguf .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf]
+The committed files were generated with ATEN_CPU_CAPABILITY=avx2, as the hidden-state references
+were (the default model's final state then equals its committed reference bit for bit).
+
+Usage:  ATEN_CPU_CAPABILITY=avx2 python scripts/make_logprob_references.py [--gguf .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf]
 """
 
 import argparse
@@ -76,6 +81,7 @@ def references(model, seqs, final_states):
         out[f"{name}.topk_ids"] = idx[keep, :k].contiguous().to(torch.int64)
         out[f"{name}.topk_logprobs"] = vals[keep, :k].contiguous()
         out[f"{name}.target_logprobs"] = target[keep].contiguous()
+        out[f"{name}.final_state"] = o.hidden_states[-1][0][keep].float().contiguous()
     return out, {"k": K, "rows_tied_at_k": ties_at_cut, "min_gap_at_k": min_gap, "ties_within_top_k": tied, "final_state_max_abs_diff": state_diff}
 
 

@@ -7,12 +7,26 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use candle_core::Tensor;
 use common::{fixture_models, fixtures, read_safetensors, Read};
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
-/// The largest absolute difference allowed between a log-probability and the reference's.
+/// The largest absolute difference allowed between a log-probability and the reference's, for
+/// the output head, log-softmax and top-k alone (on the reference's own final state).
 const TOLERANCE: f32 = 1e-5;
+
+/// End to end, the states' own differences from transformers come through: the tiny fixtures'
+/// states are within 1e-5 relative (norm-wise) of transformers, and their log-probabilities,
+/// amplified by the head, within 3.5e-5 (the deep hybrid; the dense families within 3.4e-6).
+const TINY_END_TO_END: f32 = 5e-5;
+
+/// The default model's logits reach 33 over a 576-wide state, where f32 sums are only good to
+/// a few 1e-5: transformers' own f32 log-probabilities are 3.7e-5 from a float64 run of the same
+/// head on the same state, and ours, on that state, 4.9e-5 from transformers'. Its states are
+/// within 1e-4 relative of transformers (tests/smollm2.rs); its log-probabilities end to end within
+/// 7.8e-5. Both are checked against 1e-4.
+const DEFAULT_MODEL: f32 = 1e-4;
 
 fn default_model() -> PathBuf {
     std::env::var("LAYERTAP_DEFAULT_MODEL").map(PathBuf::from).unwrap_or_else(|_| {
@@ -25,6 +39,8 @@ fn default_model() -> PathBuf {
 /// reference has a near tie (two log-probabilities within the tolerance).
 #[derive(Debug, Default)]
 struct Figures {
+    /// The head alone, on the reference's final state: top-k and target log-probabilities.
+    head: f32,
     topk: f32,
     target: f32,
     swapped_near_ties: usize,
@@ -85,8 +101,18 @@ fn check(model: &Path, reference: &Path) -> Figures {
             }
             f.rows += 1;
         }
+        // The head alone, on the final state transformers computed.
+        let fs = get("final_state");
+        let state = Tensor::from_vec(fs.f32.clone(), (fs.shape[0], fs.shape[1]), &Device::Cpu).unwrap();
+        let targets: Vec<i32> = positions.iter().map(|&p| ids.get(p as usize + 1).map_or(-1, |&t| t as i32)).collect();
+        let head = layertap::engine::logprobs::top_k(&state, engine.decoder.head().unwrap(), k, &targets).unwrap();
+        let head = head.to_host().unwrap();
+        for (a, b) in head.logprobs.iter().chain(&head.target).zip(want_lp.iter().chain(want_t)) {
+            if !b.is_nan() {
+                f.head = f.head.max((a - b).abs());
+            }
+        }
     }
-    assert!(f.topk <= TOLERANCE && f.target <= TOLERANCE, "{}: {f:?}", model.display());
     f
 }
 
@@ -95,9 +121,16 @@ fn every_family_matches_transformers() {
     let dirs: Vec<PathBuf> =
         fixture_models().into_iter().filter(|d| d.join("logprobs.safetensors").is_file()).collect();
     assert_eq!(dirs.len(), fixture_models().len(), "every fixture has log-probability references");
+    let mut worst = Vec::new();
     for dir in dirs {
         let f = check(&dir, &dir.join("logprobs.safetensors"));
-        eprintln!("{}: {f:?}", dir.file_name().unwrap().to_string_lossy());
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        eprintln!("{name}: {f:?}");
+        worst.push((name, f));
+    }
+    for (name, f) in worst {
+        assert!(f.head <= TOLERANCE, "{name}: the head alone {f:?}");
+        assert!(f.topk <= TINY_END_TO_END && f.target <= TINY_END_TO_END, "{name}: {f:?}");
     }
 }
 
@@ -107,6 +140,8 @@ fn the_default_model_matches_transformers() {
     assert!(model.is_file(), "{} is missing: run `make model`", model.display());
     let f = check(&model, &fixtures().join("smollm2/logprobs.safetensors"));
     eprintln!("SmolLM2-135M-Instruct Q4_1: {f:?}");
+    assert!(f.head <= DEFAULT_MODEL, "the head alone: {f:?}");
+    assert!(f.topk <= DEFAULT_MODEL && f.target <= DEFAULT_MODEL, "{f:?}");
 }
 
 /// Log-probabilities of a few rows come out the same whatever else the batch holds or asks:

@@ -172,7 +172,14 @@ fn chunk(x: &Tensor, head: &Tensor, k: usize, targets: &[i32]) -> Result<DeviceT
         let (ids, logprobs, target) = super::cuda::logprobs::top_k_logprobs(&logits, k, &t)?;
         return Ok(TopK { top_k: k, ids, logprobs, target });
     }
-    let logits = x.to_dtype(DType::F32)?.matmul(&head.to_dtype(DType::F32)?.t()?)?;
+    // The CPU matmul takes another path for a single row, whose sums round differently: a lone
+    // row goes through with a copy of itself, so a row's values do not depend on how many rows
+    // it is computed with.
+    let x = x.to_dtype(DType::F32)?;
+    let lone = x.dim(0)? == 1;
+    let x = if lone { Tensor::cat(&[&x, &x], 0)? } else { x };
+    let logits = x.matmul(&head.to_dtype(DType::F32)?.t()?)?;
+    let logits = if lone { logits.narrow(0, 0, 1)? } else { logits };
     top_k_of_logits(&logits, k, targets)
 }
 

@@ -28,6 +28,9 @@ pub const MAX_TOP_K: usize = 64;
 /// reserves it; see [`super::tokens_for_memory`]).
 pub const LOGITS_BUDGET_BYTES: usize = 256 << 20;
 
+/// Rows per matmul on the CPU (see [`top_k`]).
+const CPU_BLOCK: usize = 16;
+
 /// Which rows of a batch get log-probabilities, and how many of the top entries.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LogprobRows {
@@ -172,14 +175,22 @@ fn chunk(x: &Tensor, head: &Tensor, k: usize, targets: &[i32]) -> Result<DeviceT
         let (ids, logprobs, target) = super::cuda::logprobs::top_k_logprobs(&logits, k, &t)?;
         return Ok(TopK { top_k: k, ids, logprobs, target });
     }
-    // The CPU matmul takes another path for a single row, whose sums round differently: a lone
-    // row goes through with a copy of itself, so a row's values do not depend on how many rows
-    // it is computed with.
+    // Candle's CPU matmul sums in an order that depends on how many rows it multiplies: rows go
+    // through in blocks of CPU_BLOCK (the last padded with zeros), so a row's log-probabilities
+    // do not depend on how many rows share its batch or chunk.
     let x = x.to_dtype(DType::F32)?;
-    let lone = x.dim(0)? == 1;
-    let x = if lone { Tensor::cat(&[&x, &x], 0)? } else { x };
-    let logits = x.matmul(&head.to_dtype(DType::F32)?.t()?)?;
-    let logits = if lone { logits.narrow(0, 0, 1)? } else { logits };
+    let w = head.to_dtype(DType::F32)?;
+    let rows = x.dim(0)?;
+    let mut blocks = Vec::with_capacity(rows.div_ceil(CPU_BLOCK));
+    for r0 in (0..rows).step_by(CPU_BLOCK) {
+        let n = CPU_BLOCK.min(rows - r0);
+        let mut b = x.narrow(0, r0, n)?;
+        if n < CPU_BLOCK {
+            b = Tensor::cat(&[&b, &Tensor::zeros((CPU_BLOCK - n, b.dim(1)?), DType::F32, b.device())?], 0)?;
+        }
+        blocks.push(b.matmul(&w.t()?)?.narrow(0, 0, n)?);
+    }
+    let logits = Tensor::cat(&blocks, 0)?;
     top_k_of_logits(&logits, k, targets)
 }
 
@@ -264,11 +275,11 @@ mod tests {
     #[test]
     fn chunks_give_the_rows_computed_together() {
         let head = Tensor::randn(0f32, 1.0, (50, 8), &Device::Cpu).unwrap();
-        let x = Tensor::randn(0f32, 1.0, (7, 8), &Device::Cpu).unwrap();
-        let targets = [1, 2, 3, -1, 4, 5, -1];
+        let x = Tensor::randn(0f32, 1.0, (21, 8), &Device::Cpu).unwrap();
+        let targets: Vec<i32> = (0..21).map(|r| if r % 6 == 5 { -1 } else { r }).collect();
         let whole = top_k(&x, &head, 5, &targets).unwrap().to_host().unwrap();
         let mut parts = Vec::new();
-        for r in 0..7 {
+        for r in 0..21 {
             parts.push(chunk(&x.narrow(0, r, 1).unwrap(), &head, 5, &targets[r..r + 1]).unwrap().to_host().unwrap());
         }
         assert_eq!(whole.ids, parts.iter().flat_map(|p| p.ids.clone()).collect::<Vec<_>>());

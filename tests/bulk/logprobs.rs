@@ -9,13 +9,13 @@ async fn top_k_adds_the_logprobs_to_each_plain_file_and_speculators_refuses_it()
     let (running, base) = real_server("tiny/qwen2_bias_tied", limits()).await;
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("data.jsonl");
-    write_input(&input, &[("a", vec![5, 6, 7, 8]), ("b", vec![9])]);
+    write_input(&input, &[("a", vec![5, 6, 7, 8]), ("b", vec![9, 10])]);
     let out = dir.path().join("out");
     let (code, err) =
         run_extract(&base, &input, &out, "-1", &["--top-k", "3", "--target-logprobs", "--tokens", "last:2"]).await;
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(manifest(&out).len(), 2);
-    for (id, rows) in [("a", 2), ("b", 1)] {
+    for (id, rows) in [("a", 2), ("b", 2)] {
         let bytes = std::fs::read(out.join(format!("shard-00000/{id}.safetensors"))).unwrap();
         layertap::answer::checksum::verify_checksums(&bytes).unwrap();
         let (t, meta) = read_safetensors_bytes(&bytes);

@@ -103,6 +103,7 @@ fn main() {
                                 cu_seqlens: vec![0, n as i64],
                                 loss_mask: vec![1; n],
                                 positions: None,
+                                logprobs: None,
                                 metadata: HashMap::from([("model".to_string(), "bench".to_string())]),
                             };
                             let len = if pooled {

@@ -59,7 +59,7 @@ fn answers(
 ) -> anyhow::Result<serde_json::Value> {
     let level = crate::http::Limits::default().zstd_level;
     let mut batch = Batch::pack(b.iter().map(|s| &s[..]), layers.indices().iter().copied());
-    batch.output = Output { plain: Rows::All, fp8: Rows::All, screen: true };
+    batch.output = Output { plain: Rows::All, fp8: Rows::All, ..Output::default() };
     let taps = std::sync::Arc::new(engine.launch(&batch)?.wait()?);
     let hidden = taps.host.shape[2];
     let width = layers.len();
@@ -68,7 +68,14 @@ fn answers(
     for fp8 in [false, true] {
         let (mut raw, mut enc, mut hash_s, mut zstd_s) = (0usize, 0usize, 0f64, 0f64);
         for (i, s) in b.iter().enumerate() {
-            let part = Part { taps: taps.clone(), layers: layers.indices().into(), fp8, start: cu[i], rows: s.len() };
+            let part = Part {
+                taps: taps.clone(),
+                layers: layers.indices().into(),
+                fp8,
+                start: cu[i],
+                rows: s.len(),
+                logprobs: None,
+            };
             let bytes = part.bytes(dtype)?;
             if fp8 {
                 let q = part.gather(dtype)?.to_f32();
@@ -96,6 +103,7 @@ fn answers(
                 layers: layers.clone(),
                 dtype: if fp8 { OutDType::Float8E4M3 } else { dtype },
                 hidden,
+                logprobs: None,
                 metadata: Default::default(),
             };
             raw += answer.encode(None, 1)?.0.len();

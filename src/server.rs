@@ -401,7 +401,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let max_batch_tokens = args.max_batch_tokens.unwrap_or(default::CPU_MAX_BATCH_TOKENS);
     let auto_batch_tokens = args.max_batch_tokens.is_none() && devices.iter().any(|d| d != "cpu");
     let max_input_tokens = tokens.input;
-    let info = ModelInfo::new(&files.id, &cfg, args.dtype);
+    let info = ModelInfo::new(&files.id, &cfg, args.dtype).with_head(files.has_head());
     let limits = Limits {
         max_connections: fit_open_file_limit(args.max_connections),
         ..Limits::from_args(&args, tokens, max_batch_tokens)

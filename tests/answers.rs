@@ -312,7 +312,7 @@ fn the_engine_selects_quantises_and_screens_on_its_device() {
     let full = m.engine.forward(&Batch::new(ids.clone(), vec![0, 12, 20], layers.clone())).unwrap();
     assert!(full.nonfinite.iter().all(|&f| f == 0));
     let mut batch = Batch::new(ids.clone(), vec![0, 12, 20], layers.clone());
-    batch.output = Output { plain: Rows::Only(vec![0, 5, 19]), fp8: Rows::Only(vec![2, 3, 13]), screen: true };
+    batch.output = Output { plain: Rows::Only(vec![0, 5, 19]), fp8: Rows::Only(vec![2, 3, 13]), ..Output::default() };
     let sel = m.engine.forward(&batch).unwrap();
     for (k, &r) in [0usize, 5, 19].iter().enumerate() {
         assert_eq!(

@@ -787,7 +787,7 @@ fn long_stacked_taps_past_2_pow_32() {
     }
     drop((flat, gathered));
 
-    let out = Output { plain: Rows::Only(ends.map(|r| r as u32).to_vec()), fp8: Rows::All, screen: true };
+    let out = Output { plain: Rows::Only(ends.map(|r| r as u32).to_vec()), fp8: Rows::All, ..Output::default() };
     let got = prepare(&stacked, &out).unwrap();
     let plain = got.plain.expect("selected rows");
     let fp8 = got.fp8.expect("every row in fp8");

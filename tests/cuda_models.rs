@@ -137,7 +137,7 @@ fn selection_fp8_screen_and_prenorm_on_the_gpu() {
         let fp8_rows: Vec<u32> = (1..total as u32).step_by(2).collect();
         let mut batch = Batch::new(seqs.concat(), cu.clone(), layers.clone());
         batch.output =
-            Output { plain: Rows::Only(plain_rows.clone()), fp8: Rows::Only(fp8_rows.clone()), screen: true };
+            Output { plain: Rows::Only(plain_rows.clone()), fp8: Rows::Only(fp8_rows.clone()), ..Output::default() };
         let sel = m.engine.forward(&batch).unwrap();
         for (k, &r) in plain_rows.iter().enumerate() {
             let a = sel.gather(k, 1, &layers, OutDType::Bfloat16).unwrap();

@@ -201,6 +201,9 @@ fn the_batch_budget_grows_with_free_memory_and_counts_the_attention_chunk() {
     );
     // Nothing fits when the attention scores of one chunk alone exceed the budget.
     assert_eq!(layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::F32, 1 << 20, 1 << 20), 0);
+    // Nor when the logits of one chunk of log-probability rows alone do.
+    let logits = layertap::engine::logprobs::LOGITS_BUDGET_BYTES as u64;
+    assert_eq!(layertap::engine::tokens_for_memory(cfg, &Device::Cpu, DType::BF16, logits, 16), 0);
 }
 
 /// Options are handed to the loader, not read from the environment there: every switch turned

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::codec::{self, AnswerParts};
+use super::codec::{self, AnswerParts, Logprobs};
 use super::layers::{LayerSet, CONVENTION};
 use super::select::Selection;
 use crate::batching::Part;
@@ -99,6 +99,8 @@ pub struct Extraction {
     pub loss_mask: Vec<u8>,
     /// Each row's position in its input, when a selection left rows out.
     pub positions: Option<Vec<i64>>,
+    /// Next-token log-probabilities of the rows, when asked.
+    pub logprobs: Option<Logprobs>,
     pub metadata: HashMap<String, String>,
 }
 
@@ -114,6 +116,7 @@ impl Extraction {
             cu_seqlens: self.cu_seqlens.clone(),
             loss_mask: self.loss_mask.clone(),
             positions: self.positions.clone(),
+            logprobs: self.logprobs.clone(),
             metadata: self.metadata.clone(),
         }
     }
@@ -142,6 +145,17 @@ pub struct HiddenStatesJson {
     /// Each row's position in its input, with a token selection only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub positions: Option<Vec<i64>>,
+    /// With `logprobs`: `[rows, top_k]` row-major, the top-k next-token ids of each row, best
+    /// first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topk_ids: Option<Vec<i64>>,
+    /// With `logprobs`: `[rows, top_k]` row-major, their log-probabilities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topk_logprobs: Option<Vec<f32>>,
+    /// With `logprobs.target`: `[rows]`, the log-probability of each row's next input token;
+    /// null on an input's last token (NaN in safetensors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_logprobs: Option<Vec<Option<f32>>>,
     pub metadata: HashMap<String, String>,
 }
 
@@ -156,6 +170,12 @@ impl From<Extraction> for HiddenStatesJson {
             cu_seqlens: x.cu_seqlens,
             loss_mask: x.loss_mask,
             positions: x.positions,
+            topk_ids: x.logprobs.as_ref().map(|l| l.ids.clone()),
+            topk_logprobs: x.logprobs.as_ref().map(|l| l.logprobs.clone()),
+            target_logprobs: x
+                .logprobs
+                .and_then(|l| l.target)
+                .map(|t| t.into_iter().map(|v| (!v.is_nan()).then_some(v)).collect()),
             metadata: x.metadata,
         }
     }
@@ -179,7 +199,18 @@ pub struct Assembly {
     pub layers: LayerSet,
     pub dtype: OutDType,
     pub hidden: usize,
+    /// The log-probabilities asked for the rows, if any.
+    pub logprobs: Option<LogprobsAsk>,
     pub metadata: HashMap<String, String>,
+}
+
+/// What a caller asks of next-token log-probabilities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LogprobsAsk {
+    /// Entries per row, best first.
+    pub top_k: usize,
+    /// Also the log-probability of each row's next input token.
+    pub target: bool,
 }
 
 impl Assembly {
@@ -224,6 +255,21 @@ impl Assembly {
         Ok(Some(all))
     }
 
+    /// The log-probabilities of the answer's rows, gathered from their batches.
+    fn logprobs(&self) -> Result<Option<Logprobs>, EngineError> {
+        let Some(ask) = self.logprobs else { return Ok(None) };
+        let rows = self.rows();
+        let (mut ids, mut lps) = (Vec::with_capacity(rows * ask.top_k), Vec::with_capacity(rows * ask.top_k));
+        let mut target = Vec::with_capacity(rows);
+        for p in &self.parts {
+            let (i, l, t) = p.logprobs(ask.top_k)?;
+            ids.extend(i);
+            lps.extend(l);
+            target.extend(t);
+        }
+        Ok(Some(Logprobs { top_k: ask.top_k, ids, logprobs: lps, target: ask.target.then_some(target) }))
+    }
+
     /// The answer, owned: each input's rows copied out of its batch and joined.
     pub fn extraction(self) -> Result<Extraction, EngineError> {
         let rows = self.rows();
@@ -241,6 +287,7 @@ impl Assembly {
             cu_seqlens: c.cu_seqlens,
             loss_mask: c.loss_mask,
             positions: c.positions,
+            logprobs: self.logprobs()?,
             metadata: self.metadata,
         })
     }
@@ -261,6 +308,7 @@ impl Assembly {
             cu_seqlens: cols.cu_seqlens,
             loss_mask: cols.loss_mask,
             positions: cols.positions,
+            logprobs: self.logprobs()?,
             metadata: self.metadata.clone(),
         };
         let raw = parts.chunks.iter().map(|c| c.len()).sum();
@@ -286,7 +334,14 @@ pub fn once(
     let parts: Vec<Part> = seqs
         .iter()
         .zip(batch.cu_seqlens.iter())
-        .map(|(s, &start)| Part { taps: taps.clone(), layers: layers.indices().into(), fp8, start, rows: s.ids.len() })
+        .map(|(s, &start)| Part {
+            taps: taps.clone(),
+            layers: layers.indices().into(),
+            fp8,
+            start,
+            rows: s.ids.len(),
+            logprobs: None,
+        })
         .collect();
     let assembly = Assembly {
         seqs: Arc::new(seqs.to_vec()),
@@ -295,6 +350,7 @@ pub fn once(
         layers: layers.clone(),
         dtype,
         hidden: info.hidden_size,
+        logprobs: None,
         metadata: metadata(info, layers, dtype, &Selection::All),
     };
     assembly.extraction()

@@ -52,8 +52,26 @@ pub struct AnswerParts<'a> {
     pub cu_seqlens: Vec<i64>,
     pub loss_mask: Vec<u8>,
     pub positions: Option<Vec<i64>>,
+    /// Next-token log-probabilities of the rows, when asked.
+    pub logprobs: Option<Logprobs>,
     pub metadata: HashMap<String, String>,
 }
+
+/// The top-k next-token log-probabilities of an answer's rows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprobs {
+    pub top_k: usize,
+    /// `[rows, top_k]` token ids, best first.
+    pub ids: Vec<i64>,
+    /// `[rows, top_k]` their log-probabilities.
+    pub logprobs: Vec<f32>,
+    /// `[rows]` the log-probability of each row's next input token (NaN on an input's last
+    /// token), when asked.
+    pub target: Option<Vec<f32>>,
+}
+
+/// The bytes of `topk_ids`, `topk_logprobs` and (when asked) `target_logprobs`.
+type LogprobBytes = (Vec<u8>, Vec<u8>, Option<Vec<u8>>);
 
 /// The bytes of the tensors that follow the hidden states and their checksums, made once per
 /// answer.
@@ -63,6 +81,8 @@ struct Small {
     cu: Vec<u8>,
     scale: Option<Vec<u8>>,
     positions: Option<Vec<u8>>,
+    /// `topk_ids`, `topk_logprobs`, `target_logprobs`.
+    logprobs: Option<LogprobBytes>,
     /// xxh64 of each tensor after the hidden states, in file order.
     sums: Vec<String>,
 }
@@ -84,7 +104,17 @@ impl Small {
         if scale.as_ref().is_some_and(|s| s.len() != rows * width * 4) {
             return Err(std::io::Error::other("hidden_states_scale must hold one value per row and layer"));
         }
+        if let Some(l) = &a.logprobs {
+            let target_ok = l.target.as_ref().is_none_or(|t| t.len() == rows);
+            if l.ids.len() != rows * l.top_k || l.logprobs.len() != rows * l.top_k || !target_ok {
+                return Err(std::io::Error::other("log-probabilities must hold top_k values per row"));
+            }
+        }
         let mut small = Small {
+            logprobs: a
+                .logprobs
+                .as_ref()
+                .map(|l| (le_i64(&l.ids), le_f32(&l.logprobs), l.target.as_deref().map(le_f32))),
             hs_len,
             ids: le_i64(&a.input_ids),
             cu: le_i64(&a.cu_seqlens),
@@ -111,6 +141,13 @@ impl Small {
         t.push(("loss_mask", Dtype::U8, vec![a.loss_mask.len()], &a.loss_mask));
         if let Some(p) = &self.positions {
             t.push(("positions", Dtype::I64, vec![p.len() / 8], p));
+        }
+        if let (Some((ids, lps, target)), Some(l)) = (&self.logprobs, &a.logprobs) {
+            t.push(("topk_ids", Dtype::I64, vec![rows, l.top_k], ids));
+            t.push(("topk_logprobs", Dtype::F32, vec![rows, l.top_k], lps));
+            if let Some(tg) = target {
+                t.push(("target_logprobs", Dtype::F32, vec![rows], tg));
+            }
         }
         t
     }
@@ -173,7 +210,7 @@ impl Small {
 }
 
 /// Writes `a` as a safetensors file (header, then hidden_states, hidden_states_scale, input_ids,
-/// cu_seqlens, loss_mask, positions), streaming the hidden-state pieces. The metadata gains the
+/// cu_seqlens, loss_mask, positions, topk_ids, topk_logprobs, target_logprobs), streaming the hidden-state pieces. The metadata gains the
 /// xxh64 of every tensor's bytes (`checksums`), computed in a first pass over them.
 pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
     Small::of(a)?.write(w, a)
@@ -299,6 +336,7 @@ mod tests {
             cu_seqlens: vec![0, 1, 3],
             loss_mask: vec![1, 0, 1],
             positions: None,
+            logprobs: None,
             metadata: HashMap::from([("model".to_string(), "m".to_string())]),
         }
     }

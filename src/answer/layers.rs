@@ -97,6 +97,12 @@ impl LayerSet {
         Ok(LayerSet { indices, num_layers })
     }
 
+    /// No layer at all: an answer of next-token log-probabilities only (its `hidden_states` is
+    /// `[rows, 0, hidden]`).
+    pub fn none(num_layers: usize) -> Self {
+        LayerSet { indices: Vec::new(), num_layers }
+    }
+
     /// [`LayerSet::resolve`] for layers given by index only (a workload file's list).
     pub fn of_indices(layers: &[i64], num_layers: usize) -> Result<Self, String> {
         Self::resolve(&layers.iter().map(|&i| LayerRef::Index(i)).collect::<Vec<_>>(), num_layers)
@@ -112,7 +118,7 @@ impl LayerSet {
         self.indices.len()
     }
 
-    /// Never true: a set holds at least one layer.
+    /// True only for [`LayerSet::none`]: [`LayerSet::resolve`] gives at least one layer.
     pub fn is_empty(&self) -> bool {
         self.indices.is_empty()
     }

@@ -15,6 +15,7 @@ pub mod codec;
 pub mod layers;
 pub mod select;
 
-pub use assemble::{metadata, Assembly, Extraction, HiddenStatesJson};
+pub use assemble::{metadata, Assembly, Extraction, HiddenStatesJson, LogprobsAsk};
+pub use codec::Logprobs;
 pub use layers::{LayerRef, LayerSet, CONVENTION, FINAL_PRENORM};
 pub use select::Selection;

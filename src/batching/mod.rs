@@ -25,12 +25,14 @@ pub struct Submission {
     pub positions: Option<Arc<Vec<Vec<u32>>>>,
     /// Quantise the returned rows to fp8 on the device.
     pub fp8: bool,
+    /// Also the top-k next-token log-probabilities of the returned rows, with this k.
+    pub top_k: Option<usize>,
 }
 
 impl Submission {
     /// Every row of every sequence, in the compute dtype.
     pub fn new(seqs: Arc<Vec<Tokenized>>, layers: &[usize]) -> Self {
-        Submission { seqs, layers: layers.into(), positions: None, fp8: false }
+        Submission { seqs, layers: layers.into(), positions: None, fp8: false, top_k: None }
     }
 
     pub fn tokens(&self) -> usize {
@@ -47,6 +49,8 @@ pub struct Part {
     pub fp8: bool,
     pub start: usize,
     pub rows: usize,
+    /// Where the rows' log-probabilities start among the batch's, when asked.
+    pub logprobs: Option<usize>,
 }
 
 impl Part {
@@ -83,6 +87,15 @@ impl Part {
     /// `[rows, layers]`: 1 where a row holds a NaN or an infinity at that layer.
     pub fn nonfinite(&self) -> Result<Vec<u8>, EngineError> {
         self.taps.nonfinite(self.fp8, self.start, self.rows, &self.layers)
+    }
+
+    /// The rows' top-`k` ids `[rows, k]`, their log-probabilities `[rows, k]` and the next
+    /// token's log-probability `[rows]` (NaN on a sequence's last row).
+    pub fn logprobs(&self, k: usize) -> Result<crate::engine::logprobs::RowsLogprobs, EngineError> {
+        let (Some(start), Some(lp)) = (self.logprobs, self.taps.logprobs.as_ref()) else {
+            return Err(EngineError::InvalidInput("this batch computed no log-probabilities".into()));
+        };
+        lp.slice(start, self.rows, k)
     }
 }
 

@@ -5,7 +5,9 @@ use std::time::Instant;
 
 use super::queue::{Item, Queue, Request};
 use super::{BatchError, Part};
-use crate::engine::{Batch, Cancel, Engine, EngineError, LoadedEngine, MemoryProbe, Output, Pending, Rows};
+use crate::engine::{
+    Batch, Cancel, Engine, EngineError, LoadedEngine, LogprobRows, MemoryProbe, Output, Pending, Rows,
+};
 
 /// What a worker reports once its model is resident.
 pub struct Loaded {
@@ -134,17 +136,29 @@ struct Launched {
     pending: Pending,
     start: Instant,
     tokens: usize,
-    /// Per item: among the fp8 rows or not, first row, rows.
-    places: Vec<(bool, usize, usize)>,
+    /// Per item: where its rows are.
+    places: Vec<Place>,
+}
+
+/// Where an item's rows land: among the fp8 rows or not, first row, rows, and the first of its
+/// log-probability rows when it asked for them.
+#[derive(Clone, Copy)]
+struct Place {
+    fp8: bool,
+    start: usize,
+    rows: usize,
+    logprobs: Option<usize>,
 }
 
 /// The rows a batch returns for its items (each item's request says which of its positions, and
 /// whether as fp8), and where each item's rows land among the plain or the fp8 rows. Every row
-/// in the compute dtype when no item selects or quantises (the usual case, with no copy).
-fn output_of(items: &[Item], cu: &[usize]) -> (Output, Vec<(bool, usize, usize)>) {
+/// in the compute dtype when no item selects or quantises (the usual case, with no copy). Items
+/// that ask for log-probabilities have them for the same rows, computed with the largest k any
+/// of them asks (each takes the first k of its own).
+fn output_of(items: &[Item], cu: &[usize]) -> (Output, Vec<Place>) {
     let plain_all = items.iter().all(|i| !i.req.sub.fp8 && i.req.sub.positions.is_none());
     let fp8_all = items.iter().all(|i| i.req.sub.fp8 && i.req.sub.positions.is_none());
-    let (mut plain, mut fp8) = (Vec::new(), Vec::new());
+    let (mut plain, mut fp8, mut lp) = (Vec::new(), Vec::new(), Vec::new());
     let mut places = Vec::with_capacity(items.len());
     for (k, it) in items.iter().enumerate() {
         let sub = &it.req.sub;
@@ -154,15 +168,24 @@ fn output_of(items: &[Item], cu: &[usize]) -> (Output, Vec<(bool, usize, usize)>
             Some(p) => rows.extend(p[it.idx].iter().map(|&x| cu[k] as u32 + x)),
             None => rows.extend(cu[k] as u32..cu[k + 1] as u32),
         }
-        places.push((sub.fp8, first, rows.len() - first));
+        let logprobs = sub.top_k.map(|_| {
+            let at = lp.len();
+            lp.extend_from_slice(&rows[first..]);
+            at
+        });
+        places.push(Place { fp8: sub.fp8, start: first, rows: rows.len() - first, logprobs });
     }
-    let output = if plain_all {
+    let mut output = if plain_all {
         Output::default()
     } else if fp8_all {
         Output::all_fp8()
     } else {
         Output { plain: Rows::Only(plain), fp8: Rows::Only(fp8), ..Output::default() }
     };
+    if let Some(top_k) = items.iter().filter_map(|i| i.req.sub.top_k).max() {
+        let every = lp.len() == cu.last().copied().unwrap_or(0);
+        output.logprobs = Some(LogprobRows { rows: if every { Rows::All } else { Rows::Only(lp) }, top_k });
+    }
     (output, places)
 }
 
@@ -291,8 +314,8 @@ fn finish_batch(queue: &Queue, l: Launched) {
     m.tokens.inc_by(tokens as u64);
     let taps = Arc::new(taps);
     for (k, it) in items.iter().enumerate() {
-        let (fp8, start, rows) = places[k];
+        let Place { fp8, start, rows, logprobs } = places[k];
         let layers = it.req.sub.layers.clone();
-        it.req.complete(it.idx, Part { taps: taps.clone(), layers, fp8, start, rows });
+        it.req.complete(it.idx, Part { taps: taps.clone(), layers, fp8, start, rows, logprobs });
     }
 }

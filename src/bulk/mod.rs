@@ -271,6 +271,13 @@ fn check_layout(a: &BulkArgs) -> anyhow::Result<()> {
     if a.layout != BulkLayout::Speculators {
         return Ok(());
     }
+    if let Some(k) = a.top_k {
+        anyhow::bail!(
+            "--layout speculators cannot hold --top-k {k}: its files have fixed keys (hidden_states, token_ids and \
+             for fp8 hidden_states_scales) and no slot for log-probabilities; use --layout plain, whose files \
+             are the server's answers with topk_ids and topk_logprobs"
+        );
+    }
     if a.tokens != Selection::All {
         anyhow::bail!(
             "--layout speculators needs --tokens all (not {}): its files hold every token of a sample, \
@@ -365,6 +372,9 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     }
     if let Some(t) = a.tokens.to_request() {
         body["tokens"] = t;
+    }
+    if let Some(k) = a.top_k {
+        body["logprobs"] = json!({"top_k": k, "target": a.target_logprobs});
     }
     let sh = Arc::new(Shared {
         out: a.out.clone(),

@@ -74,6 +74,15 @@ pub struct BulkArgs {
     /// Rows kept of each sample: all, assistant (rows whose loss_mask is 1) or last:K.
     #[arg(long, default_value = "all", value_parser = Selection::parse_flag)]
     pub tokens: Selection,
+    /// Also the teacher's top-K next-token log-probabilities of every returned row (1 to the
+    /// server's max_top_k): topk_ids [rows, K] int64 and topk_logprobs [rows, K] float32 in each
+    /// file (plain layout only).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// With --top-k: also target_logprobs [rows] float32, the log-probability of each row's next
+    /// input token (NaN on a sample's last token).
+    #[arg(long, requires = "top_k")]
+    pub target_logprobs: bool,
 }
 
 /// One worker's part of a `layertap bulk` input: the samples whose id hashes to `index` modulo

@@ -104,6 +104,10 @@ pub struct ServeArgs {
     /// Largest answer in bytes of hidden states (before compression), in every encoding.
     #[arg(long, default_value_t = default::MAX_ANSWER_BYTES, env = "LAYERTAP_MAX_ANSWER_BYTES")]
     pub max_answer_bytes: usize,
+    /// Largest `logprobs.top_k` a request may ask (1 to 64): the top-k next-token
+    /// log-probabilities returned next to the hidden states.
+    #[arg(long, default_value_t = default::MAX_TOP_K, env = "LAYERTAP_MAX_TOP_K")]
+    pub max_top_k: usize,
     /// Seconds a client has to send a request's line and headers (from accept, or from the first
     /// byte of a later request on a keep-alive connection); then the connection is closed.
     #[arg(long = "header-read-timeout", default_value_t = default::HEADER_READ_TIMEOUT_S, env = "LAYERTAP_HEADER_READ_TIMEOUT")]
@@ -142,6 +146,7 @@ pub mod default {
     pub const MAX_INPUTS: usize = 1024;
     pub const MAX_MESSAGES: usize = 512;
     pub const MAX_ANSWER_BYTES: usize = 2 << 30;
+    pub const MAX_TOP_K: usize = 64;
     pub const HEADER_READ_TIMEOUT_S: u64 = 10;
     pub const BODY_READ_TIMEOUT_S: u64 = 60;
     pub const IDLE_TIMEOUT_S: u64 = 75;
@@ -187,6 +192,9 @@ impl ServeArgs {
     pub fn validate(&self) -> Result<(), String> {
         if self.max_inputs == 0 || self.max_messages == 0 || self.max_answer_bytes == 0 {
             return Err("--max-inputs, --max-messages and --max-answer-bytes must be positive".into());
+        }
+        if !(1..=crate::engine::MAX_TOP_K).contains(&self.max_top_k) {
+            return Err(format!("--max-top-k must be between 1 and {}", crate::engine::MAX_TOP_K));
         }
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
             return Err(

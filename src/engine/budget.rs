@@ -9,7 +9,9 @@ use super::{cuda, EngineOptions};
 /// the most demanding layer kind the model has: see [`ModelConfig::layer_bytes_per_token`])
 /// plus, where the portable attention runs (not the CUDA kernels, which keep scores on chip), the
 /// attention scores of one query chunk of the longest allowed input (f32 scores and
-/// probabilities), using 80% of what is free. Whether the CUDA attention kernels serve follows
+/// probabilities), using 80% of what is free, less the f32 logits of one chunk of rows going
+/// through the output head for next-token log-probabilities
+/// ([`super::logprobs::LOGITS_BUDGET_BYTES`]). Whether the CUDA attention kernels serve follows
 /// this process's [`EngineOptions::startup`], as the models it loads do.
 pub fn tokens_for_memory(
     cfg: &ModelConfig,
@@ -42,5 +44,6 @@ pub fn tokens_for_memory(
         0
     };
     let budget = (free_bytes as f64 * 0.8) as u64;
-    (budget.saturating_sub(scores) / per_token.max(1)) as usize
+    let logits = super::logprobs::LOGITS_BUDGET_BYTES as u64;
+    (budget.saturating_sub(scores + logits) / per_token.max(1)) as usize
 }

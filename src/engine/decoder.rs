@@ -110,19 +110,28 @@ pub struct Decoder {
     layers: Vec<Block>,
     norm: RmsNorm,
     rope: Rope,
+    /// The output head `[vocab, hidden]` (the embeddings where the model ties them); `None` for
+    /// a checkpoint that has none, or a decoder loaded for a few tokens only.
+    head: Option<Tensor>,
 }
 
 impl Decoder {
-    /// Loads every tensor the decoder needs (never `lm_head`, nor a vision tower or MTP head),
-    /// with a progress callback per layer. Each layer picks its kernels now, as `options` say.
+    /// Loads every tensor the decoder needs and its output head (for next-token
+    /// log-probabilities: `lm_head`, or the embeddings where the model ties them; never a vision
+    /// tower or MTP head), with a progress callback per layer. Each layer picks its kernels now,
+    /// as `options` say.
     pub fn load(
         cfg: ModelConfig,
         w: &Weights,
         options: &EngineOptions,
         progress: impl FnMut(usize, usize),
     ) -> Result<Self, EngineError> {
-        let embed = w.get("embed_tokens.weight", &[cfg.vocab_size, cfg.hidden_size])?;
-        Self::load_with(cfg, w, embed, options, progress)
+        let shape = [cfg.vocab_size, cfg.hidden_size];
+        let embed = w.get("embed_tokens.weight", &shape)?;
+        let head = if cfg.tie_word_embeddings { Some(embed.clone()) } else { w.get_head(&shape)? };
+        let mut d = Self::load_with(cfg, w, embed, options, progress)?;
+        d.head = head;
+        Ok(d)
     }
 
     /// [`Decoder::load`] with only the embedding rows of `tokens`: token `tokens[i]` is then id
@@ -156,7 +165,12 @@ impl Decoder {
         let f32_residual =
             cfg!(feature = "cuda") && embed.device().is_cuda() && embed.dtype() != DType::F32 && options.f32_residual;
         let kernels = batch_kernels(&cfg, embed.device(), embed.dtype(), options);
-        Ok(Decoder { cfg, options: options.clone(), embed, layers, norm, rope, f32_residual, kernels })
+        Ok(Decoder { cfg, options: options.clone(), embed, layers, norm, rope, f32_residual, kernels, head: None })
+    }
+
+    /// The output head `[vocab, hidden]`, where the model has one.
+    pub fn head(&self) -> Option<&Tensor> {
+        self.head.as_ref()
     }
 
     /// The switches the decoder was loaded with.

@@ -144,6 +144,7 @@ fn gguf_name(hf: &str) -> Option<String> {
     let fixed = match hf {
         "embed_tokens.weight" => Some("token_embd.weight"),
         "norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
         _ => None,
     };
     if let Some(f) = fixed {

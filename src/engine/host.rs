@@ -18,6 +18,8 @@ pub struct Taps {
     /// `[rows, layers]` for `host`: 1 where the row holds a NaN or an infinity at that layer.
     pub nonfinite: Vec<u8>,
     pub fp8: Option<Fp8Taps>,
+    /// Next-token log-probabilities of the rows asked for them, in the order of their rows.
+    pub logprobs: Option<super::logprobs::HostTopK>,
     /// Decoder layers actually run (early exit stops after the deepest requested index).
     pub layers_run: usize,
 }
@@ -111,7 +113,8 @@ impl Taps {
             }
             None => None,
         };
-        Ok(Taps { layers, host, nonfinite, fp8, layers_run })
+        let logprobs = p.logprobs.as_ref().map(|l| l.to_host()).transpose()?;
+        Ok(Taps { layers, host, nonfinite, fp8, logprobs, layers_run })
     }
 
     /// The bytes of plain rows `start..start + rows` without copying, when they are already laid
@@ -293,7 +296,12 @@ impl HostTensor {
 
     /// `[0, layers, hidden]`: no rows.
     pub fn empty(dtype: OutDType, layers: usize, hidden: usize) -> Self {
-        HostTensor { dtype, shape: vec![0, layers, hidden], data: Vec::new().into() }
+        Self::no_layers(dtype, 0, layers, hidden)
+    }
+
+    /// `[rows, layers, hidden]` with no values (`rows` or `layers` 0).
+    pub fn no_layers(dtype: OutDType, rows: usize, layers: usize, hidden: usize) -> Self {
+        HostTensor { dtype, shape: vec![rows, layers, hidden], data: Vec::new().into() }
     }
 
     /// `[..]` f32 values as a host tensor (for engines other than the model, e.g. test fakes).

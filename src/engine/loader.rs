@@ -228,6 +228,11 @@ impl ModelFiles {
         }
     }
 
+    /// Whether the model has an output head: tied embeddings, or an `lm_head` tensor.
+    pub fn has_head(&self) -> bool {
+        self.config().tie_word_embeddings || self.weights(&Device::Cpu, DType::F32).is_ok_and(|w| w.has_head())
+    }
+
     /// The checkpoint's tensors, read onto `device` in `dtype`, checked before anything is loaded.
     fn weights(&self, device: &Device, dtype: DType) -> Result<Weights, EngineError> {
         let source = match &self.files {
@@ -268,7 +273,8 @@ impl ModelFiles {
         bar.finish_and_clear();
         let decoder = decoder?;
         weights.check_unread(config.num_hidden_layers)?;
-        let info = ModelInfo::new(&self.id, &config, ComputeDType::from_candle(dtype));
+        let info =
+            ModelInfo::new(&self.id, &config, ComputeDType::from_candle(dtype)).with_head(decoder.head().is_some());
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }
 

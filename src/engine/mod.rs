@@ -15,6 +15,7 @@ pub mod host;
 pub mod large;
 pub mod layers;
 pub mod loader;
+pub mod logprobs;
 pub mod options;
 pub mod output;
 pub mod profile;
@@ -31,6 +32,7 @@ pub use dtype::{ComputeDType, OutDType};
 pub use error::EngineError;
 pub use host::{Fp8Taps, HostBytes, HostTensor, LentBuffer, Taps};
 pub use loader::{load, LoadedModel, TokenizerSource};
+pub use logprobs::{HostTopK, LogprobRows, MAX_TOP_K};
 pub use options::{AttentionKernel, EngineOptions};
 pub use output::{Output, Rows};
 pub use runner::{Cancel, Engine, LoadedEngine, ModelEngine, Pending};
@@ -82,6 +84,9 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     pub dtype: ComputeDType,
     pub layer_kinds: LayerKinds,
+    /// Whether the model has an output head (`lm_head`, or embeddings it ties), so next-token
+    /// log-probabilities can be computed.
+    pub lm_head: bool,
 }
 
 impl ModelInfo {
@@ -94,6 +99,12 @@ impl ModelInfo {
             vocab_size: cfg.vocab_size,
             dtype,
             layer_kinds: cfg.layer_kinds(),
+            lm_head: cfg.tie_word_embeddings,
         }
+    }
+
+    /// The same, with whether the model has an output head.
+    pub fn with_head(self, lm_head: bool) -> Self {
+        ModelInfo { lm_head, ..self }
     }
 }

@@ -4,6 +4,7 @@
 
 use candle_core::{DType, Tensor, D};
 
+use super::logprobs::{DeviceTopK, LogprobRows};
 use super::EngineError;
 
 /// The largest finite E4M3 value: a row scaled so its largest magnitude is this uses the whole
@@ -35,23 +36,44 @@ pub struct Output {
     /// Screen the returned rows for non-finite values (always, in the service; `layertap bench
     /// --no-screen` turns it off to measure what it costs, and then every flag reads 0).
     pub screen: bool,
+    /// Rows whose next-token log-probabilities come back (see [`super::logprobs`]).
+    pub logprobs: Option<LogprobRows>,
 }
 
 impl Default for Output {
     fn default() -> Self {
-        Output { plain: Rows::All, fp8: Rows::none(), screen: true }
+        Output { plain: Rows::All, fp8: Rows::none(), screen: true, logprobs: None }
     }
 }
 
 impl Output {
     /// Every row quantised to fp8 (nothing in the compute dtype).
     pub fn all_fp8() -> Self {
-        Output { plain: Rows::none(), fp8: Rows::All, screen: true }
+        Output { plain: Rows::none(), fp8: Rows::All, ..Output::default() }
+    }
+
+    /// The rows of each block: plain, fp8, log-probabilities (none when not asked).
+    pub fn row_counts(&self, total: usize) -> (usize, usize, usize) {
+        let count = |r: &Rows| match r {
+            Rows::All => total,
+            Rows::Only(r) => r.len(),
+        };
+        (count(&self.plain), count(&self.fp8), self.logprobs.as_ref().map_or(0, |l| count(&l.rows)))
     }
 
     /// Checks the rows against a batch of `total` tokens: ascending, in range.
     pub fn check(&self, total: usize) -> Result<(), EngineError> {
-        for rows in [&self.plain, &self.fp8] {
+        let lp = self.logprobs.as_ref().map(|l| &l.rows);
+        if let Some(l) = &self.logprobs {
+            if l.top_k == 0 || l.top_k > super::logprobs::MAX_TOP_K {
+                return Err(EngineError::InvalidInput(format!(
+                    "top_k must be in 1..={}, got {}",
+                    super::logprobs::MAX_TOP_K,
+                    l.top_k
+                )));
+            }
+        }
+        for rows in [&self.plain, &self.fp8].into_iter().chain(lp) {
             if let Rows::Only(r) = rows {
                 if r.windows(2).any(|w| w[1] <= w[0]) || r.last().is_some_and(|&x| x as usize >= total) {
                     return Err(EngineError::InvalidInput(format!(
@@ -78,6 +100,8 @@ pub struct ReturnedRows {
 pub struct Prepared {
     pub plain: Option<ReturnedRows>,
     pub fp8: Option<ReturnedRows>,
+    /// The log-probabilities of the rows asked for them.
+    pub logprobs: Option<DeviceTopK>,
 }
 
 fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> {
@@ -187,5 +211,5 @@ pub fn prepare(stacked: &Tensor, out: &Output) -> candle_core::Result<Prepared> 
         }
         None => None,
     };
-    Ok(Prepared { plain, fp8 })
+    Ok(Prepared { plain, fp8, logprobs: None })
 }

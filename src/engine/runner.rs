@@ -5,7 +5,8 @@ use candle_core::Tensor;
 
 #[cfg(feature = "cuda")]
 use super::cuda;
-use super::{decoder, output, selfcheck, Batch, EngineError, MemoryProbe, OutDType, Taps};
+use super::logprobs::{self, DeviceTopK, LogprobRows};
+use super::{decoder, output, selfcheck, Batch, EngineError, Fp8Taps, HostTensor, MemoryProbe, OutDType, Taps};
 
 /// Asked by the engine between layers whether anyone still wants the batch it is running.
 /// The batching worker builds it from its requests (cancelled when every one has gone);
@@ -115,6 +116,20 @@ impl ModelEngine {
     }
 }
 
+impl ModelEngine {
+    /// The log-probabilities of the rows `l` names, from the final-norm state `last`
+    /// `[tokens, hidden]` of `batch`: only those rows go through the head, on the device.
+    fn logprobs(&self, last: &Tensor, l: &LogprobRows, batch: &Batch) -> Result<DeviceTopK, EngineError> {
+        let head = self.decoder.head().ok_or_else(|| EngineError::InvalidInput("no output head".into()))?;
+        let (rows, targets) = logprobs::rows_and_targets(&l.rows, &batch.input_ids, &batch.cu_seqlens);
+        let states = match &l.rows {
+            output::Rows::All => last.clone(),
+            output::Rows::Only(_) => last.index_select(&Tensor::new(rows.as_slice(), last.device())?, 0)?,
+        };
+        logprobs::top_k(&states, head, l.top_k, &targets)
+    }
+}
+
 impl Engine for ModelEngine {
     fn forward(&mut self, batch: &Batch) -> Result<Taps, EngineError> {
         self.launch(batch)?.wait()
@@ -147,15 +162,59 @@ impl Engine for ModelEngine {
             )));
         }
         batch.output.check(batch.input_ids.len())?;
+        let lp = batch.output.logprobs.as_ref();
+        if lp.is_some() && self.decoder.head().is_none() {
+            return Err(EngineError::InvalidInput(
+                "this model has no output head (no lm_head tensor and untied embeddings), so it gives no \
+                 log-probabilities"
+                    .into(),
+            ));
+        }
         let device = self.decoder.device().clone();
         let ids = Tensor::new(batch.input_ids.as_slice(), &device)?;
         let packing = self.decoder.packing(cu)?;
         let mut layers_run = 0;
-        let states = self.decoder.forward_taps(&ids, &packing, &batch.layers, &mut layers_run, cancel)?;
+        // Log-probabilities read the final-norm state (index L), computed for them when the
+        // caller did not ask for it.
+        let mut taps = batch.layers.clone();
+        let extra = lp.is_some() && !taps.contains(&n);
+        if extra {
+            taps.push(n);
+        }
+        let mut states = self.decoder.forward_taps(&ids, &packing, &taps, &mut layers_run, cancel)?;
+        let logprobs = match lp {
+            Some(l) => {
+                let at = taps.iter().position(|&t| t == n).unwrap_or(0);
+                let last = if extra { states.pop() } else { states.get(at).cloned() };
+                let last = last.ok_or_else(|| EngineError::InvalidInput("the final state was not computed".into()))?;
+                Some(self.logprobs(&last, l, batch)?)
+            }
+            None => None,
+        };
+        let layers = batch.layers.clone();
+        let hidden = self.decoder.cfg.hidden_size;
+        if states.is_empty() {
+            // Log-probabilities only: the answer's rows hold no layers.
+            let dtype = OutDType::from_candle(self.decoder.dtype());
+            let (plain, fp8, _) = batch.output.row_counts(batch.input_ids.len());
+            let mut taps = Taps::from_prepared(
+                layers,
+                output::Prepared { plain: None, fp8: None, logprobs },
+                dtype,
+                hidden,
+                layers_run,
+            )?;
+            taps.host = HostTensor::no_layers(dtype, plain, 0, hidden);
+            if fp8 > 0 {
+                let host = HostTensor::no_layers(OutDType::Float8E4M3, fp8, 0, hidden);
+                taps.fp8 = Some(Fp8Taps { host, scale: Vec::new(), nonfinite: Vec::new() });
+            }
+            return Ok(Pending::ready(Ok(taps)));
+        }
         // Candle's stack copies with 32-bit indices, which wrap once the taps pass 2^32 elements
         // (262,144 tokens x 5 layers x 4,096); on CUDA a kernel of ours indexes in 64 bits.
         #[cfg(feature = "cuda")]
-        let stacked = if device.is_cuda() && !states.is_empty() && states.iter().all(|s| s.rank() == 2) {
+        let stacked = if device.is_cuda() && states.iter().all(|s| s.rank() == 2) {
             cuda::ops::stack_rows(&states)?
         } else {
             Tensor::stack(&states, 1)?
@@ -163,11 +222,10 @@ impl Engine for ModelEngine {
         #[cfg(not(feature = "cuda"))]
         let stacked = Tensor::stack(&states, 1)?;
         drop(states);
-        let layers = batch.layers.clone();
         let dtype = OutDType::from_candle(stacked.dtype());
-        let hidden = self.decoder.cfg.hidden_size;
         // Selection, screen and quantisation run here, on the device, before any copy.
-        let prepared = output::prepare(&stacked, &batch.output)?;
+        let mut prepared = output::prepare(&stacked, &batch.output)?;
+        prepared.logprobs = logprobs;
         drop(stacked);
         #[cfg(feature = "cuda")]
         if let Some(copies) = &self.copies {

@@ -82,6 +82,38 @@ impl Weights {
         }
     }
 
+    /// The output head `lm_head.weight` (outside the decoder prefix; `output.weight` in GGUF) in
+    /// the compute dtype, shape checked; `None` when the checkpoint has none.
+    pub fn get_head(&self, shape: &[usize]) -> Result<Option<Tensor>, EngineError> {
+        const HEAD: &str = "lm_head.weight";
+        let t = match &self.source {
+            TensorSource::Safetensors { tensors, .. } => {
+                let Ok(view) = tensors.get(HEAD) else { return Ok(None) };
+                if !DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d)) {
+                    return Err(self.unreadable(HEAD, &format!("{:?}", view.dtype())));
+                }
+                self.mark_read(HEAD);
+                tensors.load(HEAD, &Device::Cpu)?
+            }
+            TensorSource::Gguf(g) => match g.load(HEAD)? {
+                Some(t) => t,
+                None => return Ok(None),
+            },
+        };
+        if t.dims() != shape {
+            return Err(self.shape_mismatch(HEAD, t.dims(), shape));
+        }
+        Ok(Some(t.to_dtype(self.dtype)?.to_device(&self.device)?))
+    }
+
+    /// Whether the checkpoint holds an output head `lm_head.weight` (`output.weight` in GGUF).
+    pub fn has_head(&self) -> bool {
+        match &self.source {
+            TensorSource::Safetensors { tensors, .. } => tensors.get("lm_head.weight").is_ok(),
+            TensorSource::Gguf(g) => g.has("lm_head.weight"),
+        }
+    }
+
     fn where_from(&self) -> String {
         match &self.source {
             TensorSource::Safetensors { files, .. } => {

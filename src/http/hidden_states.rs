@@ -9,10 +9,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::encode::{encode_permit, zstd_threads};
-use super::types::{HiddenStatesRequest, InputItem, TokenizeRequest, TokenizeResponse, TokenizedInput};
+use super::types::{
+    HiddenStatesRequest, InputItem, LogprobsRequest, TokenizeRequest, TokenizeResponse, TokenizedInput,
+};
 use super::{require_ready, ApiJson, AppState};
 use crate::answer::assemble::state_bytes;
-use crate::answer::{metadata, Assembly, HiddenStatesJson, LayerSet, Selection};
+use crate::answer::{metadata, Assembly, HiddenStatesJson, LayerSet, LogprobsAsk, Selection};
 use crate::batching::Submission;
 use crate::engine::OutDType;
 use crate::error::{ApiError, ErrorKind};
@@ -142,6 +144,33 @@ async fn tokenize_all(
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
 }
 
+/// Checks `logprobs` of a request: `top_k` within `--max-top-k`, a model with an output head.
+fn logprobs_ask(s: &AppState, req: Option<LogprobsRequest>) -> Result<Option<LogprobsAsk>, ApiError> {
+    let Some(r) = req else { return Ok(None) };
+    if !s.info.lm_head {
+        return Err(ApiError::invalid(format!(
+            "logprobs: the model {} has no output head (its checkpoint holds no lm_head.weight and its config does \
+             not tie the embeddings: tie_word_embeddings is false), so it gives no log-probabilities",
+            s.info.model_id
+        )));
+    }
+    let max = s.limits.max_top_k;
+    match usize::try_from(r.top_k) {
+        Ok(k) if (1..=max).contains(&k) => Ok(Some(LogprobsAsk { top_k: k, target: r.target })),
+        _ => {
+            Err(ApiError::invalid(format!("logprobs.top_k must be between 1 and {max} (--max-top-k), got {}", r.top_k)))
+        }
+    }
+}
+
+/// Whether some returned row has a next input token: a row that is not its input's last.
+fn has_next_token(seqs: &[Tokenized], positions: Option<&[Vec<u32>]>) -> bool {
+    match positions {
+        None => seqs.iter().any(|s| s.ids.len() > 1),
+        Some(p) => seqs.iter().zip(p).any(|(s, p)| p.iter().any(|&x| (x as usize) + 1 < s.ids.len())),
+    }
+}
+
 fn request_too_large(tokens: usize, max: usize) -> ApiError {
     too_large(format!(
         "the request has {tokens} tokens over its inputs; this server accepts at most {max} per request \
@@ -244,8 +273,9 @@ fn ms(d: std::time::Duration) -> HeaderValue {
     description = "Hidden states of the requested layers for each input, packed along the token dimension. \
         The answer is a safetensors file (zstd-compressed unless the client sends Accept-Encoding without zstd) \
         holding hidden_states [total_tokens, n_layers, hidden], input_ids [total_tokens] int64, \
-        cu_seqlens [n_inputs + 1] int64 and loss_mask [total_tokens] uint8; Accept: application/json gives the \
-        same content as JSON.",
+        cu_seqlens [n_inputs + 1] int64 and loss_mask [total_tokens] uint8; with logprobs also topk_ids \
+        [total_tokens, top_k] int64, topk_logprobs [total_tokens, top_k] float32 and (with target) \
+        target_logprobs [total_tokens] float32; Accept: application/json gives the same content as JSON.",
     responses(
         (status = 200, description = "safetensors bytes (Content-Encoding: zstd when accepted)", content_type = "application/octet-stream", body = Vec<u8>,
          headers(("x-queue-time" = String, description = "ms waiting for a batch"), ("x-inference-time" = String, description = "ms from first batch to answer"), ("x-tokens" = String, description = "tokens in the answer"))),
@@ -268,7 +298,14 @@ pub async fn hidden_states(
         })?,
     };
     let fp8 = dtype == OutDType::Float8E4M3;
-    let layers = LayerSet::resolve(&req.layers, s.info.num_layers).map_err(ApiError::invalid)?;
+    let logprobs = logprobs_ask(&s, req.logprobs)?;
+    let layers = if req.layers.is_empty() && logprobs.is_some() {
+        LayerSet::none(s.info.num_layers)
+    } else {
+        LayerSet::resolve(&req.layers, s.info.num_layers).map_err(|e| {
+            ApiError::invalid(if req.layers.is_empty() { format!("{e} (or ask for \"logprobs\" alone)") } else { e })
+        })?
+    };
     let selection = Selection::parse(req.tokens.as_ref(), req.inputs.len()).map_err(ApiError::invalid)?;
     let json = wants_json(&headers)?;
     let seqs = tokenize_all(&s, req.inputs, req.split_special_tokens).await?;
@@ -278,29 +315,48 @@ pub async fn hidden_states(
         Some(p) => p.iter().map(Vec::len).sum(),
         None => seqs.iter().map(|t| t.ids.len()).sum(),
     };
-    let answer_bytes = state_bytes(total, layers.len(), hidden, dtype);
+    if logprobs.is_some_and(|a| a.target) && !has_next_token(&seqs, positions.as_deref().map(|p| &p[..])) {
+        return Err(ApiError::invalid(
+            "logprobs.target asks for the log-probability of each returned row's next input token, but no \
+             returned row has one (each is the last token of its input); return earlier tokens or drop \
+             \"target\"",
+        ));
+    }
+    // Log-probabilities add 12 bytes per row and entry (an int64 id, a float32) and 4 per row.
+    let lp_bytes = logprobs.map_or(0, |a| total * (a.top_k * 12 + if a.target { 4 } else { 0 }));
+    let answer_bytes = state_bytes(total, layers.len(), hidden, dtype) + lp_bytes;
     if answer_bytes > s.limits.max_answer_bytes {
         return Err(too_large(format!(
-            "the answer would hold {answer_bytes} bytes of hidden states ({total} tokens x {} layers x {hidden} x {}), \
-             more than the {} allowed (--max-answer-bytes); ask for fewer layers, a smaller dtype or fewer tokens",
+            "the answer would hold {answer_bytes} bytes of hidden states and log-probabilities ({total} tokens x {} \
+             layers x {hidden} x {}, plus {lp_bytes} bytes of log-probabilities), more than the {} allowed \
+             (--max-answer-bytes); ask for fewer layers, a smaller dtype, a smaller top_k or fewer tokens",
             layers.len(),
             dtype.name(),
             s.limits.max_answer_bytes
         )));
     }
-    if json && total * layers.len() * hidden > s.limits.max_json_values {
+    let json_values = total * layers.len() * hidden + logprobs.map_or(0, |a| total * (2 * a.top_k + 1));
+    if json && json_values > s.limits.max_json_values {
         return Err(ApiError::new(
             ErrorKind::TooLarge,
             format!(
-                "a JSON answer would hold {} values, more than the {} allowed; ask for safetensors (drop Accept: application/json) or send less",
-                total * layers.len() * hidden,
+                "a JSON answer would hold {json_values} values, more than the {} allowed; ask for safetensors (drop Accept: application/json) or send less",
                 s.limits.max_json_values
             ),
         ));
     }
     let seqs = Arc::new(seqs);
-    let sub = Submission { seqs: seqs.clone(), layers: layers.indices().into(), positions: positions.clone(), fp8 };
-    let meta = metadata(&s.info, &layers, dtype, &selection);
+    let sub = Submission {
+        seqs: seqs.clone(),
+        layers: layers.indices().into(),
+        positions: positions.clone(),
+        fp8,
+        top_k: logprobs.map(|a| a.top_k),
+    };
+    let mut meta = metadata(&s.info, &layers, dtype, &selection);
+    if let Some(a) = logprobs {
+        meta.insert("top_k".into(), a.top_k.to_string());
+    }
     let rx = s.scheduler.submit(sub)?;
     s.metrics.queue_requests.inc();
     // Stop waiting when the drain deadline passes: dropping `rx` makes the queue skip the rest.
@@ -329,7 +385,8 @@ pub async fn hidden_states(
         Ok(Err(_)) => return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down")),
         Ok(Ok(r)) => r?,
     };
-    let mut assembly = Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, metadata: meta };
+    let mut assembly =
+        Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, logprobs, metadata: meta };
     // Non-finite values never pass silently: counted, then refused unless the caller allows them.
     let found = assembly.screen()?;
     let mut nonfinite = serde_json::Map::new();

@@ -51,6 +51,8 @@ pub struct Limits {
     pub max_messages: usize,
     /// Largest answer (the hidden states' bytes before compression) in any encoding.
     pub max_answer_bytes: usize,
+    /// Largest `logprobs.top_k` a request may ask.
+    pub max_top_k: usize,
     /// A request's head (request line and headers) must arrive within this, counted from the
     /// connection's accept or, on a keep-alive connection, from the first byte of the request.
     pub header_read_timeout: Duration,
@@ -79,6 +81,7 @@ impl Limits {
             max_inputs: args.max_inputs,
             max_messages: args.max_messages,
             max_answer_bytes: args.max_answer_bytes,
+            max_top_k: args.max_top_k,
             header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
             body_read_timeout: Duration::from_secs(args.body_read_timeout_s),
             idle_timeout: Duration::from_secs(args.idle_timeout_s),
@@ -104,6 +107,7 @@ impl Default for Limits {
             max_inputs: d::MAX_INPUTS,
             max_messages: d::MAX_MESSAGES,
             max_answer_bytes: d::MAX_ANSWER_BYTES,
+            max_top_k: d::MAX_TOP_K,
             header_read_timeout: Duration::from_secs(d::HEADER_READ_TIMEOUT_S),
             body_read_timeout: Duration::from_secs(d::BODY_READ_TIMEOUT_S),
             idle_timeout: Duration::from_secs(d::IDLE_TIMEOUT_S),

@@ -55,6 +55,8 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         max_inputs: s.limits.max_inputs,
         max_messages: s.limits.max_messages,
         max_answer_bytes: s.limits.max_answer_bytes,
+        max_top_k: if i.lm_head { s.limits.max_top_k } else { 0 },
+        lm_head: i.lm_head,
         chat_roles: s
             .tokenizer
             .as_ref()

@@ -28,6 +28,7 @@ pub struct HiddenStatesRequest {
     /// (1-based), L = final output after the last norm; negative indices count from the end (-1 = L).
     /// The name "final_prenorm" asks for the last decoder layer's output before the final norm
     /// (which Hugging Face does not return), and mixes with indices. The answer keeps this order.
+    /// May be empty when `logprobs` is asked (then `hidden_states` is `[rows, 0, hidden]`).
     #[schema(example = json!([2, 17, -1, "final_prenorm"]))]
     pub layers: Vec<crate::answer::LayerRef>,
     /// Output dtype: float32, bfloat16, float16 or float8_e4m3fn (also f32, bf16, f16, fp8).
@@ -52,6 +53,25 @@ pub struct HiddenStatesRequest {
     /// default: such text becomes the control token).
     #[serde(default)]
     pub split_special_tokens: bool,
+    /// Also the teacher's top-k next-token log-probabilities of every returned row:
+    /// `topk_ids` [rows, top_k] int64 and `topk_logprobs` [rows, top_k] float32 (descending,
+    /// ties by ascending id; the f32 log-softmax over the whole vocabulary of the model's output
+    /// head on the final-norm state), and with `target` `target_logprobs` [rows] float32.
+    #[serde(default)]
+    pub logprobs: Option<LogprobsRequest>,
+}
+
+/// `logprobs` of `POST /v1/hidden-states`.
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LogprobsRequest {
+    /// Entries per row, 1 to the server's `max_top_k` (`--max-top-k`, default 64).
+    #[schema(example = 8, minimum = 1)]
+    pub top_k: i64,
+    /// Also `target_logprobs` [rows] float32: the log-probability of each row's actual next input
+    /// token; NaN (null in JSON) on an input's last token, which has no next token.
+    #[serde(default)]
+    pub target: bool,
 }
 
 fn tokens_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>> {
@@ -117,6 +137,11 @@ pub struct InfoResponse {
     pub max_inputs: usize,
     pub max_messages: usize,
     pub max_answer_bytes: usize,
+    /// Largest `logprobs.top_k` a request may ask (0 when the model has no output head).
+    pub max_top_k: usize,
+    /// Whether the model has an output head (`lm_head`, or tied embeddings), which
+    /// `logprobs` needs.
+    pub lm_head: bool,
     /// Chat roles the model's template accepts.
     pub chat_roles: Vec<String>,
     pub has_tokenizer: bool,

@@ -11,6 +11,7 @@ mod common;
 
 mod input;
 mod layouts;
+mod logprobs;
 mod resume;
 mod retries;
 mod shards;

@@ -260,6 +260,7 @@ pub fn fake_info() -> ModelInfo {
             dense_mlp: FAKE_LAYERS,
             ..Default::default()
         },
+        lm_head: false,
     }
 }
 
@@ -396,7 +397,7 @@ pub fn real_server_with(
     let files = Arc::new(ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap());
     let cfg = files.config().clone();
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source().unwrap()).unwrap();
-    let info = ModelInfo::new(&files.id, &cfg, ComputeDType::Float32);
+    let info = ModelInfo::new(&files.id, &cfg, ComputeDType::Float32).with_head(files.has_head());
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let listener = tokio::net::TcpListener::from_std(listener).unwrap();

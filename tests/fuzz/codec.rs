@@ -61,6 +61,7 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
         cu_seqlens: c.cu_seqlens.clone(),
         loss_mask: c.loss_mask.clone(),
         positions: None,
+        logprobs: None,
         metadata: c.metadata.clone(),
     };
     let plain = codec::encode_answer(&parts, None).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -78,6 +79,7 @@ fn check_answer_writer(c: &AnswerCase) -> Result<(), TestCaseError> {
         cu_seqlens: c.cu_seqlens.clone(),
         loss_mask: c.loss_mask.clone(),
         positions: None,
+        logprobs: None,
         metadata: c.metadata.clone(),
     };
     let library = x.to_safetensors().map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -132,6 +134,7 @@ proptest! {
         let parts = AnswerParts {
             dtype: c.dtype, shape: c.shape.clone(), chunks: vec![short], scale: None, input_ids: c.input_ids.clone(),
             cu_seqlens: c.cu_seqlens.clone(), loss_mask: c.loss_mask.clone(), positions: None,
+        logprobs: None,
             metadata: c.metadata.clone(),
         };
         prop_assert!(codec::encode_answer(&parts, None).is_err());

@@ -1104,3 +1104,63 @@ def test_async_new_arguments(client, server):
         assert np.array_equal(a.hidden_states, w.hidden_states) and np.array_equal(a.positions, w.positions)
         assert b.hidden_states_scale is not None and b.hidden_states_scale.shape == (len(w), 2)
         assert np.array_equal(b.hidden_states.astype(np.float32) * b.hidden_states_scale[..., None], w.hidden_states)
+
+
+# -- next-token log-probabilities -----------------------------------------------------------
+
+
+def _logprob_reference():
+    tensors, _ = layertap_client.load_safetensors_file(str(MODEL / "logprobs.safetensors"))
+    n = len([k for k in tensors if k.endswith(".topk_ids")])
+    assert n > 0
+    return [{k: tensors[f"seq{i}.{k}"] for k in ("input_ids", "positions", "topk_ids", "topk_logprobs", "target_logprobs")} for i in range(n)]
+
+
+def test_logprobs_match_transformers_for_the_rows_returned(client):
+    ref = _logprob_reference()
+    inputs = [[int(x) for x in r["input_ids"]] for r in ref]
+    ranges = [[[int(p), int(p) + 1] for p in r["positions"]] for r in ref]
+    out = client.hidden_states(inputs, layers=[], dtype="float32", tokens=ranges, logprobs={"top_k": 16, "target": True})
+    for r, res in zip(ref, out):
+        assert res.hidden_states.shape == (len(r["positions"]), 0, HIDDEN)
+        assert res.topk_ids.shape == (len(r["positions"]), 16) and res.topk_ids.dtype == np.int64
+        assert res.topk_ids.tolist() == r["topk_ids"].tolist()
+        np.testing.assert_allclose(res.topk_logprobs, r["topk_logprobs"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(res.target_logprobs, r["target_logprobs"], rtol=0, atol=1e-5, equal_nan=True)
+    # An int asks for the top k alone; layers and logprobs mix.
+    one = client.hidden_states([inputs[1]], layers=[-1], dtype="float32", logprobs=3)[0]
+    assert one.topk_ids.shape == (len(inputs[1]), 3) and one.target_logprobs is None
+    assert one.hidden_states.shape == (len(inputs[1]), 1, HIDDEN)
+    plain = client.hidden_states([inputs[1]], layers=[-1], dtype="float32")[0]
+    assert plain.topk_ids is None and plain.topk_logprobs is None
+    assert client.info()["max_top_k"] == 64
+
+
+def test_logprobs_arguments_are_checked_and_refusals_explained(client):
+    assert hidden_states_body([[1]], [], None, logprobs=4)["logprobs"] == {"top_k": 4}
+    assert hidden_states_body([[1]], [], None, logprobs={"top_k": 2, "target": True})["logprobs"] == {"top_k": 2, "target": True}
+    with pytest.raises(ValueError):
+        hidden_states_body([[1]], [], None, logprobs={"k": 2})
+    with pytest.raises(TypeError):
+        hidden_states_body([[1]], [], None, logprobs="8")
+    with pytest.raises(LayertapError) as e:
+        client.hidden_states([[1, 2]], layers=[1], logprobs=65)
+    assert e.value.status == 422 and "--max-top-k" in str(e.value)
+    with pytest.raises(LayertapError) as e:
+        client.hidden_states([[1, 2]], layers=[1], tokens={"last": 1}, logprobs={"top_k": 2, "target": True})
+    assert e.value.status == 422 and "target" in str(e.value)
+
+
+def test_async_client_returns_logprobs(server):
+    pytest.importorskip("httpx")
+    import asyncio
+
+    from layertap_client import AsyncClient
+
+    async def run():
+        async with AsyncClient(server.url) as ac:
+            return await ac.hidden_states([[5, 6, 7]], layers=[], logprobs={"top_k": 2, "target": True})
+
+    r = asyncio.run(run())[0]
+    assert r.topk_ids.shape == (3, 2) and r.topk_logprobs.shape == (3, 2)
+    assert np.isnan(r.target_logprobs[-1]) and not np.isnan(r.target_logprobs[0])

@@ -11,6 +11,7 @@
 pub mod attention;
 pub mod device;
 pub mod gdn;
+pub mod logprobs;
 pub mod module;
 pub mod moe;
 pub mod ops;

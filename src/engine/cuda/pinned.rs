@@ -152,6 +152,7 @@ pub fn bytes_to_host(t: &Tensor, stream: &Arc<CudaStream>, pool: &Arc<PinnedPool
         CudaStorageSlice::F32(s) => copy(s, range, stream, pool),
         CudaStorageSlice::F8E4M3(s) => copy(s, range, stream, pool),
         CudaStorageSlice::U8(s) => copy(s, range, stream, pool),
+        CudaStorageSlice::U32(s) => copy(s, range, stream, pool),
         _ => Err(fail(format!("no device-to-host copy for {:?}", t.dtype()))),
     }
 }
@@ -198,7 +199,23 @@ pub fn prepared_to_host(
         }
         None => None,
     };
-    Ok(Taps { layers, host, nonfinite, fp8, layers_run })
+    // Log-probabilities are small (`rows x k`): copied as plain vectors.
+    let logprobs = match p.logprobs {
+        Some(l) => {
+            let f32s = |t: &Tensor| -> Result<Vec<f32>, EngineError> {
+                Ok(small(t)?.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            };
+            let ids = small(&l.ids)?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            Some(crate::engine::logprobs::TopK {
+                top_k: l.top_k,
+                ids,
+                logprobs: f32s(&l.logprobs)?,
+                target: f32s(&l.target)?,
+            })
+        }
+        None => None,
+    };
+    Ok(Taps { layers, host, nonfinite, fp8, logprobs, layers_run })
 }
 
 /// The copies of a device's finished batches to the host: a stream of their own, ordered after

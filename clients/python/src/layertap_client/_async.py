@@ -103,9 +103,10 @@ class AsyncClient:
         tokens: Any = None,
         allow_nonfinite: bool = False,
         dequantize: bool = True,
+        logprobs: Any = None,
     ) -> List[Result]:
         """See :meth:`layertap_client.Client.hidden_states`."""
-        body = hidden_states_body(inputs, layers, dtype, split_special_tokens, tokens, allow_nonfinite)
+        body = hidden_states_body(inputs, layers, dtype, split_special_tokens, tokens, allow_nonfinite, logprobs)
         status, headers, data = await self._request("POST", "/v1/hidden-states", body, binary=True)
         rid = headers.get("x-request-id")
         return await asyncio.get_running_loop().run_in_executor(

@@ -102,6 +102,13 @@ class Result:
     state), else ``None``. ``nonfinite`` maps layer labels (``"17"``,
     ``"final_prenorm"``) to the number of rows of the whole answer holding a
     NaN or infinity in that layer (``{}`` when none).
+
+    With ``logprobs=``: ``topk_ids`` ``[T, k]`` int64 and ``topk_logprobs``
+    ``[T, k]`` float32, the teacher's top-k next-token ids of each row and
+    their log-probabilities (descending, ties by ascending id), and with
+    ``target`` ``target_logprobs`` ``[T]`` float32, the log-probability of
+    each row's actual next input token (NaN on the input's last token).
+    Otherwise ``None``.
     """
 
     hidden_states: Any
@@ -113,6 +120,9 @@ class Result:
     positions: Any = None
     hidden_states_scale: Any = None
     nonfinite: Dict[str, int] = field(default_factory=dict)
+    topk_ids: Any = None
+    topk_logprobs: Any = None
+    target_logprobs: Any = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -244,6 +254,24 @@ def normalize_tokens(tokens: Any) -> Any:
     return out
 
 
+def normalize_logprobs(logprobs: Any) -> Optional[Dict[str, Any]]:
+    """``logprobs=`` in API form: an int k (``{"top_k": k}``) or a dict
+    ``{"top_k": k, "target": bool}``; ``None`` for none."""
+    if logprobs is None:
+        return None
+    if _is_int(logprobs):
+        return {"top_k": int(logprobs)}
+    if isinstance(logprobs, Mapping):
+        unknown = set(logprobs) - {"top_k", "target"}
+        if unknown or not _is_int(logprobs.get("top_k")):
+            raise ValueError(f'logprobs={logprobs!r}: give an int k or {{"top_k": k, "target": bool}}')
+        out: Dict[str, Any] = {"top_k": int(logprobs["top_k"])}
+        if logprobs.get("target"):
+            out["target"] = True
+        return out
+    raise TypeError(f'logprobs has type {type(logprobs).__name__}: give an int k or {{"top_k": k, "target": bool}}')
+
+
 def hidden_states_body(
     inputs: Any,
     layers: Any,
@@ -251,6 +279,7 @@ def hidden_states_body(
     split_special_tokens: bool = False,
     tokens: Any = None,
     allow_nonfinite: bool = False,
+    logprobs: Any = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"inputs": normalize_inputs(inputs), "layers": normalize_layers(layers)}
     d = normalize_dtype(dtype)
@@ -262,6 +291,9 @@ def hidden_states_body(
         body["tokens"] = normalize_tokens(tokens)
     if allow_nonfinite:
         body["allow_nonfinite"] = True
+    lp = normalize_logprobs(logprobs)
+    if lp is not None:
+        body["logprobs"] = lp
     return body
 
 
@@ -474,6 +506,10 @@ def parse_hidden_states(
     if positions is not None and tuple(positions.shape) != tuple(ids.shape):
         raise bad(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(ids.shape)}")
     scale = t.get("hidden_states_scale")
+    topk_ids, topk_lp, target = t.get("topk_ids"), t.get("topk_logprobs"), t.get("target_logprobs")
+    for name, arr, rank in (("topk_ids", topk_ids, 2), ("topk_logprobs", topk_lp, 2), ("target_logprobs", target, 1)):
+        if arr is not None and (arr.ndim != rank or arr.shape[0] != ids.shape[0]):
+            raise bad(f"{name} has shape {tuple(arr.shape)} for {ids.shape[0]} rows")
     try:
         layers = _parse_layers(metadata.get("layers", "[]"))
     except (ValueError, TypeError):
@@ -496,6 +532,9 @@ def parse_hidden_states(
                 positions=positions[s:e] if positions is not None else None,
                 hidden_states_scale=scale[s:e] if scale is not None else None,
                 nonfinite=dict(nonfinite),
+                topk_ids=topk_ids[s:e] if topk_ids is not None else None,
+                topk_logprobs=topk_lp[s:e] if topk_lp is not None else None,
+                target_logprobs=target[s:e] if target is not None else None,
             )
         )
     return out

@@ -111,6 +111,7 @@ class Client:
         tokens: Any = None,
         allow_nonfinite: bool = False,
         dequantize: bool = True,
+        logprobs: Any = None,
     ) -> List[Result]:
         """Hidden states of ``layers`` for each input; one :class:`Result` per input.
 
@@ -131,6 +132,13 @@ class Client:
         ``positions``. ``allow_nonfinite=True`` accepts answers holding NaN or
         infinity (counted in ``Result.nonfinite``) instead of a 422.
 
+        ``logprobs`` also asks for the teacher's top-k next-token
+        log-probabilities of every returned row: an int k (1 to the server's
+        ``max_top_k``, 64 by default), or ``{"top_k": k, "target": True}`` to
+        add the log-probability of each row's actual next token. Each Result
+        then has ``topk_ids``, ``topk_logprobs`` (and ``target_logprobs``).
+        ``layers`` may then be ``[]`` (log-probabilities only).
+
         Returns numpy arrays; bfloat16 becomes float32 (exactly) unless
         ``ml_dtypes`` is installed, in which case it stays
         ``ml_dtypes.bfloat16``. ``as_torch=True`` returns torch tensors
@@ -143,7 +151,7 @@ class Client:
         The answer's checksums are verified before anything is returned; a
         mismatch raises :class:`LayertapError` with ``type="checksum_mismatch"``.
         """
-        body = hidden_states_body(inputs, layers, dtype, split_special_tokens, tokens, allow_nonfinite)
+        body = hidden_states_body(inputs, layers, dtype, split_special_tokens, tokens, allow_nonfinite, logprobs)
         status, headers, data = self._request("POST", "/v1/hidden-states", body, binary=True)
         return parse_hidden_states(
             data, as_torch=as_torch, request_id=headers.get("x-request-id"), dequantize=dequantize, status=status

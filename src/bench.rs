@@ -9,8 +9,8 @@
 //! the whole workload is timed; afterwards the last batch's answers are encoded as the server
 //! encodes them, in the compute dtype and as fp8, to report their sizes (raw and zstd), the fp8
 //! error per index and the speed of the checksum and of zstd. `--fp8` times the workload with
-//! fp8 answers (quantised on the device), `--no-screen` without the non-finite screen, to
-//! measure what each costs.
+//! fp8 answers (quantised on the device), `--no-screen` without the non-finite screen, `--top-k K`
+//! with every row's top-K next-token log-probabilities, to measure what each costs.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,7 +19,7 @@ use crate::answer::{Assembly, LayerSet};
 use crate::batching::Part;
 use crate::cli::BenchArgs;
 use crate::engine::loader::ModelFiles;
-use crate::engine::{device_memory, parse_device, Batch, Engine, OutDType, Output, Pending, Rows};
+use crate::engine::{device_memory, parse_device, Batch, Engine, LogprobRows, OutDType, Output, Pending, Rows};
 use crate::tokenizer::Tokenized;
 
 /// (layers, sequences) from a workload sidecar and its JSONL file.
@@ -179,7 +179,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         }
         cu
     };
-    let output = Output { screen: !a.no_screen, ..if a.fp8 { Output::all_fp8() } else { Output::default() } };
+    let output = Output {
+        screen: !a.no_screen,
+        logprobs: a.top_k.map(|top_k| LogprobRows { rows: Rows::All, top_k }),
+        ..if a.fp8 { Output::all_fp8() } else { Output::default() }
+    };
     let launch = |engine: &mut dyn Engine, b: &[Vec<u32>]| -> anyhow::Result<Pending> {
         let mut batch = Batch::pack(b.iter().map(|s| &s[..]), layers.indices().iter().copied());
         batch.output = output.clone();
@@ -198,6 +202,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             } else {
                 taps.bytes(cu[i], s.len(), layers.indices(), dtype)?.len()
             };
+        }
+        if let Some(l) = &taps.logprobs {
+            bytes += l.ids.len() * 8 + (l.logprobs.len() + l.target.len()) * 4;
         }
         crate::engine::profile::mark(&device, crate::engine::profile::Phase::HostCopy, &mut since);
         Ok((bytes, taps))
@@ -249,6 +256,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             "device": a.device, "max_device_memory_used_after_batch_bytes": peak, "answers": answers,
             "output": if a.fp8 { "float8_e4m3fn" } else { dtype.name() }, "screen": !a.no_screen,
+            "top_k": a.top_k,
             "profile_seconds": crate::engine::profile::enabled().then(|| {
                 crate::engine::profile::totals().into_iter().collect::<std::collections::HashMap<_, _>>()
             }),

@@ -63,6 +63,10 @@ pub struct BenchArgs {
     /// Time it without the non-finite screen (the service always screens): what the screen costs.
     #[arg(long)]
     pub no_screen: bool,
+    /// Also return every row's top-K next-token log-probabilities (and its next token's): what
+    /// the final norm, lm_head, log-softmax and top-k cost.
+    #[arg(long)]
+    pub top_k: Option<usize>,
 }
 
 #[derive(Args, Debug)]

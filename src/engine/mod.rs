@@ -82,6 +82,8 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     pub dtype: ComputeDType,
     pub layer_kinds: LayerKinds,
+    /// How the checkpoint's weights are quantised (None: float weights).
+    pub quantization: Option<String>,
 }
 
 impl ModelInfo {
@@ -94,6 +96,7 @@ impl ModelInfo {
             vocab_size: cfg.vocab_size,
             dtype,
             layer_kinds: cfg.layer_kinds(),
+            quantization: cfg.quantization.as_ref().map(config::quant::Quantization::describe),
         }
     }
 }

@@ -260,6 +260,7 @@ pub fn fake_info() -> ModelInfo {
             dense_mlp: FAKE_LAYERS,
             ..Default::default()
         },
+        quantization: None,
     }
 }
 

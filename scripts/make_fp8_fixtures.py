@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Generate tiny random-weight checkpoints in the layout of Qwen's block-wise FP8 releases, plus
-reference hidden states, used by the Rust test-suite (tests/fp8.rs).
+reference hidden states, used by the Rust test-suite (tests/fp8.rs): Qwen3 (scales in bf16, with
+one projection kept in bf16, and in f32), Llama (f16 scales) and Qwen3-MoE (per-expert FP8
+experts, bf16 router).
 
 The releases' scheme (config.json `quantization_config`: quant_method "fp8", fmt "e4m3",
 activation_scheme "dynamic", weight_block_size [128, 128]):
@@ -45,7 +47,14 @@ import os
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from fixture_common import (
     FIXTURES_DIR,
@@ -135,6 +144,25 @@ VARIANTS = {
         keep_bf16=[],
         modules_to_not_convert=["lm_head"],
     ),
+    # Qwen3-MoE: layer 0 dense, layer 1 four experts (top 2), each expert's projections
+    # quantised and written one module per expert (experts.{e}.{gate,up,down}_proj) as the FP8
+    # releases do; the router (mlp.gate) stays bf16 and is listed by suffix.
+    "qwen3_moe_bf16_scales": dict(
+        config_cls=Qwen3MoeConfig,
+        model_cls=Qwen3MoeForCausalLM,
+        kwargs=dict(
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        ),
+        scale_dtype=torch.bfloat16,
+        keep_bf16=[],
+        modules_to_not_convert=["lm_head", "mlp.gate"],
+    ),
 }
 
 
@@ -208,6 +236,7 @@ def build(spec, seed):
     torch.manual_seed(seed)
     cfg = spec["config_cls"](**COMMON, **spec["kwargs"], attn_implementation="eager")
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
     model = spec["model_cls"](cfg).float().eval()
     n_norm = perturb_norms(model, torch.Generator().manual_seed(seed + 1))
     with torch.no_grad():
@@ -217,6 +246,10 @@ def build(spec, seed):
     quantised = []
     with torch.no_grad():
         for name, mod in model.named_modules():
+            if isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter):
+                quantise_experts(name, mod, spec, tensors, captured)
+                quantised.append(name)
+                continue
             if not isinstance(mod, torch.nn.Linear) or name == "lm_head":
                 continue
             if name.split(".")[-1] not in QUANTISED or name in spec["keep_bf16"]:
@@ -244,6 +277,44 @@ def build(spec, seed):
                 continue
             tensors[name] = p.detach().to(torch.bfloat16).contiguous()
     return model, tensors, quantised, captured, n_norm
+
+
+def quantise_experts(name, mod, spec, tensors, captured):
+    """A Qwen*Experts module (gate_up_proj [E, 2I, H], down_proj [E, H, I]): each expert's gate,
+    up and down projections quantised on their own and written one module per expert; forward
+    runs transformers' own expert loop with every F.linear input quantised (gate and up share
+    their input, quantised once: the same values as twice)."""
+    inter = mod.gate_up_proj.shape[1] // 2
+    gate_up, down = [], []
+    for e in range(mod.gate_up_proj.shape[0]):
+        parts = {"gate_proj": mod.gate_up_proj[e, :inter], "up_proj": mod.gate_up_proj[e, inter:],
+                 "down_proj": mod.down_proj[e]}
+        deq = {}
+        for proj, w in parts.items():
+            q, scale, deq[proj] = quantise_weight(w.float(), spec["scale_dtype"])
+            tensors[f"{name}.{e}.{proj}.weight"] = q
+            tensors[f"{name}.{e}.{proj}.weight_scale_inv"] = scale
+        gate_up.append(torch.cat([deq["gate_proj"], deq["up_proj"]]))
+        down.append(deq["down_proj"])
+    mod.gate_up_proj.copy_(torch.stack(gate_up))
+    mod.down_proj.copy_(torch.stack(down))
+    loop = mod.forward
+
+    def forward(*args, loop=loop):
+        linear = torch.nn.functional.linear
+
+        def quantised_linear(x, weight, bias=None):
+            xq, v = qdq_activation(x)
+            captured.append(v)
+            return linear(xq, weight, bias)
+
+        torch.nn.functional.linear = quantised_linear
+        try:
+            return loop(*args)
+        finally:
+            torch.nn.functional.linear = linear
+
+    mod.forward = forward
 
 
 @torch.no_grad()
@@ -317,7 +388,7 @@ def make_variant(name, spec, out_dir):
         "num_rmsnorm_perturbed": n_norm,
         "weight_seed": seed,
         "scale_dtype": str(spec["scale_dtype"]).replace("torch.", ""),
-        "quantised_projections": len(quantised),
+        "quantised_projections": sum(k.endswith(".weight_scale_inv") for k in tensors),
         "kept_bf16": spec["keep_bf16"],
         "activations_quantised": sum(v.numel() for v in captured),
         "activation_margin": f"|x / s| >= {CHECKED_FROM}: {MARGIN} x rms(float32 - float64) per group",
@@ -338,7 +409,7 @@ def make_variant(name, spec, out_dir):
         ),
     }
     dump_json(ref, os.path.join(vdir, "reference.json"))
-    print(f"{name}: seed {seed}, {len(quantised)} quantised projections, "
+    print(f"{name}: seed {seed}, {sum(k.endswith('.weight_scale_inv') for k in tensors)} quantised projections, "
           f"{dir_size(vdir) / 1e3:.0f} kB")
 
 

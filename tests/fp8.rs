@@ -33,9 +33,10 @@ fn models() -> Vec<PathBuf> {
     v
 }
 
-fn scale_dtype(dir: &Path) -> String {
+/// `field` of the fixture's reference.json.
+fn described(dir: &Path, field: &str) -> String {
     let r: Value = serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
-    r["scale_dtype"].as_str().unwrap().to_string()
+    r[field].as_str().unwrap().to_string()
 }
 
 fn load(dir: &Path) -> (ModelEngine, usize) {
@@ -61,9 +62,13 @@ fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec
 #[test]
 fn every_fp8_checkpoint_matches_transformers_at_every_index_and_final_prenorm() {
     let dirs = models();
-    let dtypes: Vec<String> = dirs.iter().map(|d| scale_dtype(d)).collect();
+    let dtypes: Vec<String> = dirs.iter().map(|d| described(d, "scale_dtype")).collect();
     for want in ["bfloat16", "float32", "float16"] {
         assert!(dtypes.iter().any(|d| d == want), "a fixture with {want} scales: {dtypes:?}");
+    }
+    let classes: Vec<String> = dirs.iter().map(|d| described(d, "model_class")).collect();
+    for want in ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"] {
+        assert!(classes.iter().any(|c| c == want), "a {want} fixture: {classes:?}");
     }
     let mut failures = Vec::new();
     for dir in dirs {
@@ -175,12 +180,12 @@ fn every_other_quantisation_scheme_is_refused_naming_the_one_supported() {
         assert!(msg.contains(names) && msg.contains(SUPPORTED), "{q}: {msg}");
     }
     // The scheme itself, on a family whose FP8 layout is not read yet.
-    let dir = with_config("tiny/qwen3_moe", |c| {
+    let dir = with_config("tiny/qwen3_5_hybrid", |c| {
         c["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                           "weight_block_size": [128, 128]});
     });
     let msg = refusal(dir.path()).unwrap_or_default();
-    assert!(msg.contains("Qwen3MoeForCausalLM") && msg.contains("not read yet"), "{msg}");
+    assert!(msg.contains("Qwen3_5ForConditionalGeneration") && msg.contains("not read yet"), "{msg}");
     // compressed-tensors' older key, whatever it says.
     let dir = with_config(BF16_SCALES, |c| c["compression_config"] = json!({"quant_method": "fp8"}));
     assert!(refusal(dir.path()).is_some_and(|m| m.contains("compression_config") && m.contains(SUPPORTED)));
@@ -238,6 +243,18 @@ fn checkpoints_that_contradict_their_fp8_config_are_refused_naming_the_tensor() 
     });
     let msg = refusal(dir.path()).unwrap_or_default();
     assert!(msg.contains(norm) && msg.contains("F8_E4M3"), "{msg}");
+    // FP8 experts fused into 3-D tensors (the per-expert layout is what the releases hold).
+    let moe = "fp8/qwen3_moe_bf16_scales";
+    let experts = "model.layers.1.mlp.experts";
+    let dir = with_tensors(moe, |ts| {
+        let n = ts.len();
+        ts.retain(|t| !t.0.starts_with(&format!("{experts}.")));
+        assert_eq!(n - ts.len(), 4 * 3 * 2);
+        ts.push((format!("{experts}.gate_up_proj"), Dtype::F8_E4M3, vec![4, 512, 128], vec![0x38; 4 * 512 * 128]));
+        ts.push((format!("{experts}.down_proj"), Dtype::F8_E4M3, vec![4, 128, 256], vec![0x38; 4 * 128 * 256]));
+    });
+    let msg = refusal(dir.path()).unwrap_or_default();
+    assert!(msg.contains(&format!("{experts}.down_proj")) && msg.contains("F8_E4M3"), "{msg}");
     // An FP8 config over float weights: transformers would quantise them as it loads; layertap
     // does not quantise.
     let dir = edited_fixture(

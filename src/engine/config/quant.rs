@@ -58,10 +58,11 @@ impl Quantization {
     }
 }
 
-/// The families whose FP8 checkpoints are read: those of attention + MLP layers. The mixture of
-/// experts and the Gated DeltaNet hybrids are refused until their FP8 layouts (per-expert
-/// projections, the hybrids' fused projections) are checked against references of their own.
-const FP8_FAMILIES: &[Family] = &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3];
+/// The families whose FP8 checkpoints are read: those of attention + MLP layers, and Qwen3-MoE
+/// (experts stored one module per expert, as its FP8 releases do; FP8 experts fused into 3-D
+/// tensors are refused as a dtype the loader does not read). The Gated DeltaNet hybrids are
+/// refused until their FP8 layouts are checked against references of their own.
+const FP8_FAMILIES: &[Family] = &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3, Family::Qwen3Moe];
 
 /// Refuses `q` for a family whose quantised layout is not read yet.
 pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Result<(), EngineError> {
@@ -69,8 +70,8 @@ pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Res
         return Ok(());
     }
     Err(bad(format!(
-        "config.json: {} checkpoints of {architecture} are not read yet (only those of the attention + MLP \
-         families: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM); use the model's \
+        "config.json: {} checkpoints of {architecture} are not read yet (only those of LlamaForCausalLM, \
+         MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM); use the model's \
          unquantised (bf16) release",
         q.describe()
     )))

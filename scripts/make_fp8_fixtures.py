@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Generate tiny random-weight checkpoints in the layout of Qwen's block-wise FP8 releases, plus
 reference hidden states, used by the Rust test-suite (tests/fp8.rs): Qwen3 (scales in bf16, with
-one projection kept in bf16, and in f32), Llama (f16 scales) and Qwen3-MoE (per-expert FP8
-experts, bf16 router).
+one projection kept in bf16, and in f32), Llama (f16 scales), Qwen3-MoE (per-expert FP8
+experts, bf16 router) and Qwen3.5 text (Gated DeltaNet in_proj_qkv / in_proj_z / out_proj in FP8;
+needs the pure-torch path, as scripts/make_hybrid_fixtures.py does).
 
 The releases' scheme (config.json `quantization_config`: quant_method "fp8", fmt "e4m3",
 activation_scheme "dynamic", weight_block_size [128, 128]):
@@ -50,6 +51,8 @@ import torch.nn.functional as F
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -98,7 +101,10 @@ CHECKED_FROM = 8.0
 # a last-bit difference moves the states by ~1e-5, not ~1e-3 (see make_variant).
 EMBED_SCALE = 50.0
 
-QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj are quantised in the releases; its
+# in_proj_a / in_proj_b (and conv1d, A_log, dt_bias, norm) stay bf16 (A_log and the norm f32).
+QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
+             "out_proj")
 
 COMMON = dict(
     num_hidden_layers=2,
@@ -162,6 +168,28 @@ VARIANTS = {
         scale_dtype=torch.bfloat16,
         keep_bf16=[],
         modules_to_not_convert=["lm_head", "mlp.gate"],
+    ),
+    # Qwen3.5 text (Gated DeltaNet + gated attention, zero-centred norms, partial rotary), layer 0
+    # linear attention, layer 1 full attention; every parameter randomised as
+    # scripts/make_hybrid_fixtures.py does (norms, gates, conv), then rescaled as above.
+    "qwen3_5_f32_scales": dict(
+        config_cls=Qwen3_5TextConfig,
+        model_cls=Qwen3_5ForCausalLM,
+        kwargs=dict(
+            tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[8, 4, 4], mrope_interleaved=True),
+        ),
+        hybrid=True,
+        scale_dtype=torch.float32,
+        keep_bf16=[],
+        modules_to_not_convert=["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b"],
     ),
 }
 
@@ -238,9 +266,22 @@ def build(spec, seed):
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     model = spec["model_cls"](cfg).float().eval()
-    n_norm = perturb_norms(model, torch.Generator().manual_seed(seed + 1))
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(EMBED_SCALE)
+    if spec.get("hybrid"):
+        import make_hybrid_fixtures as hybrid  # refuses to run where fla / causal_conv1d import
+
+        assert hybrid.check_implementations(model) > 0
+        gen = torch.Generator().manual_seed(seed + 1)
+        counts = hybrid.randomise(model, gen, gen)
+        n_norm = sum(n for k, n in counts.items() if "norm" in k.lower())
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in QUANTISED:
+                    mod.weight.mul_(0.02 / hybrid.LINEAR_STD)
+            model.get_input_embeddings().weight.mul_(1.0 / hybrid.EMBED_STD)
+    else:
+        n_norm = perturb_norms(model, torch.Generator().manual_seed(seed + 1))
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(EMBED_SCALE)
     captured = []
     tensors = {}
     quantised = []
@@ -271,6 +312,9 @@ def build(spec, seed):
         for name, p in model.named_parameters():
             module = name.rsplit(".", 1)[0]
             if module in quantised:
+                continue
+            if name.endswith((".A_log", ".linear_attn.norm.weight")):
+                tensors[name] = p.detach().to(torch.float32).contiguous()
                 continue
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
             if name.startswith("lm_head.") and cfg.tie_word_embeddings:
@@ -378,6 +422,13 @@ def make_variant(name, spec, out_dir):
     prenorms = [p for _, p in results]
     save_tensors(reference_tensors(seqs, hidden, prenorms), os.path.join(vdir, "reference.safetensors"))
     L = cfg.num_hidden_layers
+    if spec.get("hybrid"):
+        randomised = ("every parameter randomised by scripts/make_hybrid_fixtures.py's randomise() (generator seeded "
+                      "weight_seed + 1; pure-torch Gated DeltaNet), then the quantised projections rescaled to std "
+                      "0.02 and the embeddings to std 1; A_log and linear_attn.norm.weight stored in float32")
+    else:
+        randomised = ("initializer_range 0.02; RMSNorm weights multiplied by (1 + 0.1*randn) (generator seeded "
+                      f"weight_seed + 1), embeddings by {EMBED_SCALE}")
     ref = {
         **versions(),
         "model_class": type(model).__name__,
@@ -396,8 +447,7 @@ def make_variant(name, spec, out_dir):
             "hidden_states = torch.stack(model.model(input_ids[None], output_hidden_states=True).hidden_states)[:, 0]; "
             "index 0 is the embedding output, index l (1..L) the output of decoder layer l, index L after the final "
             "norm; final_prenorm = the last decoder layer's output before the final norm (forward hook, same pass). "
-            f"float32, eager attention, torch.manual_seed(weight_seed), initializer_range 0.02; RMSNorm weights "
-            f"multiplied by (1 + 0.1*randn) (generator seeded weight_seed + 1), embeddings by {EMBED_SCALE}. Projections quantised block-wise (128 x 128): scale_inv = "
+            f"float32, eager attention, torch.manual_seed(weight_seed), {randomised}. Projections quantised block-wise (128 x 128): scale_inv = "
             "(amax / 448) in scale_dtype, w_q = e4m3(clamp(w / scale_inv, -448, 448)); the reference runs on "
             "w_q * scale_inv in float32, every other parameter rounded to bf16 (as stored), and each quantised "
             "projection's input quantised per token in groups of 128 (s = max(amax, 1e-10) / 448, "

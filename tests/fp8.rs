@@ -67,7 +67,7 @@ fn every_fp8_checkpoint_matches_transformers_at_every_index_and_final_prenorm() 
         assert!(dtypes.iter().any(|d| d == want), "a fixture with {want} scales: {dtypes:?}");
     }
     let classes: Vec<String> = dirs.iter().map(|d| described(d, "model_class")).collect();
-    for want in ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"] {
+    for want in ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM"] {
         assert!(classes.iter().any(|c| c == want), "a {want} fixture: {classes:?}");
     }
     let mut failures = Vec::new();
@@ -180,12 +180,12 @@ fn every_other_quantisation_scheme_is_refused_naming_the_one_supported() {
         assert!(msg.contains(names) && msg.contains(SUPPORTED), "{q}: {msg}");
     }
     // The scheme itself, on a family whose FP8 layout is not read yet.
-    let dir = with_config("tiny/qwen3_5_hybrid", |c| {
+    let dir = with_config("tiny/qwen3_next_per_expert", |c| {
         c["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                           "weight_block_size": [128, 128]});
     });
     let msg = refusal(dir.path()).unwrap_or_default();
-    assert!(msg.contains("Qwen3_5ForConditionalGeneration") && msg.contains("not read yet"), "{msg}");
+    assert!(msg.contains("Qwen3NextForCausalLM") && msg.contains("not read yet"), "{msg}");
     // compressed-tensors' older key, whatever it says.
     let dir = with_config(BF16_SCALES, |c| c["compression_config"] = json!({"quant_method": "fp8"}));
     assert!(refusal(dir.path()).is_some_and(|m| m.contains("compression_config") && m.contains(SUPPORTED)));

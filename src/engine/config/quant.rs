@@ -58,11 +58,14 @@ impl Quantization {
     }
 }
 
-/// The families whose FP8 checkpoints are read: those of attention + MLP layers, and Qwen3-MoE
+/// The families whose FP8 checkpoints are read: those of attention + MLP layers, Qwen3-MoE
 /// (experts stored one module per expert, as its FP8 releases do; FP8 experts fused into 3-D
-/// tensors are refused as a dtype the loader does not read). The Gated DeltaNet hybrids are
-/// refused until their FP8 layouts are checked against references of their own.
-const FP8_FAMILIES: &[Family] = &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3, Family::Qwen3Moe];
+/// tensors are refused as a dtype the loader does not read) and the dense Qwen3.5 hybrid (its
+/// Gated DeltaNet projections are separate, each read as stored). Qwen3-Next (fused, regrouped
+/// projections) and Qwen3.5-MoE are refused until their FP8 layouts are checked against
+/// references of their own.
+const FP8_FAMILIES: &[Family] =
+    &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Qwen3_5];
 
 /// Refuses `q` for a family whose quantised layout is not read yet.
 pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Result<(), EngineError> {
@@ -71,8 +74,8 @@ pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Res
     }
     Err(bad(format!(
         "config.json: {} checkpoints of {architecture} are not read yet (only those of LlamaForCausalLM, \
-         MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM); use the model's \
-         unquantised (bf16) release",
+         MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and the dense Qwen3.5: \
+         Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM); use the model's unquantised (bf16) release",
         q.describe()
     )))
 }

@@ -407,7 +407,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ..Limits::from_args(&args, tokens, max_batch_tokens)
     };
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
-    tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, "listening; loading the model");
+    let weights = info.quantization.as_deref().unwrap_or("float");
+    tracing::info!(addr = %listener.local_addr()?, model = %files.id, devices = ?devices, max_batch_tokens, weights, "listening; loading the model");
     let dtype: ComputeDType = args.dtype;
     let mode = args.selfcheck;
     // Computed on the CPU while the devices load, unless no device needs it.

@@ -126,6 +126,7 @@ impl GgufFile {
             linear_attention: None,
             moe: None,
             layers: vec![LayerSpec::DENSE_ATTENTION; num_hidden_layers],
+            quantization: None,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -244,7 +244,11 @@ impl ModelFiles {
             }
             Files::Gguf { file, config } => TensorSource::Gguf(GgufTensors::new(file.clone(), config)),
         };
-        let weights = Weights::new(source, device.clone(), dtype);
+        let quantization = self.config().quantization.clone();
+        if quantization.is_some() && !device.is_cpu() {
+            return Err(err(super::weights::FP8_ON_GPU));
+        }
+        let weights = Weights::new(source, device.clone(), dtype).with_quantization(quantization);
         weights.check_before_load(self.config().num_hidden_layers)?;
         Ok(weights)
     }

@@ -87,6 +87,8 @@ pub struct ModelInfo {
     /// Whether the model has an output head (`lm_head`, or embeddings it ties), so next-token
     /// log-probabilities can be computed.
     pub lm_head: bool,
+    /// How the checkpoint's weights are quantised (None: float weights).
+    pub quantization: Option<String>,
 }
 
 impl ModelInfo {
@@ -100,6 +102,7 @@ impl ModelInfo {
             dtype,
             layer_kinds: cfg.layer_kinds(),
             lm_head: cfg.tie_word_embeddings,
+            quantization: cfg.quantization.as_ref().map(config::quant::Quantization::describe),
         }
     }
 

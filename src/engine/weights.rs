@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
+use super::config::quant::{Quantization, FP8_BLOCK};
 use super::EngineError;
 
 pub enum TensorSource {
@@ -23,11 +24,24 @@ pub struct Weights {
     pub dtype: DType,
     /// Full names of the tensors read so far, for [`Weights::check_unread`].
     read: Mutex<HashSet<String>>,
+    /// The scheme config.json declares: which quantised tensors may be read, and how.
+    quantization: Option<Quantization>,
 }
 
 /// The dtypes the loader reads a parameter from: floating-point weights, cast to the compute
 /// dtype. Anything else (FP8, packed integers, scales) needs arithmetic the loader does not do.
 const FLOAT_DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::F64];
+
+/// Half of an FP8 projection.
+#[derive(Clone, Copy)]
+enum Fp8Part {
+    Weight,
+    Scale,
+}
+
+/// Why an FP8 checkpoint does not load on a GPU.
+pub const FP8_ON_GPU: &str = "FP8 checkpoints run on the CPU in this version; the GPU path is not built yet \
+     (serve it on the CPU, or use the model's bf16 release on the GPU)";
 
 /// Checkpoint parts outside the text decoder that are never read and may hold anything (a
 /// vision tower, a multi-token-prediction head, the output head).
@@ -65,7 +79,13 @@ impl Weights {
                 .unwrap_or(""),
             TensorSource::Gguf(_) => "",
         };
-        Weights { source, prefix: prefix.into(), device, dtype, read: Mutex::default() }
+        Weights { source, prefix: prefix.into(), device, dtype, read: Mutex::default(), quantization: None }
+    }
+
+    /// The quantisation scheme the checkpoint's config declares.
+    pub fn with_quantization(mut self, quantization: Option<Quantization>) -> Self {
+        self.quantization = quantization;
+        self
     }
 
     /// `name` as the checkpoint spells it (with the decoder prefix).
@@ -252,16 +272,131 @@ impl Weights {
         };
         let mut all = tensors.tensors();
         all.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut fp8_weights = 0;
         for (name, view) in &all {
             if !self.must_be_read(name, layers) {
                 continue;
+            }
+            match self.fp8_part(tensors, name)? {
+                Some(Fp8Part::Weight) => {
+                    fp8_weights += 1;
+                    continue;
+                }
+                Some(Fp8Part::Scale) => continue,
+                None => {}
             }
             let float = DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d));
             if !float || is_quant_data(name) {
                 return Err(self.unreadable(name, &format!("{:?}", view.dtype())));
             }
         }
+        if let (Some(q), 0) = (&self.quantization, fp8_weights) {
+            // transformers would quantise such weights as it loads them; layertap does not.
+            return Err(EngineError::Load(format!(
+                "config.json declares {} but no decoder weight in {} is stored as F8_E4M3 with a weight_scale_inv; \
+                 layertap reads FP8 projections as the checkpoint stores them and does not quantise float weights, \
+                 so it refuses the checkpoint rather than compute something else than the config says",
+                q.describe(),
+                self.where_from()
+            )));
+        }
         Ok(())
+    }
+
+    /// With an FP8 scheme declared: whether `full` is half of an FP8 projection, an `F8_E4M3`
+    /// `{module}.weight` with its `{module}.weight_scale_inv` (bf16, f16 or f32) or that scale;
+    /// `None` for any other tensor. Either half without the other, a scale in another dtype, or
+    /// an FP8 projection that config.json lists in `modules_to_not_convert`, is refused.
+    fn fp8_part(&self, tensors: &MmapedSafetensors, full: &str) -> Result<Option<Fp8Part>, EngineError> {
+        let Some(q) = &self.quantization else { return Ok(None) };
+        let dtype = |name: &str| tensors.get(name).ok().map(|v| (DType::try_from(v.dtype()).ok(), v.dtype()));
+        let (module, part) = if let Some(m) = full.strip_suffix(".weight_scale_inv") {
+            (m, Fp8Part::Scale)
+        } else if let Some(m) = full.strip_suffix(".weight") {
+            (m, Fp8Part::Weight)
+        } else {
+            return Ok(None);
+        };
+        let (weight, scale) = (format!("{module}.weight"), format!("{module}.weight_scale_inv"));
+        let weight_dtype = dtype(&weight);
+        let is_fp8 = matches!(weight_dtype, Some((Some(DType::F8E4M3), _)));
+        match (part, is_fp8, dtype(&scale)) {
+            (Fp8Part::Weight, false, _) => Ok(None),
+            (_, true, None) => Err(EngineError::Load(format!(
+                "tensor {weight:?} (F8_E4M3) in {} has no {scale:?}: an FP8 weight without its block scales cannot \
+                 be read, so layertap refuses the checkpoint rather than return wrong hidden states",
+                self.where_from()
+            ))),
+            (_, true, Some((Some(DType::F32 | DType::F16 | DType::BF16), _))) => {
+                if q.not_converted(module) {
+                    return Err(EngineError::Load(format!(
+                        "tensor {weight:?} is stored as F8_E4M3 with its weight_scale_inv, but config.json's \
+                         quantization_config.modules_to_not_convert lists {module:?} as unquantised: the checkpoint \
+                         contradicts its config, so layertap refuses it"
+                    )));
+                }
+                Ok(Some(part))
+            }
+            (_, true, Some((_, scale_dtype))) => Err(EngineError::Load(format!(
+                "tensor {scale:?} ({scale_dtype:?}) in {}: layertap reads FP8 block scales stored as float32, \
+                 float16 or bfloat16",
+                self.where_from()
+            ))),
+            (Fp8Part::Scale, false, _) => Err(EngineError::Load(format!(
+                "tensor {scale:?} in {} scales {weight:?}, which is {}, not an F8_E4M3 weight; layertap refuses the \
+                 checkpoint rather than guess what the scale means",
+                self.where_from(),
+                weight_dtype.map_or("missing".to_string(), |(_, d)| format!("{d:?}"))
+            ))),
+        }
+    }
+
+    /// For the FP8 projection `name` (an `F8_E4M3` `[N, K]` weight with its `weight_scale_inv`
+    /// `[ceil(N/128), ceil(K/128)]`): the `[K, N]` f32 transpose of the dequantised weight
+    /// (`w_q * scale_inv` per 128 x 128 block), on the CPU. `None` where `name` is stored as floats.
+    pub fn get_fp8_transposed(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, EngineError> {
+        let (Some(_), TensorSource::Safetensors { tensors, .. }) = (&self.quantization, &self.source) else {
+            return Ok(None);
+        };
+        let full = self.full_name(name);
+        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
+        if DType::try_from(view.dtype()).ok() != Some(DType::F8E4M3) {
+            return Ok(None);
+        }
+        let &[n, k] = shape else {
+            return Err(EngineError::Load(format!("{full:?}: FP8 weights of 2-D projections only")));
+        };
+        if view.shape() != shape {
+            return Err(self.shape_mismatch(&full, view.shape(), shape));
+        }
+        if !self.device.is_cpu() {
+            return Err(EngineError::Load(FP8_ON_GPU.into()));
+        }
+        if !k.is_multiple_of(FP8_BLOCK) {
+            return Err(EngineError::Load(format!(
+                "{full:?}: an FP8 projection with {k} input features, not a multiple of {FP8_BLOCK}: its input \
+                 cannot be quantised in whole groups of {FP8_BLOCK}"
+            )));
+        }
+        let scale_name = format!("{full}_scale_inv");
+        let sview = tensors.get(&scale_name).map_err(|_| self.missing(&scale_name))?;
+        let want = [n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK)];
+        if sview.shape() != want {
+            return Err(self.shape_mismatch(&scale_name, sview.shape(), &want));
+        }
+        let Some(sdtype) =
+            DType::try_from(sview.dtype()).ok().filter(|d| [DType::F32, DType::F16, DType::BF16].contains(d))
+        else {
+            return Err(self.unreadable(&scale_name, &format!("{:?}", sview.dtype())));
+        };
+        let scale = Tensor::from_raw_buffer(sview.data(), sdtype, &want, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let t = crate::engine::layers::fp8::dequantised_transposed(view.data(), &scale, n, k);
+        self.mark_read(&full);
+        self.mark_read(&scale_name);
+        Ok(Some(Tensor::from_vec(t, (k, n), &Device::Cpu)?))
     }
 
     /// Once the decoder is loaded: the checkpoint's tensors that nothing read are listed (debug),

@@ -46,6 +46,7 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         hidden_size: i.hidden_size,
         vocab_size: i.vocab_size,
         layer_kinds: (&i.layer_kinds).into(),
+        quantization: i.quantization.clone(),
         dtype: i.dtype.name().into(),
         devices: s.devices.as_ref().clone(),
         max_batch_tokens: s.scheduler.max_batch_tokens(),

@@ -261,6 +261,7 @@ pub fn fake_info() -> ModelInfo {
             ..Default::default()
         },
         lm_head: false,
+        quantization: None,
     }
 }
 

@@ -183,7 +183,12 @@ impl ModelConfig {
             Some(text) if matches!(family, Family::Qwen3_5 | Family::Qwen3_5Moe) => text,
             _ => root,
         };
-        super::quant::check(&[root, cfg])?;
+        // Declared beside or inside text_config, whatever the family.
+        let text = root.get("text_config").filter(|v| v.is_object()).unwrap_or(root);
+        let quantization = super::quant::parse(&[root, text])?;
+        if let Some(q) = &quantization {
+            super::quant::check_family(q, family, &architecture)?;
+        }
         let hidden_size = req_usize(cfg, "hidden_size")?;
         let num_attention_heads = req_usize(cfg, "num_attention_heads")?;
         let num_key_value_heads = opt_usize(cfg, "num_key_value_heads").unwrap_or(num_attention_heads);
@@ -250,6 +255,7 @@ impl ModelConfig {
             linear_attention: if family.is_hybrid() { Some(linear_attention(cfg, family)?) } else { None },
             moe,
             layers,
+            quantization,
         };
         c.validate()?;
         Ok(c)

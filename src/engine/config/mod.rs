@@ -172,6 +172,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// One entry per decoder layer.
     pub layers: Vec<LayerSpec>,
+    /// The checkpoint's quantisation scheme (None: float weights, or GGUF types dequantised).
+    pub quantization: Option<quant::Quantization>,
 }
 
 fn bad(msg: impl Into<String>) -> EngineError {

@@ -2,15 +2,109 @@
 //! naming the method for every other. A checkpoint read with the wrong arithmetic returns hidden
 //! states that look plausible and are wrong, so nothing here is guessed.
 
+use serde::Serialize;
 use serde_json::Value;
 
-use super::bad;
+use super::{bad, Family};
 use crate::engine::EngineError;
 
-/// The `quant_method`s the safetensors loader implements, with their schemes. None yet: every
-/// safetensors checkpoint is read as float32, float16 or bfloat16 weights (GGUF files carry their
-/// own quantised types, which the GGUF loader dequantises).
-pub const SUPPORTED_QUANTIZATION: &[&str] = &[];
+/// Side of the square weight blocks of the one FP8 scheme read, and the width of the groups its
+/// activations are quantised in along the input dimension.
+pub const FP8_BLOCK: usize = 128;
+
+/// What the safetensors loader reads besides float32, float16 and bfloat16 weights, as the
+/// refusal of every other scheme names it (GGUF files carry their own quantised types, which the
+/// GGUF loader dequantises).
+pub const SUPPORTED_QUANTIZATION: &str = "quant_method \"fp8\" with fmt \"e4m3\", activation_scheme \"dynamic\" and \
+     weight_block_size [128, 128] (Qwen's block-wise FP8 releases; on the CPU only for now)";
+
+/// A quantisation scheme the engine implements.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "method", rename_all = "snake_case")]
+pub enum Quantization {
+    /// Qwen's block-wise FP8 (W8A8 dynamic): a quantised projection holds an `F8_E4M3` weight
+    /// `[N, K]` and its `weight_scale_inv` `[ceil(N/128), ceil(K/128)]` (a multiplier per
+    /// 128 x 128 block); its input is quantised per token in groups of 128 along K with the scale
+    /// `max(amax, 1e-10) / 448`. Which projections are quantised is read from the file, tensor by
+    /// tensor; `modules_to_not_convert` is the config's list of those kept unquantised, checked
+    /// against it.
+    Fp8Block { modules_to_not_convert: Vec<String> },
+}
+
+impl Quantization {
+    /// How `/v1/info` and the start-up log describe the weights.
+    pub fn describe(&self) -> String {
+        match self {
+            Quantization::Fp8Block { .. } => {
+                format!("fp8 e4m3 weights in {FP8_BLOCK}x{FP8_BLOCK} blocks, dynamic per-token fp8 activations")
+            }
+        }
+    }
+
+    /// Whether the module `name` (a full tensor name without `.weight`) is listed as kept
+    /// unquantised, as transformers matches the list: an entry matches from the start up to a
+    /// module boundary, or as a suffix; `*` matches any run of characters. The decoder's prefix
+    /// is not told apart (`model.language_model.` and `model.` name the same module).
+    pub fn not_converted(&self, name: &str) -> bool {
+        let Quantization::Fp8Block { modules_to_not_convert } = self;
+        let strip = |s: &str| {
+            let s = s.strip_prefix("model.language_model.").or_else(|| s.strip_prefix("model.")).unwrap_or(s);
+            s.to_string()
+        };
+        let (full, short) = (name.to_string(), strip(name));
+        modules_to_not_convert
+            .iter()
+            .any(|entry| [(entry.clone(), &full), (strip(entry), &short)].iter().any(|(e, n)| matches_module(e, n)))
+    }
+}
+
+/// The families whose FP8 checkpoints are read: those of attention + MLP layers, Qwen3-MoE
+/// (experts stored one module per expert, as its FP8 releases do; FP8 experts fused into 3-D
+/// tensors are refused as a dtype the loader does not read) and the dense Qwen3.5 hybrid (its
+/// Gated DeltaNet projections are separate, each read as stored). Qwen3-Next (fused, regrouped
+/// projections) and Qwen3.5-MoE are refused until their FP8 layouts are checked against
+/// references of their own.
+const FP8_FAMILIES: &[Family] =
+    &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Qwen3_5];
+
+/// Refuses `q` for a family whose quantised layout is not read yet.
+pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Result<(), EngineError> {
+    if FP8_FAMILIES.contains(&family) {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "config.json: {} checkpoints of {architecture} are not read yet (only those of LlamaForCausalLM, \
+         MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and the dense Qwen3.5: \
+         Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM); use the model's unquantised (bf16) release",
+        q.describe()
+    )))
+}
+
+/// `entry` matches `name` from its start up to a module boundary, or as its suffix.
+fn matches_module(entry: &str, name: &str) -> bool {
+    if entry.is_empty() {
+        return false;
+    }
+    if name.ends_with(entry) && !entry.contains('*') {
+        return true;
+    }
+    glob_prefix(entry.as_bytes(), name.as_bytes())
+}
+
+/// Whether `pat` (with `*` for any run of characters; `.*` as in a regex) matches a prefix of
+/// `s` that ends at a module boundary (the end of `s` or before a `.`).
+fn glob_prefix(pat: &[u8], s: &[u8]) -> bool {
+    match pat.split_first() {
+        None => s.is_empty() || s[0] == b'.',
+        Some((b'.', rest)) if rest.first() == Some(&b'*') => glob_prefix(&rest[1..], s) || any_suffix(&rest[1..], s),
+        Some((b'*', rest)) => any_suffix(rest, s),
+        Some((&c, rest)) => s.first() == Some(&c) && glob_prefix(rest, &s[1..]),
+    }
+}
+
+fn any_suffix(pat: &[u8], s: &[u8]) -> bool {
+    (0..=s.len()).any(|i| glob_prefix(pat, &s[i..]))
+}
 
 /// The config keys under which checkpoints declare their quantisation (`compression_config` is
 /// compressed-tensors' older name).
@@ -22,6 +116,7 @@ const DETAIL_FIELDS: &[&str] = &[
     "format",
     "activation_scheme",
     "weight_block_size",
+    "scale_fmt",
     "bits",
     "group_size",
     "load_in_4bit",
@@ -29,33 +124,119 @@ const DETAIL_FIELDS: &[&str] = &[
     "bnb_4bit_quant_type",
 ];
 
-/// Refuses a config (the root or its `text_config`) that declares a quantisation the engine does
-/// not implement, naming the method, its scheme and what is supported.
-pub fn check(configs: &[&Value]) -> Result<(), EngineError> {
+/// The quantisation a config (the root and its `text_config`) declares: None for none, the
+/// scheme when the engine implements it, and otherwise a refusal naming the method, its scheme
+/// and what is supported. Declared twice (root and `text_config`), both must agree.
+pub fn parse(configs: &[&Value]) -> Result<Option<Quantization>, EngineError> {
+    let mut found: Option<Quantization> = None;
     for cfg in configs {
         for key in KEYS {
             let Some(q) = cfg.get(*key).filter(|v| !v.is_null()) else {
                 continue;
             };
-            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
-            let details: Vec<String> = DETAIL_FIELDS
-                .iter()
-                .filter_map(|f| q.get(*f).filter(|v| !v.is_null()).map(|v| format!("{f} {v}")))
-                .collect();
-            let scheme = if details.is_empty() { String::new() } else { format!(" ({})", details.join(", ")) };
-            let supported = if SUPPORTED_QUANTIZATION.is_empty() {
-                "none yet: layertap reads unquantised safetensors checkpoints (float32, float16 or bfloat16 \
-                 weights) and GGUF files"
-                    .to_string()
-            } else {
-                SUPPORTED_QUANTIZATION.join(", ")
-            };
-            return Err(bad(format!(
-                "config.json: {key}.quant_method {method:?}{scheme} is not supported, and reading its weights as \
-                 unquantised would return wrong hidden states; supported quantisation: {supported}. Use the \
-                 model's unquantised (bf16) release"
+            let scheme = read(key, q)?;
+            match &found {
+                Some(f) if *f != scheme => {
+                    return Err(bad(format!(
+                        "config.json: the {key} of text_config and the one beside it disagree ({} vs {}); layertap \
+                         reads one scheme for the whole decoder",
+                        describe_fields(q),
+                        f.describe()
+                    )))
+                }
+                _ => found = Some(scheme),
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// The scheme of one `quantization_config` entry, or its refusal.
+fn read(key: &str, q: &Value) -> Result<Quantization, EngineError> {
+    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
+    let refuse = |why: &str| {
+        bad(format!(
+            "config.json: {key}.quant_method {method:?}{} is not supported{why}, and reading its weights as \
+             unquantised would return wrong hidden states; supported quantisation: {SUPPORTED_QUANTIZATION}. Use \
+             the model's unquantised (bf16) release",
+            describe_fields(q)
+        ))
+    };
+    if key != "quantization_config" || method != "fp8" {
+        return Err(refuse(""));
+    }
+    let field = |f: &str| q.get(f).filter(|v| !v.is_null());
+    // transformers' FineGrainedFP8Config has no `fmt` (it is always e4m3); Qwen's configs say so.
+    if let Some(fmt) = field("fmt") {
+        if fmt.as_str() != Some("e4m3") {
+            return Err(refuse(&format!(" (fmt {fmt}: only e4m3 is read)")));
+        }
+    }
+    match field("activation_scheme").and_then(Value::as_str) {
+        Some("dynamic") => {}
+        other => {
+            let got = other.map_or("missing".to_string(), |s| format!("{s:?}"));
+            return Err(refuse(&format!(
+                " (activation_scheme {got}: only dynamic per-token activation scales are read)"
             )));
         }
     }
-    Ok(())
+    let block: Option<Vec<u64>> =
+        field("weight_block_size").and_then(Value::as_array).and_then(|a| a.iter().map(Value::as_u64).collect());
+    if block.as_deref() != Some(&[FP8_BLOCK as u64, FP8_BLOCK as u64]) {
+        let got = field("weight_block_size").map_or("missing (per-tensor scales)".to_string(), |v| v.to_string());
+        return Err(refuse(&format!(" (weight_block_size {got}: only [128, 128] blocks are read)")));
+    }
+    // DeepSeek's power-of-two ("ue8m0") scales quantise activations differently.
+    if let Some(f) = field("scale_fmt") {
+        return Err(refuse(&format!(" (scale_fmt {f}: only plain float scales are read)")));
+    }
+    let modules_to_not_convert = match field("modules_to_not_convert") {
+        None => Vec::new(),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(|e| e.as_str().map(String::from)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| {
+                bad(format!("config.json: {key}.modules_to_not_convert must be a list of names, got {v}"))
+            })?,
+    };
+    Ok(Quantization::Fp8Block { modules_to_not_convert })
+}
+
+/// ` (fmt "e4m3", activation_scheme "dynamic", ...)`: the fields that tell schemes apart.
+fn describe_fields(q: &Value) -> String {
+    let details: Vec<String> =
+        DETAIL_FIELDS.iter().filter_map(|f| q.get(*f).filter(|v| !v.is_null()).map(|v| format!("{f} {v}"))).collect();
+    if details.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", details.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listed(entries: &[&str]) -> Quantization {
+        Quantization::Fp8Block { modules_to_not_convert: entries.iter().map(|s| s.to_string()).collect() }
+    }
+
+    #[test]
+    fn modules_to_not_convert_match_as_transformers_matches_them() {
+        let q =
+            listed(&["lm_head", "model.layers.1", "mlp.gate", "model.language_model.layers.0.linear_attn.in_proj_a"]);
+        assert!(q.not_converted("lm_head"));
+        assert!(q.not_converted("model.layers.1.mlp.down_proj"));
+        assert!(!q.not_converted("model.layers.11.mlp.down_proj"));
+        assert!(q.not_converted("model.layers.3.mlp.gate"));
+        assert!(!q.not_converted("model.layers.3.mlp.gate_proj"));
+        // Either decoder prefix names the same module.
+        assert!(q.not_converted("model.layers.0.linear_attn.in_proj_a"));
+        assert!(!q.not_converted("model.layers.0.linear_attn.in_proj_qkv"));
+        let q = listed(&["model.layers.*.mlp.down_proj", "model.visual*"]);
+        assert!(q.not_converted("model.layers.7.mlp.down_proj"));
+        assert!(!q.not_converted("model.layers.7.mlp.up_proj"));
+        assert!(q.not_converted("model.visual.blocks.0.attn.qkv"));
+    }
 }

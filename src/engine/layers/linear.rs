@@ -1,4 +1,5 @@
-//! Dense projections, the matmul every layer uses, and the residual add.
+//! Dense projections (float, or block-wise FP8 with dynamically quantised inputs), the matmul
+//! every layer uses, and the residual add.
 
 use candle_core::{DType, Tensor};
 
@@ -8,14 +9,23 @@ use crate::engine::EngineError;
 pub struct Linear {
     pub(crate) weight_t: Tensor,
     bias: Option<Tensor>,
+    /// An FP8 projection (W8A8 dynamic): `weight_t` is its dequantised weight in f32, and each
+    /// input row is quantised to e4m3 per group of 128 and dequantised before the product
+    /// ([`super::fp8`]).
+    fp8: bool,
 }
 
 impl Linear {
+    /// `{name}.weight` `[out, inp]` (and `{name}.bias`): float weights, or an FP8 projection
+    /// where the checkpoint stores one.
     pub fn load(w: &Weights, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, EngineError> {
         let (weight, shape) = (format!("{name}.weight"), [out, inp]);
         let bias = w.get_opt(&format!("{name}.bias"), &[out], bias)?;
+        if let Some(weight_t) = w.get_fp8_transposed(&weight, &shape)? {
+            return Ok(Linear { weight_t, bias, fp8: true });
+        }
         match w.get_transposed_f32(&weight, &shape)? {
-            Some(weight_t) => Ok(Linear { weight_t, bias }),
+            Some(weight_t) => Ok(Linear { weight_t, bias, fp8: false }),
             None => Ok(Self::from_weight(w.get(&weight, &shape)?, bias)?),
         }
     }
@@ -27,7 +37,17 @@ impl Linear {
             Some(t) => t,
             None => weight.t()?.contiguous()?,
         };
-        Ok(Linear { weight_t, bias })
+        Ok(Linear { weight_t, bias, fp8: false })
+    }
+
+    /// Whether `parts` can be computed as one matmul: all FP8 or all float.
+    pub fn fusable(parts: &[Linear]) -> bool {
+        parts.windows(2).all(|w| w[0].fp8 == w[1].fp8)
+    }
+
+    /// Whether this is an FP8 projection (its input quantised before the product).
+    pub fn is_fp8(&self) -> bool {
+        self.fp8
     }
 
     /// Output features.
@@ -38,6 +58,10 @@ impl Linear {
     /// One projection computing all of `parts` side by side (their outputs concatenated), so a
     /// single larger matmul replaces several.
     pub fn fuse(parts: Vec<Linear>) -> Result<Self, EngineError> {
+        if !Self::fusable(&parts) {
+            return Err(EngineError::Load("cannot fuse FP8 and float projections into one".into()));
+        }
+        let fp8 = parts.first().is_some_and(|p| p.fp8);
         let weights: Vec<&Tensor> = parts.iter().map(|p| &p.weight_t).collect();
         let weight_t = Tensor::cat(&weights, 1)?;
         let bias = if parts.iter().any(|p| p.bias.is_some()) {
@@ -52,11 +76,20 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight_t, bias })
+        Ok(Linear { weight_t, bias, fp8 })
     }
 
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = matmul(x, &self.weight_t)?;
+        let y = if self.fp8 {
+            let y = matmul(&super::fp8::quantise_activations(x)?, &self.weight_t)?;
+            if y.dtype() == x.dtype() {
+                y
+            } else {
+                y.to_dtype(x.dtype())?
+            }
+        } else {
+            matmul(x, &self.weight_t)?
+        };
         match &self.bias {
             Some(b) => crate::engine::large::map_rows(&y, |y| y.broadcast_add(b)),
             None => Ok(y),
@@ -73,7 +106,7 @@ pub enum Projections {
 
 impl Projections {
     pub fn new(parts: Vec<Linear>, fuse: bool) -> Result<Self, EngineError> {
-        if !fuse || parts.len() < 2 {
+        if !fuse || parts.len() < 2 || !Linear::fusable(&parts) {
             return Ok(Projections::Separate(parts));
         }
         let widths = parts.iter().map(Linear::out_dim).collect::<candle_core::Result<Vec<_>>>()?;

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod cpu_attention;
 pub mod cpu_ops;
 pub mod delta_rule;
+pub mod fp8;
 pub mod gdn;
 pub mod linear;
 pub mod mlp;

@@ -7,31 +7,12 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{edited_fixture, fixtures, OwnedTensor};
-use layertap::engine::loader::ModelFiles;
-use layertap::engine::{DType, Device};
+use common::{refusal, with_config, with_tensors, OwnedTensor};
 use safetensors::tensor::Dtype;
 use serde_json::{json, Value};
 
 const DENSE: &str = "tiny/qwen3_qknorm";
 const HYBRID: &str = "tiny/qwen3_5_hybrid";
-
-/// The error of locating, then loading `dir` on the CPU, or None when both succeed.
-fn refusal(dir: &std::path::Path) -> Option<String> {
-    let files = match ModelFiles::locate(&dir.to_string_lossy()) {
-        Ok(f) => f,
-        Err(e) => return Some(e.to_string()),
-    };
-    files.load(&Device::Cpu, DType::F32).err().map(|e| e.to_string())
-}
-
-fn with_config(model: &str, edit: impl Fn(&mut Value)) -> tempfile::TempDir {
-    edited_fixture(&fixtures().join(model), |_| {}, edit)
-}
-
-fn with_tensors(model: &str, edit: impl Fn(&mut Vec<OwnedTensor>)) -> tempfile::TempDir {
-    edited_fixture(&fixtures().join(model), edit, |_| {})
-}
 
 /// Gives tensor `name` another dtype, with bytes of the right size for its shape.
 fn retype(ts: &mut [OwnedTensor], name: &str, dtype: Dtype) {

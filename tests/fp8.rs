@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{edited_fixture, fixtures, read_safetensors, rel_err, OwnedTensor};
+use common::{edited_fixture, fixtures, read_safetensors, refusal, rel_err, with_config, with_tensors};
 use layertap::engine::layers::fp8::quantise_row;
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Device, Engine, ModelEngine, OutDType};
@@ -132,23 +132,6 @@ fn the_activation_quantiser_gives_torchs_bits_on_ties_subnormals_zeros_and_the_c
     // The cases are not trivial: ties went both ways and values were rounded away.
     let changed = got.iter().zip(&input.f32).filter(|(g, x)| g != x).count();
     assert!(changed > got.len() / 2, "only {changed} of {} values changed", got.len());
-}
-
-/// The error of locating, then loading `dir` on the CPU, or None when both succeed.
-fn refusal(dir: &Path) -> Option<String> {
-    let files = match ModelFiles::locate(&dir.to_string_lossy()) {
-        Ok(f) => f,
-        Err(e) => return Some(e.to_string()),
-    };
-    files.load(&Device::Cpu, DType::F32).err().map(|e| e.to_string())
-}
-
-fn with_config(model: &str, edit: impl Fn(&mut Value)) -> tempfile::TempDir {
-    edited_fixture(&fixtures().join(model), |_| {}, edit)
-}
-
-fn with_tensors(model: &str, edit: impl Fn(&mut Vec<OwnedTensor>)) -> tempfile::TempDir {
-    edited_fixture(&fixtures().join(model), edit, |_| {})
 }
 
 #[test]

@@ -472,3 +472,22 @@ pub fn edited_fixture(
     safetensors::tensor::serialize_to_file(views, None, &out.path().join("model.safetensors")).unwrap();
     out
 }
+
+/// The error of locating, then loading `dir` on the CPU, or None when both succeed.
+pub fn refusal(dir: &Path) -> Option<String> {
+    let files = match layertap::engine::loader::ModelFiles::locate(&dir.to_string_lossy()) {
+        Ok(f) => f,
+        Err(e) => return Some(e.to_string()),
+    };
+    files.load(&layertap::engine::Device::Cpu, layertap::engine::DType::F32).err().map(|e| e.to_string())
+}
+
+/// A copy of the fixture `model` (a path under tests/fixtures) with its config.json edited.
+pub fn with_config(model: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    edited_fixture(&fixtures().join(model), |_| {}, edit)
+}
+
+/// A copy of the fixture `model` with its tensors edited.
+pub fn with_tensors(model: &str, edit: impl Fn(&mut Vec<OwnedTensor>)) -> tempfile::TempDir {
+    edited_fixture(&fixtures().join(model), edit, |_| {})
+}

@@ -151,8 +151,9 @@ class BulkFolder:
     def path(self, i: int) -> Path:
         return self.root / self.entries[i]["file"]
 
-    def load(self, i: int, as_torch: bool = False) -> Dict[str, Any]:
-        """Sample ``i``: a dict of arrays (torch tensors with ``as_torch``) and its ``id``."""
+    def read(self, i: int) -> bytes:
+        """Sample ``i``'s file as stored, checked against the manifest's whole-file xxh64 when
+        ``verify`` is on (its tensors' checksums are checked when it is decoded)."""
         entry = self.entries[i]
         path = self.root / entry["file"]
         data = path.read_bytes()
@@ -160,6 +161,13 @@ class BulkFolder:
             got = xxhash.xxh64(data).hexdigest()
             if got != entry["xxh64"]:
                 raise ChecksumMismatch(f"{path}: the file hashes to {got}, the manifest recorded {entry['xxh64']}")
+        return data
+
+    def load(self, i: int, as_torch: bool = False) -> Dict[str, Any]:
+        """Sample ``i``: a dict of arrays (torch tensors with ``as_torch``) and its ``id``."""
+        entry = self.entries[i]
+        path = self.root / entry["file"]
+        data = self.read(i)
         t, metadata, _ = decode(
             data,
             as_torch=as_torch,

@@ -245,9 +245,6 @@ impl ModelFiles {
             Files::Gguf { file, config } => TensorSource::Gguf(GgufTensors::new(file.clone(), config)),
         };
         let quantization = self.config().quantization.clone();
-        if quantization.is_some() && !device.is_cpu() {
-            return Err(err(super::weights::FP8_ON_GPU));
-        }
         let weights = Weights::new(source, device.clone(), dtype).with_quantization(quantization);
         weights.check_before_load(self.config().num_hidden_layers)?;
         Ok(weights)
@@ -277,8 +274,12 @@ impl ModelFiles {
         bar.finish_and_clear();
         let decoder = decoder?;
         weights.check_unread(config.num_hidden_layers)?;
-        let info =
+        let mut info =
             ModelInfo::new(&self.id, &config, ComputeDType::from_candle(dtype)).with_head(decoder.head().is_some());
+        if let Some(paths) = weights.fp8_summary() {
+            tracing::info!(model = %self.id, device = ?device, "FP8 projections: {paths}");
+            info.quantization = info.quantization.map(|q| format!("{q}; projections: {paths}"));
+        }
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }
 

@@ -26,6 +26,8 @@ pub struct Weights {
     read: Mutex<HashSet<String>>,
     /// The scheme config.json declares: which quantised tensors may be read, and how.
     quantization: Option<Quantization>,
+    /// How many FP8 projections were loaded for each way of multiplying them.
+    fp8_paths: Mutex<std::collections::BTreeMap<String, usize>>,
 }
 
 /// The dtypes the loader reads a parameter from: floating-point weights, cast to the compute
@@ -39,9 +41,20 @@ enum Fp8Part {
     Scale,
 }
 
-/// Why an FP8 checkpoint does not load on a GPU.
-pub const FP8_ON_GPU: &str = "FP8 checkpoints run on the CPU in this version; the GPU path is not built yet \
-     (serve it on the CPU, or use the model's bf16 release on the GPU)";
+/// An FP8 projection as the checkpoint stores it: e4m3 bytes `[n, k]` and the block scales
+/// `[ceil(n/128), ceil(k/128)]` row-major, in f32.
+pub struct Fp8Host {
+    bytes: Vec<u8>,
+    pub scale: Vec<f32>,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Fp8Host {
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
 
 /// Checkpoint parts outside the text decoder that are never read and may hold anything (a
 /// vision tower, a multi-token-prediction head, the output head).
@@ -79,7 +92,15 @@ impl Weights {
                 .unwrap_or(""),
             TensorSource::Gguf(_) => "",
         };
-        Weights { source, prefix: prefix.into(), device, dtype, read: Mutex::default(), quantization: None }
+        Weights {
+            source,
+            prefix: prefix.into(),
+            device,
+            dtype,
+            read: Mutex::default(),
+            quantization: None,
+            fp8_paths: Mutex::default(),
+        }
     }
 
     /// The quantisation scheme the checkpoint's config declares.
@@ -352,9 +373,9 @@ impl Weights {
     }
 
     /// For the FP8 projection `name` (an `F8_E4M3` `[N, K]` weight with its `weight_scale_inv`
-    /// `[ceil(N/128), ceil(K/128)]`): the `[K, N]` f32 transpose of the dequantised weight
-    /// (`w_q * scale_inv` per 128 x 128 block), on the CPU. `None` where `name` is stored as floats.
-    pub fn get_fp8_transposed(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, EngineError> {
+    /// `[ceil(N/128), ceil(K/128)]`): its bytes and its scales in f32, checked. `None` where
+    /// `name` is stored as floats.
+    pub fn get_fp8(&self, name: &str, shape: &[usize]) -> Result<Option<Fp8Host>, EngineError> {
         let (Some(_), TensorSource::Safetensors { tensors, .. }) = (&self.quantization, &self.source) else {
             return Ok(None);
         };
@@ -368,9 +389,6 @@ impl Weights {
         };
         if view.shape() != shape {
             return Err(self.shape_mismatch(&full, view.shape(), shape));
-        }
-        if !self.device.is_cpu() {
-            return Err(EngineError::Load(FP8_ON_GPU.into()));
         }
         if !k.is_multiple_of(FP8_BLOCK) {
             return Err(EngineError::Load(format!(
@@ -393,10 +411,30 @@ impl Weights {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let t = crate::engine::layers::fp8::dequantised_transposed(view.data(), &scale, n, k);
         self.mark_read(&full);
         self.mark_read(&scale_name);
-        Ok(Some(Tensor::from_vec(t, (k, n), &Device::Cpu)?))
+        Ok(Some(Fp8Host { bytes: view.data().to_vec(), scale, n, k }))
+    }
+
+    /// Records that one FP8 projection was loaded to be multiplied by `path`.
+    pub fn count_fp8(&self, path: String) {
+        if let Ok(mut p) = self.fp8_paths.lock() {
+            *p.entry(path).or_default() += 1;
+        }
+    }
+
+    /// How the FP8 projections loaded so far are multiplied ("196 on the FP8 tensor cores
+    /// (...)"), or None where there are none.
+    pub fn fp8_summary(&self) -> Option<String> {
+        let p = self.fp8_paths.lock().ok()?;
+        (!p.is_empty()).then(|| p.iter().map(|(path, n)| format!("{n} {path}")).collect::<Vec<_>>().join(", "))
+    }
+
+    /// Whether `name` is an FP8 projection's weight (`F8_E4M3` under an FP8 scheme).
+    pub fn is_fp8(&self, name: &str) -> bool {
+        let TensorSource::Safetensors { tensors, .. } = &self.source else { return false };
+        self.quantization.is_some()
+            && tensors.get(&self.full_name(name)).is_ok_and(|v| DType::try_from(v.dtype()).ok() == Some(DType::F8E4M3))
     }
 
     /// Once the decoder is loaded: the checkpoint's tensors that nothing read are listed (debug),

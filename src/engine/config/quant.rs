@@ -16,7 +16,7 @@ pub const FP8_BLOCK: usize = 128;
 /// refusal of every other scheme names it (GGUF files carry their own quantised types, which the
 /// GGUF loader dequantises).
 pub const SUPPORTED_QUANTIZATION: &str = "quant_method \"fp8\" with fmt \"e4m3\", activation_scheme \"dynamic\" and \
-     weight_block_size [128, 128] (Qwen's block-wise FP8 releases; on the CPU only for now)";
+     weight_block_size [128, 128] (Qwen's block-wise FP8 releases)";
 
 /// A quantisation scheme the engine implements.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

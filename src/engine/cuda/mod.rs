@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod device;
+pub mod fp8;
 pub mod gdn;
 pub mod logprobs;
 pub mod module;

@@ -6,13 +6,27 @@ use candle_core::{DType, Tensor};
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
+/// How an FP8 projection multiplied by the FP8 tensor cores is described (`/v1/info`, the log).
+pub const FP8_TENSOR_CORES: &str = "on the FP8 tensor cores (e4m3 weights, cuBLASLt block-scaled GEMMs)";
+
 pub struct Linear {
-    pub(crate) weight_t: Tensor,
+    kind: Kind,
     bias: Option<Tensor>,
-    /// An FP8 projection (W8A8 dynamic): `weight_t` is its dequantised weight in f32, and each
-    /// input row is quantised to e4m3 per group of 128 and dequantised before the product
-    /// ([`super::fp8`]).
-    fp8: bool,
+}
+
+/// How a projection's weight is held and multiplied.
+#[derive(Clone)]
+enum Kind {
+    /// A float weight, transposed once (`[in, out]`), so every forward is a plain matmul.
+    Float(Tensor),
+    /// An FP8 projection (W8A8 dynamic) held dequantised (`[in, out]`: f32 on the CPU, the
+    /// compute dtype on a GPU without FP8 GEMMs); each input row is quantised to e4m3 per group
+    /// of 128 and dequantised before the product ([`super::fp8`]).
+    Fp8Dequantised(Tensor),
+    /// An FP8 projection kept in e4m3 on the GPU and multiplied by the FP8 tensor cores
+    /// (`cuda::fp8`).
+    #[cfg(feature = "cuda")]
+    Fp8(crate::engine::cuda::fp8::Fp8Weight),
 }
 
 impl Linear {
@@ -21,13 +35,35 @@ impl Linear {
     pub fn load(w: &Weights, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self, EngineError> {
         let (weight, shape) = (format!("{name}.weight"), [out, inp]);
         let bias = w.get_opt(&format!("{name}.bias"), &[out], bias)?;
-        if let Some(weight_t) = w.get_fp8_transposed(&weight, &shape)? {
-            return Ok(Linear { weight_t, bias, fp8: true });
+        if let Some(fp8) = w.get_fp8(&weight, &shape)? {
+            return Ok(Linear { kind: Self::fp8_kind(w, fp8)?, bias });
         }
         match w.get_transposed_f32(&weight, &shape)? {
-            Some(weight_t) => Ok(Linear { weight_t, bias, fp8: false }),
+            Some(weight_t) => Ok(Linear { kind: Kind::Float(weight_t), bias }),
             None => Ok(Self::from_weight(w.get(&weight, &shape)?, bias)?),
         }
+    }
+
+    /// Where an FP8 weight goes: dequantised to f32 on the CPU; on a GPU, kept in e4m3 where
+    /// block-scaled FP8 GEMMs run for the compute dtype, else dequantised to it.
+    fn fp8_kind(w: &Weights, fp8: crate::engine::weights::Fp8Host) -> Result<Kind, EngineError> {
+        #[cfg(feature = "cuda")]
+        if w.device.is_cuda() {
+            use crate::engine::cuda::fp8 as cuda_fp8;
+            let weight = cuda_fp8::Fp8Weight::upload(&w.device, fp8.bytes(), &fp8.scale, fp8.n, fp8.k)?;
+            if cuda_fp8::block_scaled(&w.device, w.dtype) {
+                w.count_fp8(FP8_TENSOR_CORES.into());
+                return Ok(Kind::Fp8(weight));
+            }
+            w.count_fp8(format!(
+                "dequantised to {} at load (this GPU runs no block-scaled FP8 GEMM for it)",
+                w.dtype.as_str()
+            ));
+            return Ok(Kind::Fp8Dequantised(weight.dequantise(w.dtype)?.t()?.contiguous()?));
+        }
+        w.count_fp8("dequantised to f32 at load (CPU)".into());
+        let t = super::fp8::dequantised_transposed(fp8.bytes(), &fp8.scale, fp8.n, fp8.k);
+        Ok(Kind::Fp8Dequantised(Tensor::from_vec(t, (fp8.k, fp8.n), &candle_core::Device::Cpu)?.to_device(&w.device)?))
     }
 
     /// From an `[out, in]` weight, stored transposed once so every forward is a plain
@@ -37,59 +73,128 @@ impl Linear {
             Some(t) => t,
             None => weight.t()?.contiguous()?,
         };
-        Ok(Linear { weight_t, bias, fp8: false })
+        Ok(Linear { kind: Kind::Float(weight_t), bias })
     }
 
-    /// Whether `parts` can be computed as one matmul: all FP8 or all float.
-    pub fn fusable(parts: &[Linear]) -> bool {
-        parts.windows(2).all(|w| w[0].fp8 == w[1].fp8)
+    /// Whether `parts` can be computed as one matmul: all float, all FP8 held alike, and FP8
+    /// weights in e4m3 joined only on 128-row block boundaries.
+    pub fn fusable(parts: &[&Linear]) -> bool {
+        let same = parts.windows(2).all(|w| std::mem::discriminant(&w[0].kind) == std::mem::discriminant(&w[1].kind));
+        #[cfg(feature = "cuda")]
+        let blocks = parts.iter().rev().skip(1).all(|p| match &p.kind {
+            Kind::Fp8(w) => w.out_dim().is_multiple_of(super::fp8::FP8_BLOCK),
+            _ => true,
+        });
+        #[cfg(not(feature = "cuda"))]
+        let blocks = true;
+        same && blocks
     }
 
     /// Whether this is an FP8 projection (its input quantised before the product).
     pub fn is_fp8(&self) -> bool {
-        self.fp8
+        !matches!(self.kind, Kind::Float(_))
+    }
+
+    /// Which GEMM an FP8 projection runs: "fp8" (the FP8 tensor cores), "dequantised", or
+    /// `None` for a float projection.
+    pub fn fp8_path(&self) -> Option<&'static str> {
+        match self.kind {
+            Kind::Float(_) => None,
+            Kind::Fp8Dequantised(_) => Some("dequantised"),
+            #[cfg(feature = "cuda")]
+            Kind::Fp8(_) => Some("fp8"),
+        }
     }
 
     /// Output features.
     pub fn out_dim(&self) -> candle_core::Result<usize> {
-        self.weight_t.dim(1)
+        match &self.kind {
+            Kind::Float(t) | Kind::Fp8Dequantised(t) => t.dim(1),
+            #[cfg(feature = "cuda")]
+            Kind::Fp8(w) => Ok(w.out_dim()),
+        }
     }
 
     /// One projection computing all of `parts` side by side (their outputs concatenated), so a
     /// single larger matmul replaces several.
     pub fn fuse(parts: Vec<Linear>) -> Result<Self, EngineError> {
-        if !Self::fusable(&parts) {
-            return Err(EngineError::Load("cannot fuse FP8 and float projections into one".into()));
+        if parts.is_empty() || !Self::fusable(&parts.iter().collect::<Vec<_>>()) {
+            return Err(EngineError::Load("cannot fuse these projections into one".into()));
         }
-        let fp8 = parts.first().is_some_and(|p| p.fp8);
-        let weights: Vec<&Tensor> = parts.iter().map(|p| &p.weight_t).collect();
-        let weight_t = Tensor::cat(&weights, 1)?;
-        let bias = if parts.iter().any(|p| p.bias.is_some()) {
+        let kind = match &parts[0].kind {
+            Kind::Float(_) | Kind::Fp8Dequantised(_) => {
+                let weights = parts
+                    .iter()
+                    .map(|p| match &p.kind {
+                        Kind::Float(t) | Kind::Fp8Dequantised(t) => Ok(t),
+                        #[cfg(feature = "cuda")]
+                        Kind::Fp8(_) => Err(EngineError::Load("cannot fuse FP8 and float projections".into())),
+                    })
+                    .collect::<Result<Vec<_>, EngineError>>()?;
+                let t = Tensor::cat(&weights, 1)?;
+                match parts[0].kind {
+                    Kind::Float(_) => Kind::Float(t),
+                    _ => Kind::Fp8Dequantised(t),
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Fp8(_) => {
+                let weights = parts
+                    .iter()
+                    .map(|p| match &p.kind {
+                        Kind::Fp8(w) => Ok(w),
+                        _ => Err(EngineError::Load("cannot fuse FP8 and float projections".into())),
+                    })
+                    .collect::<Result<Vec<_>, EngineError>>()?;
+                Kind::Fp8(crate::engine::cuda::fp8::Fp8Weight::cat(&weights)?)
+            }
+        };
+        let bias = if let Some(dt) = parts.iter().find_map(|p| p.bias.as_ref().map(Tensor::dtype)) {
             let b = parts
                 .iter()
                 .map(|p| match &p.bias {
                     Some(b) => Ok(b.clone()),
-                    None => Tensor::zeros(p.weight_t.dim(1)?, p.weight_t.dtype(), p.weight_t.device()),
+                    None => Tensor::zeros(p.out_dim()?, dt, p.device()),
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Some(Tensor::cat(&b, 0)?)
         } else {
             None
         };
-        Ok(Linear { weight_t, bias, fp8 })
+        Ok(Linear { kind, bias })
+    }
+
+    fn device(&self) -> &candle_core::Device {
+        match &self.kind {
+            Kind::Float(t) | Kind::Fp8Dequantised(t) => t.device(),
+            #[cfg(feature = "cuda")]
+            Kind::Fp8(w) => w.q.device(),
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = if self.fp8 {
-            let y = matmul(&super::fp8::quantise_activations(x)?, &self.weight_t)?;
-            if y.dtype() == x.dtype() {
-                y
-            } else {
-                y.to_dtype(x.dtype())?
+        let y = match &self.kind {
+            Kind::Float(w) => matmul(x, w)?,
+            Kind::Fp8Dequantised(w) => {
+                #[cfg(feature = "cuda")]
+                if x.device().is_cuda() {
+                    let y = matmul(&crate::engine::cuda::fp8::qdq(&x.to_dtype(w.dtype())?)?, w)?;
+                    return self.add_bias(y.to_dtype(x.dtype())?);
+                }
+                let y = matmul(&super::fp8::quantise_activations(x)?, w)?;
+                if y.dtype() == x.dtype() {
+                    y
+                } else {
+                    y.to_dtype(x.dtype())?
+                }
             }
-        } else {
-            matmul(x, &self.weight_t)?
+            #[cfg(feature = "cuda")]
+            Kind::Fp8(w) => crate::engine::cuda::fp8::matmul(x, w)?,
         };
+        self.add_bias(y)
+    }
+
+    fn add_bias(&self, y: Tensor) -> candle_core::Result<Tensor> {
         match &self.bias {
             Some(b) => crate::engine::large::map_rows(&y, |y| y.broadcast_add(b)),
             None => Ok(y),
@@ -106,7 +211,7 @@ pub enum Projections {
 
 impl Projections {
     pub fn new(parts: Vec<Linear>, fuse: bool) -> Result<Self, EngineError> {
-        if !fuse || parts.len() < 2 || !Linear::fusable(&parts) {
+        if !fuse || parts.len() < 2 || !Linear::fusable(&parts.iter().collect::<Vec<_>>()) {
             return Ok(Projections::Separate(parts));
         }
         let widths = parts.iter().map(Linear::out_dim).collect::<candle_core::Result<Vec<_>>>()?;

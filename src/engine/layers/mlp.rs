@@ -33,7 +33,7 @@ impl GatedMlp {
 
     pub fn new(gate: Linear, up: Linear, down: Linear, fuse: bool) -> Result<Self, EngineError> {
         #[cfg(feature = "cuda")]
-        let gate_up = if fuse && gate.out_dim()? % 8 == 0 && gate.is_fp8() == up.is_fp8() {
+        let gate_up = if fuse && gate.out_dim()? % 8 == 0 && Linear::fusable(&[&gate, &up]) {
             GateUp::Fused(Linear::fuse(vec![gate, up])?)
         } else {
             GateUp::Separate { gate, up }

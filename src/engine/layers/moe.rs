@@ -44,8 +44,10 @@ fn load_experts(
 ) -> Result<Experts, EngineError> {
     #[cfg(not(feature = "cuda"))]
     let _ = o;
+    // FP8 experts run one FP8 projection chain per expert (the grouped kernel is 16-bit only).
     #[cfg(feature = "cuda")]
     if o.cuda_moe
+        && !w.is_fp8(&format!("{prefix}.experts.0.gate_proj.weight"))
         && crate::engine::cuda::moe::supported(
             &w.device,
             w.dtype,

@@ -1,0 +1,248 @@
+//! Block-wise FP8 on the GPU (`engine::cuda::fp8`, `kernels/fp8.cu`) against the CPU path:
+//! the input quantiser gives the CPU's bytes and scales, the block-scaled GEMM gives the W8A8
+//! product the CPU computes (within the f32 sums' rounding), a row's result does not depend on
+//! its batch mates, and the FP8 fixtures served on the GPU match transformers at every index.
+//! Built with `--features cuda`; skipped when no device is visible. Run on a GPU machine with
+//! `cargo test --release --features cuda --test cuda_fp8`.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{fixtures, read_safetensors, rel_err};
+use layertap::engine::cuda::fp8::{self, Fp8Weight};
+use layertap::engine::layers::fp8::{dequantised_transposed, quantise_row};
+use layertap::engine::loader::ModelFiles;
+use layertap::engine::{Batch, DType, Device, Engine, OutDType};
+
+/// A reproducible stream of uniform numbers in [0, 1).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32) / (1u64 << 24) as f32
+    }
+}
+
+/// `m x k` inputs: normal-ish values with a few outliers, some rows all zero, some groups tiny.
+fn inputs(m: usize, k: usize, seed: u64) -> Vec<f32> {
+    let mut r = Lcg(seed);
+    (0..m * k)
+        .map(|i| {
+            let (row, col) = (i / k, i % k);
+            let v = (r.next() - 0.5) * 4.0;
+            match (row % 7, col % 97) {
+                (3, _) => 0.0,
+                (5, _) if col < 128 => v * 1e-6,
+                (_, 0) => v * 300.0,
+                _ => v,
+            }
+        })
+        .collect()
+}
+
+/// A random FP8 weight `[n, k]`: finite e4m3 bytes of both signs, scales in [1e-3, 1e-2].
+fn weight(n: usize, k: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+    let mut r = Lcg(seed);
+    let bytes =
+        (0..n * k).map(|_| ((r.next() * 127.0) as u8).min(0x7e) | if r.next() < 0.5 { 0x80 } else { 0 }).collect();
+    let scales = (0..n.div_ceil(128) * k.div_ceil(128)).map(|_| 1e-3 + r.next() * 9e-3).collect();
+    (bytes, scales)
+}
+
+/// The CPU path's W8A8 product `[m, n]` in f64 sums: inputs quantised per 128 and dequantised,
+/// times the dequantised weight.
+fn cpu_product(x: &[f32], m: usize, k: usize, bytes: &[u8], scales: &[f32], n: usize) -> Vec<f32> {
+    let mut xq = x.to_vec();
+    xq.chunks_mut(k).for_each(quantise_row);
+    let wt = dequantised_transposed(bytes, scales, n, k); // [k, n]
+    let mut out = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let s: f64 = (0..k).map(|c| f64::from(xq[i * k + c]) * f64::from(wt[c * n + j])).sum();
+            out[i * n + j] = s as f32;
+        }
+    }
+    out
+}
+
+fn gpu() -> Option<Device> {
+    common::cuda_device()
+}
+
+#[test]
+fn the_gpu_quantiser_gives_the_cpu_bytes_and_scales() {
+    let Some(dev) = gpu() else { return };
+    let cases = read_safetensors(&fixtures().join("fp8/activation_quant.safetensors"));
+    let torch_cases = &cases["input"];
+    let mut sets: Vec<(Vec<f32>, usize, usize)> =
+        vec![(torch_cases.f32.clone(), torch_cases.shape[0], torch_cases.shape[1])];
+    for (m, k) in [(1, 128), (5, 384), (37, 1024)] {
+        sets.push((inputs(m, k, (m * k) as u64), m, k));
+    }
+    for (x, m, k) in sets {
+        for dtype in [DType::F32, DType::BF16] {
+            let xt = candle_core::Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            // What the CPU quantises: the input as the GPU holds it, in f32.
+            let mut want = xt.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            want.chunks_mut(k).for_each(quantise_row);
+            let (bytes, scales, m_pad) = fp8::quantise_to_host(&xt.to_device(&dev).unwrap()).unwrap();
+            assert_eq!(m_pad, m.next_multiple_of(4));
+            for r in 0..m_pad {
+                for c in 0..k {
+                    let b = bytes[r * k + c];
+                    if r >= m {
+                        assert_eq!(b, 0, "padding row {r}");
+                        continue;
+                    }
+                    let got = float8::F8E4M3::from_bits(b).to_f32() * scales[(c / 128) * m_pad + r];
+                    let w = want[r * k + c];
+                    assert_eq!(got.to_bits(), w.to_bits(), "{dtype:?} [{m}, {k}] ({r}, {c}): {got} vs the CPU's {w}");
+                }
+            }
+            // The quantise-dequantise kernel gives the same values, in the input's dtype.
+            let qdq = fp8::qdq(&xt.to_device(&dev).unwrap()).unwrap();
+            let qdq = qdq.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let rounded = candle_core::Tensor::from_vec(want.clone(), (m, k), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            for (i, (g, w)) in qdq.iter().zip(&rounded).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "qdq {dtype:?} element {i}: {g} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn block_scaled_gemms_run_on_hopper_and_give_the_w8a8_product() {
+    let Some(dev) = gpu() else { return };
+    let cc = fp8::compute_capability(&dev).unwrap();
+    let fast_bf16 = fp8::block_scaled(&dev, DType::BF16);
+    let fast_f32 = fp8::block_scaled(&dev, DType::F32);
+    println!("compute capability {cc:?}: block-scaled FP8 GEMMs with bf16 output {fast_bf16}, f32 output {fast_f32}");
+    if cc == (9, 0) {
+        assert!(fast_bf16, "sm_90 runs block-scaled FP8 GEMMs (cuBLASLt 12.9+)");
+    }
+    if !fast_bf16 {
+        return;
+    }
+    // N not a multiple of 128 (a partial block), K whose block count is not a multiple of 4 (the
+    // padded scale rows), M of every residue mod 4 and past one tile.
+    for (n, k) in [(256, 128), (200, 640), (384, 1024)] {
+        let (bytes, scales) = weight(n, k, (n + k) as u64);
+        let w = Fp8Weight::upload(&dev, &bytes, &scales, n, k).unwrap();
+        let big = 1000;
+        let x = inputs(big, k, 7);
+        let want = cpu_product(&x, big, k, &bytes, &scales, n);
+        for dtype in [DType::F32, DType::BF16] {
+            if dtype == DType::F32 && !fast_f32 {
+                continue;
+            }
+            let run = |m: usize, from: usize| -> Vec<f32> {
+                let xt = candle_core::Tensor::from_vec(x[from * k..(from + m) * k].to_vec(), (m, k), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_device(&dev)
+                    .unwrap();
+                let y = fp8::matmul(&xt, &w).unwrap();
+                assert_eq!(y.dims(), [m, n]);
+                y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            // A bf16 input is quantised from its bf16 value; compare with the CPU on that input.
+            let want = if dtype == DType::F32 {
+                want.clone()
+            } else {
+                let xb = candle_core::Tensor::from_vec(x.clone(), (big, k), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                cpu_product(&xb, big, k, &bytes, &scales, n)
+            };
+            let all = run(big, 0);
+            let e = rel_err(&all, &want);
+            // The FP8 tensor cores sum each block of 128 products in an accumulator narrower than
+            // f32 before the scales are applied and the blocks summed in f32: 2.1e-4 measured on
+            // the H200 (f32 output); bf16 output adds its rounding.
+            let allowed = if dtype == DType::F32 { 1e-3 } else { 4e-3 };
+            println!("[{big}, {k}] x [{n}, {k}]^T {dtype:?}: relative error {e:.3e} against the CPU's W8A8 product");
+            assert!(e <= allowed, "{dtype:?} n={n} k={k}: {e:.3e} > {allowed:.1e}");
+            // A row's result alone, or in a small batch, against the same row in the large one.
+            let mut worst = 0f64;
+            let mut bitwise = true;
+            for (m, from) in [(1, 0), (1, 999), (3, 10), (4, 20), (5, 30), (130, 500)] {
+                let part = run(m, from);
+                let same = &all[from * n..(from + m) * n];
+                worst = worst.max(rel_err(&part, same));
+                bitwise &= part.iter().zip(same).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(rel_err(&part, &want[from * n..(from + m) * n]) <= allowed, "m={m} from {from}");
+            }
+            println!("  rows alone against the same rows among 1000: relative {worst:.3e}, bitwise equal: {bitwise}");
+        }
+    }
+}
+
+#[test]
+fn fp8_fixtures_on_the_gpu_match_transformers_at_every_index() {
+    let Some(dev) = gpu() else { return };
+    let mut dirs: Vec<std::path::PathBuf> = std::fs::read_dir(fixtures().join("fp8"))
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.safetensors").is_file())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 5, "{dirs:?}");
+    let fast = fp8::block_scaled(&dev, DType::BF16);
+    for dir in dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+        let reference = read_safetensors(&dir.join("reference.safetensors"));
+        for dtype in [DType::F32, DType::BF16] {
+            let mut m = files.load(&dev, dtype).unwrap();
+            let described = m.info.quantization.clone().unwrap_or_default();
+            println!("{name} {dtype:?}: {described}");
+            if dtype == DType::BF16 && fast {
+                assert!(described.contains("FP8 tensor cores"), "{described}");
+            }
+            let n = m.info.num_layers;
+            let all: Vec<usize> = (0..=n + 1).collect();
+            let mut worst = vec![0f64; n + 2];
+            for i in 0.. {
+                let Some(ids) = reference.get(&format!("seq{i}.input_ids")) else { break };
+                let hs = &reference[&format!("seq{i}.hidden_states")];
+                let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
+                let (t, h) = (hs.shape[1], hs.shape[2]);
+                let seq: Vec<u32> = ids.i64.iter().map(|&x| x as u32).collect();
+                let taps = m.engine.forward(&Batch::new(seq.clone(), vec![0, t], all.clone())).unwrap();
+                let got = taps.gather(0, t, &all, OutDType::Float32).unwrap().to_f32();
+                for layer in 0..=n + 1 {
+                    let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
+                    let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
+                    worst[layer] = worst[layer].max(rel_err(&ours, want));
+                }
+            }
+            let per_index: Vec<String> = worst.iter().map(|e| format!("{e:.1e}")).collect();
+            println!("  worst relative error per index 0..={n}, final_prenorm: {}", per_index.join(" "));
+            // f32: the same quantisation as the reference, sums in another order (an input
+            // rounding to a neighbouring e4m3 value moves a layer by about 1e-3 at most);
+            // bf16: the compute dtype's own rounding.
+            let allowed = if dtype == DType::F32 { 2e-3 } else { 3e-2 };
+            for (layer, e) in worst.iter().enumerate() {
+                assert!(*e <= allowed, "{name} {dtype:?} index {layer}: {e:.3e} > {allowed:.1e}");
+            }
+        }
+    }
+}

@@ -25,8 +25,12 @@ pub fn fixture_models() -> Vec<PathBuf> {
 #[derive(Clone, Debug)]
 pub struct Read {
     pub shape: Vec<usize>,
+    /// F32, BF16, F16 and F8_E4M3 tensors, widened to f32.
     pub f32: Vec<f32>,
+    /// I64 and U8 tensors.
     pub i64: Vec<i64>,
+    /// F64 tensors.
+    pub f64: Vec<f64>,
 }
 
 pub fn read_safetensors_bytes(bytes: &[u8]) -> (HashMap<String, Read>, HashMap<String, String>) {
@@ -35,20 +39,18 @@ pub fn read_safetensors_bytes(bytes: &[u8]) -> (HashMap<String, Read>, HashMap<S
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {
         let d = view.data();
-        let (f, i) = match view.dtype() {
-            Dtype::F32 => (d.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(), vec![]),
-            Dtype::BF16 => {
-                (d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![])
-            }
-            Dtype::F16 => {
-                (d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(), vec![])
-            }
-            Dtype::F8_E4M3 => (d.iter().map(|&b| float8::F8E4M3::from_bits(b).to_f32()).collect(), vec![]),
-            Dtype::I64 => (vec![], d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
-            Dtype::U8 => (vec![], d.iter().map(|&b| i64::from(b)).collect()),
+        let (mut f32, mut i64, mut f64) = (vec![], vec![], vec![]);
+        match view.dtype() {
+            Dtype::F32 => f32 = d.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+            Dtype::BF16 => f32 = d.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => f32 = d.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F8_E4M3 => f32 = d.iter().map(|&b| float8::F8E4M3::from_bits(b).to_f32()).collect(),
+            Dtype::F64 => f64 = d.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
+            Dtype::I64 => i64 = d.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
+            Dtype::U8 => i64 = d.iter().map(|&b| i64::from(b)).collect(),
             other => panic!("unexpected dtype {other:?} for {name}"),
-        };
-        out.insert(name, Read { shape: view.shape().to_vec(), f32: f, i64: i });
+        }
+        out.insert(name, Read { shape: view.shape().to_vec(), f32, i64, f64 });
     }
     (out, meta.metadata().clone().unwrap_or_default())
 }

@@ -35,7 +35,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prepare import QWEN3_8B, make_model, make_workload  # noqa: E402
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# 27b: the hybrid's checkpoint and workload come from prepare_hybrid.py, run as a script.
+
+# The projections Qwen's FP8 releases quantise: attention and MLP, and the Gated DeltaNet's
+# in_proj_qkv, in_proj_z and out_proj (in_proj_a / in_proj_b stay bf16).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+               "in_proj_z", "out_proj")
+# The Qwen3.5/3.6-27B projection shapes (K, N) for the matmul rates.
+SHAPES_27B = {"in_proj_qkv": (5120, 10240), "in_proj_z": (5120, 6144), "out_proj": (6144, 5120),
+              "q_proj_gated": (5120, 12288), "gate_up": (5120, 34816), "down": (17408, 5120)}
 BLOCK = 128
 FP8_MAX = 448.0
 
@@ -105,12 +113,15 @@ def timed(fn, reps=20):
     return best
 
 
-def matmul_rates(shape, m=8192):
-    """bf16 and FP8 TFLOP/s on [m, K] x [K, N] for each projection shape of the model."""
+def dense_shapes(shape):
     h, i = shape["hidden_size"], shape["intermediate_size"]
     q = shape["num_attention_heads"] * shape["head_dim"]
     kv = shape["num_key_value_heads"] * shape["head_dim"]
-    shapes = {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+
+
+def matmul_rates(shapes, m=8192):
+    """bf16 and FP8 TFLOP/s on [m, K] x [K, N] for each projection shape (K, N) of the model."""
     out = {}
     for name, (k, n) in shapes.items():
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -132,11 +143,12 @@ def matmul_params(shape):
     return l * (h * (q + 2 * kv) + q * h + 3 * h * i)
 
 
-def engine(binary, model, workload, mbt, label):
+def engine(binary, model, workload, mbt, label, profile=False):
     cmd = [binary, "bench", "--workload", workload, "--model", model, "--device", "cuda:0", "--dtype", "bf16",
            "--max-batch-tokens", str(mbt)]
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, LAYERTAP_PROFILE="1") if profile else None
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{label}: {' '.join(cmd)} failed:\n{r.stderr[-4000:]}")
     line = json.loads([x for x in r.stdout.splitlines() if x.startswith("{")][-1])
@@ -155,21 +167,36 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-batch-tokens", type=int, default=32768)
     ap.add_argument("--prepare-only", action="store_true", help="make the checkpoints and the workload, then stop")
+    ap.add_argument("--shape", choices=["8b", "27b"], default="8b",
+                    help="8b: the Qwen3-8B shape; 27b: the Qwen3.5/3.6-27B hybrid width, --layers layers "
+                         "(bench/gpu/prepare_hybrid.py, taps spread as DFlash spreads them)")
+    ap.add_argument("--layers", type=int, default=16, help="27b: decoder layers")
+    ap.add_argument("--profile", action="store_true", help="one more run of each checkpoint with LAYERTAP_PROFILE=1")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
-    bf16_dir, fp8_dir = os.path.join(a.work, "qwen3-8b-bf16"), os.path.join(a.work, "qwen3-8b-fp8")
     t0 = time.time()
-    make_model(bf16_dir)
+    if a.shape == "8b":
+        bf16_dir, fp8_dir = os.path.join(a.work, "qwen3-8b-bf16"), os.path.join(a.work, "qwen3-8b-fp8")
+        make_model(bf16_dir)
+        w = make_workload(a.work, n=a.sequences)
+        workload = os.path.join(a.work, "workload_gpu.json")
+        params, shapes = matmul_params(QWEN3_8B), dense_shapes(QWEN3_8B)
+    else:
+        hyb = os.path.join(a.work, "hybrid")
+        r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_hybrid.py"),
+                            "--work", hyb, "--models", "27b", "--dense-layers", str(a.layers),
+                            "--sequences", str(a.sequences), "--bf16-init"], capture_output=True, text=True, check=True)
+        w = json.loads(r.stdout.strip().splitlines()[-1])
+        bf16_dir, fp8_dir = os.path.join(hyb, "27b"), os.path.join(hyb, "27b-fp8")
+        workload = os.path.join(hyb, "workload_27b.json")
+        params, shapes = w["27b"]["matmul_parameters"], SHAPES_27B
     quantise_checkpoint(bf16_dir, fp8_dir)
-    w = make_workload(a.work, n=a.sequences)
-    log(step="prepare", seconds=round(time.time() - t0, 1), workload=w, gpu=torch.cuda.get_device_name(0),
-        torch=torch.__version__, matmul_params=matmul_params(QWEN3_8B))
+    log(step="prepare", shape=a.shape, seconds=round(time.time() - t0, 1), workload=w,
+        gpu=torch.cuda.get_device_name(0), torch=torch.__version__, matmul_params=params)
     if a.prepare_only:
         return
-    rates = matmul_rates(QWEN3_8B)
+    rates = matmul_rates(shapes)
     log(step="matmul_rates", tokens=8192, shapes=rates)
-    workload = os.path.join(a.work, "workload_gpu.json")
-    params = matmul_params(QWEN3_8B)
     bf16_rate = sum(r["bf16_tflops"] for r in rates.values()) / len(rates)
     fp8_rate = sum(r["fp8_tflops"] for r in rates.values()) / len(rates)
     for rnd in range(a.rounds):
@@ -178,7 +205,11 @@ def main():
             tps = line["tokens_per_s"]
             line.update({"round": rnd, "mfu_vs_bf16_rate": round(2 * params * tps / 1e12 / bf16_rate, 3),
                          "mfu_vs_fp8_rate": round(2 * params * tps / 1e12 / fp8_rate, 3)})
-            log(step="engine", **line)
+            log(step="engine", shape=a.shape, **line)
+    if a.profile:
+        for label, model in (("bf16", bf16_dir), ("fp8", fp8_dir)):
+            line = engine(a.bin, model, workload, a.max_batch_tokens, label, profile=True)
+            log(step="engine-profile", shape=a.shape, **line)
 
 
 if __name__ == "__main__":

@@ -246,3 +246,41 @@ fn fp8_fixtures_on_the_gpu_match_transformers_at_every_index() {
         }
     }
 }
+
+/// `LAYERTAP_FP8_GEMM=0` (the path of GPUs without block-scaled FP8 GEMMs): the weights are
+/// dequantised at load and every input quantised and dequantised by the kernel before an
+/// ordinary matmul; the fixtures match transformers as closely as on the FP8 GEMMs.
+#[test]
+fn the_dequantised_path_matches_transformers_too() {
+    let Some(dev) = gpu() else { return };
+    let options = layertap::engine::EngineOptions { fp8_gemm: false, ..Default::default() };
+    for name in ["qwen3_bf16_scales", "qwen3_5_f32_scales", "qwen3_moe_bf16_scales"] {
+        let dir = fixtures().join("fp8").join(name);
+        let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+        let reference = read_safetensors(&dir.join("reference.safetensors"));
+        for dtype in [DType::F32, DType::BF16] {
+            let mut m = files.load_with(&dev, dtype, &options).unwrap();
+            let described = m.info.quantization.clone().unwrap_or_default();
+            assert!(described.contains("dequantised") && described.contains("LAYERTAP_FP8_GEMM=0"), "{described}");
+            let n = m.info.num_layers;
+            let all: Vec<usize> = (0..=n).collect();
+            let mut worst = 0f64;
+            for i in 0.. {
+                let Some(ids) = reference.get(&format!("seq{i}.input_ids")) else { break };
+                let hs = &reference[&format!("seq{i}.hidden_states")];
+                let (t, h) = (hs.shape[1], hs.shape[2]);
+                let seq: Vec<u32> = ids.i64.iter().map(|&x| x as u32).collect();
+                let got = m.engine.forward(&Batch::new(seq, vec![0, t], all.clone())).unwrap();
+                let got = got.gather(0, t, &all, OutDType::Float32).unwrap().to_f32();
+                for layer in 0..=n {
+                    let want = &hs.f32[layer * t * h..(layer + 1) * t * h];
+                    let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 1) + layer) * h..][..h].to_vec()).collect();
+                    worst = worst.max(rel_err(&ours, want));
+                }
+            }
+            println!("{name} {dtype:?} dequantised: worst relative error {worst:.3e}");
+            let allowed = if dtype == DType::F32 { 2e-3 } else { 3e-2 };
+            assert!(worst <= allowed, "{name} {dtype:?}: {worst:.3e} > {allowed:.1e}");
+        }
+    }
+}

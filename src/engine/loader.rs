@@ -264,7 +264,8 @@ impl ModelFiles {
         options: &EngineOptions,
     ) -> Result<LoadedModel, EngineError> {
         let config = self.config().clone();
-        let weights = self.weights(device, dtype)?;
+        let mut weights = self.weights(device, dtype)?;
+        weights.fp8_gemm = options.fp8_gemm;
         let bar = indicatif::ProgressBar::new(config.num_hidden_layers as u64).with_style(
             indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),

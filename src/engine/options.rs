@@ -14,6 +14,7 @@
 //! | `LAYERTAP_CUDA_GDN=0` | on | the portable Gated DeltaNet path on the GPU too |
 //! | `LAYERTAP_GDN_TF32=0` | on | the Gated DeltaNet kernels' chunk products in f32 for 16-bit models |
 //! | `LAYERTAP_CUDA_MOE=0` | on | one matmul chain per expert instead of the experts' kernels |
+//! | `LAYERTAP_FP8_GEMM=0` | on | FP8 projections dequantised at load instead of FP8 GEMMs (CUDA) |
 //! | `LAYERTAP_SPIN_WAIT=1` | off | threads waiting on the GPU spin instead of sleeping |
 //! | `LAYERTAP_POOL_RELEASE=1` | off | the device's memory pool hands freed memory back at every synchronisation |
 //!
@@ -106,6 +107,11 @@ pub struct EngineOptions {
     /// `LAYERTAP_CUDA_MOE=0` turns off: the experts' CUDA kernels for bf16/f16 mixture-of-experts
     /// layers (off: one matmul chain per expert, sorted on the host).
     pub cuda_moe: bool,
+    /// `LAYERTAP_FP8_GEMM=0` turns off: on a GPU that runs block-scaled FP8 GEMMs, an FP8
+    /// checkpoint's projections stay e4m3 and run on the FP8 tensor cores (off: dequantised at
+    /// load into the compute dtype, each input quantised and dequantised before the matmul, as on
+    /// GPUs without those GEMMs).
+    pub fp8_gemm: bool,
     /// `LAYERTAP_SPIN_WAIT=1`: host threads that wait on the GPU spin under the driver's default
     /// scheduling instead of sleeping (the device thread's waits and the result thread's).
     pub spin_wait: bool,
@@ -127,6 +133,7 @@ impl Default for EngineOptions {
             cuda_gdn: true,
             gdn_tf32: true,
             cuda_moe: true,
+            fp8_gemm: true,
             spin_wait: false,
             pool_release: false,
         }
@@ -152,6 +159,7 @@ impl EngineOptions {
             cuda_gdn: !is("LAYERTAP_CUDA_GDN", "0"),
             gdn_tf32: !is("LAYERTAP_GDN_TF32", "0"),
             cuda_moe: !is("LAYERTAP_CUDA_MOE", "0"),
+            fp8_gemm: !is("LAYERTAP_FP8_GEMM", "0"),
             spin_wait: is("LAYERTAP_SPIN_WAIT", "1"),
             pool_release: is("LAYERTAP_POOL_RELEASE", "1"),
         }
@@ -190,6 +198,7 @@ impl EngineOptions {
         flag("LAYERTAP_CUDA_GDN", self.cuda_gdn, d.cuda_gdn);
         flag("LAYERTAP_GDN_TF32", self.gdn_tf32, d.gdn_tf32);
         flag("LAYERTAP_CUDA_MOE", self.cuda_moe, d.cuda_moe);
+        flag("LAYERTAP_FP8_GEMM", self.fp8_gemm, d.fp8_gemm);
         flag("LAYERTAP_SPIN_WAIT", self.spin_wait, d.spin_wait);
         flag("LAYERTAP_POOL_RELEASE", self.pool_release, d.pool_release);
         if let Some(k) = self.attention_kernel {
@@ -222,6 +231,7 @@ mod tests {
             ("LAYERTAP_CUDA_GDN", "0"),
             ("LAYERTAP_GDN_TF32", "0"),
             ("LAYERTAP_CUDA_MOE", "0"),
+            ("LAYERTAP_FP8_GEMM", "0"),
             ("LAYERTAP_SPIN_WAIT", "1"),
             ("LAYERTAP_POOL_RELEASE", "1"),
             ("LAYERTAP_ATTENTION_KERNEL", "w8"),

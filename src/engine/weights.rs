@@ -26,6 +26,9 @@ pub struct Weights {
     read: Mutex<HashSet<String>>,
     /// The scheme config.json declares: which quantised tensors may be read, and how.
     quantization: Option<Quantization>,
+    /// Whether FP8 projections may run as FP8 GEMMs where the GPU runs them
+    /// (`EngineOptions::fp8_gemm`).
+    pub fp8_gemm: bool,
     /// How many FP8 projections were loaded for each way of multiplying them.
     fp8_paths: Mutex<std::collections::BTreeMap<String, usize>>,
 }
@@ -99,6 +102,7 @@ impl Weights {
             dtype,
             read: Mutex::default(),
             quantization: None,
+            fp8_gemm: true,
             fp8_paths: Mutex::default(),
         }
     }

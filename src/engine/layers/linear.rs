@@ -51,14 +51,17 @@ impl Linear {
         if w.device.is_cuda() {
             use crate::engine::cuda::fp8 as cuda_fp8;
             let weight = cuda_fp8::Fp8Weight::upload(&w.device, fp8.bytes(), &fp8.scale, fp8.n, fp8.k)?;
-            if cuda_fp8::block_scaled(&w.device, w.dtype) {
+            if !w.fp8_gemm {
+                w.count_fp8(format!("dequantised to {} at load (LAYERTAP_FP8_GEMM=0)", w.dtype.as_str()));
+            } else if cuda_fp8::block_scaled(&w.device, w.dtype) {
                 w.count_fp8(FP8_TENSOR_CORES.into());
                 return Ok(Kind::Fp8(weight));
+            } else {
+                w.count_fp8(format!(
+                    "dequantised to {} at load (this GPU runs no block-scaled FP8 GEMM for it)",
+                    w.dtype.as_str()
+                ));
             }
-            w.count_fp8(format!(
-                "dequantised to {} at load (this GPU runs no block-scaled FP8 GEMM for it)",
-                w.dtype.as_str()
-            ));
             return Ok(Kind::Fp8Dequantised(weight.dequantise(w.dtype)?.t()?.contiguous()?));
         }
         w.count_fp8("dequantised to f32 at load (CPU)".into());

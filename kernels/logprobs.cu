@@ -1,7 +1,8 @@
 // Next-token log-probabilities: the f32 log-softmax of each row of logits [rows, vocab] and its
 // top k entries (k <= 64), in one block per row.
 //
-// 1. Each thread runs an online max / sum-of-exponentials over its strided share of the row; the
+// 1. Each thread runs an online max / sum-of-exponentials over its strided share of the row (its
+//    loads batched LP_LSE_LOADS at a time, the values folded in one by one in id order); the
 //    block combines them into the row's log-sum-exp (lse).
 // 2. Radix select of the k'-th best value. Each value gets an order-preserving u32 key: the float's
 //    bits with the sign bit set for x >= 0 and all bits flipped for x < 0, so keys compare as the
@@ -42,6 +43,8 @@
 #define LP_MAX_K 64
 #define LP_THREADS 256
 #define LP_WARPS (LP_THREADS / 32)
+// Loads in flight per thread in the log-sum-exp pass.
+#define LP_LSE_LOADS 8
 // Histogram bins: 11 bits of the key per pass (the last pass 10).
 #define LP_BINS 2048
 
@@ -105,14 +108,26 @@ topk_logprobs_f32(const float* __restrict__ logits, size_t vocab, int k, const i
 
     // 1. log-sum-exp.
     float m = -INFINITY, s = 0.f;
-    for (size_t i = tid; i < vocab; i += LP_THREADS) {
-        const float v = x[i];
-        if (v == -INFINITY) continue;
-        if (v > m) {
-            s = s * expf(m - v) + 1.f;
-            m = v;
-        } else {
-            s += expf(v - m);
+    // LP_LSE_LOADS loads in flight per thread; the values are folded in one at a time, in the
+    // order of a plain strided loop and with the same operations (an id past the row reads as
+    // -inf, which is skipped), so the sums are those of one load at a time.
+    for (size_t i0 = tid; i0 < vocab; i0 += LP_LSE_LOADS * LP_THREADS) {
+        float vs[LP_LSE_LOADS];
+#pragma unroll
+        for (int q = 0; q < LP_LSE_LOADS; ++q) {
+            const size_t i = i0 + (size_t)q * LP_THREADS;
+            vs[q] = i < vocab ? x[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int q = 0; q < LP_LSE_LOADS; ++q) {
+            const float v = vs[q];
+            if (v == -INFINITY) continue;
+            if (v > m) {
+                s = s * expf(m - v) + 1.f;
+                m = v;
+            } else {
+                s += expf(v - m);
+            }
         }
     }
     __shared__ float sm[LP_THREADS / 32], ss[LP_THREADS / 32];

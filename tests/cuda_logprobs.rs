@@ -1,7 +1,7 @@
 //! Next-token log-probabilities on CUDA (`kernels/logprobs.cu`, the f32-output head matmul)
 //! against the CPU path, the f32 reference: ties, k = 1 and k = 64, vocabularies that are not a
-//! multiple of the kernel's block, rows past one logits chunk, and a model end to end against
-//! transformers' references. Built with `--features cuda`; skipped when no device is visible.
+//! multiple of the kernel's block, rows of heavy ties, signed zeros, NaN and -inf against a sort,
+//! rows past one logits chunk, and a model end to end against transformers' references. Built with `--features cuda`; skipped when no device is visible.
 //! `cargo test --release --features cuda --test cuda_logprobs -- --nocapture`.
 #![cfg(feature = "cuda")]
 
@@ -73,6 +73,112 @@ fn kernel_top_k_equals_the_host_with_ties() {
                 assert!(a.is_nan() || (a - b).abs() <= 1e-5, "vocab {vocab} row {r}: target {a} vs {b}");
             }
             eprintln!("vocab {vocab}, k {k}: max |lp - host| = {worst:e}");
+        }
+    }
+}
+
+/// The kernel's top k of each row of `rows` against a sort of the row: every id must match, and
+/// every log-probability be the value less the row's log-sum-exp (NaN past the values that are not
+/// NaN). The log-sum-exp is the host's where the row has no NaN; where it has, the kernel's is NaN
+/// or, when the NaNs only meet NaN and -inf in its reduction, that of the rest, so it is taken from
+/// the kernel's first finite entry and only the selection and the other entries are checked.
+fn check_rows(dev: &Device, vocab: usize, rows: &[f32], targets: &[i32], k: usize, what: &dyn Fn(usize) -> String) {
+    let n = targets.len();
+    let cpu = Tensor::from_vec(rows.to_vec(), (n, vocab), &Device::Cpu).unwrap();
+    let (ids, lps, tgt) = top_k_logprobs(&cpu.to_device(dev).unwrap(), k, &Tensor::new(targets, dev).unwrap()).unwrap();
+    let (ids, lps, tgt) = (host::<u32>(&ids), host::<f32>(&lps), host::<f32>(&tgt));
+    let on_host = top_k_of_logits(&cpu, k, targets).unwrap().to_host().unwrap();
+    let close = |a: f32, b: f32| (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= 1e-5;
+    for r in 0..n {
+        let row = &rows[r * vocab..(r + 1) * vocab];
+        let (got, got_lp) = (&ids[r * k..(r + 1) * k], &lps[r * k..(r + 1) * k]);
+        // The ids that are not NaN by descending value (-0 equal to +0), equal values by ascending
+        // id; past them id 0.
+        let mut want: Vec<usize> = (0..vocab).filter(|&i| !row[i].is_nan()).collect();
+        want.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+        want.truncate(k);
+        let mut want_ids: Vec<u32> = want.iter().map(|&i| i as u32).collect();
+        want_ids.resize(k, 0);
+        assert_eq!(got, want_ids, "{}, k {k}: ids", what(r));
+        let lse = if row.iter().any(|v| v.is_nan()) {
+            match want.iter().position(|&i| row[i].is_finite()) {
+                Some(j) => f64::from(row[want[j]]) - f64::from(got_lp[j]),
+                None => f64::NAN,
+            }
+        } else {
+            assert_eq!(&on_host.ids[r * k..(r + 1) * k], got, "{}, k {k}: the host's ids", what(r));
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            f64::from(max) + row.iter().map(|&v| (f64::from(v) - f64::from(max)).exp()).sum::<f64>().ln()
+        };
+        for (j, &g) in got_lp.iter().enumerate() {
+            let lp = want.get(j).map_or(f32::NAN, |&i| (f64::from(row[i]) - lse) as f32);
+            assert!(close(g, lp), "{}, k {k}: log-probability {j}: {g} vs {lp}", what(r));
+        }
+        let t = targets[r];
+        let want_t = if t >= 0 && (t as usize) < vocab { (f64::from(row[t as usize]) - lse) as f32 } else { f32::NAN };
+        assert!(close(tgt[r], want_t), "{}: target {} vs {want_t}", what(r), tgt[r]);
+    }
+}
+
+/// Exact selection on hard rows: values from a handful (ties across the cut, many times over), all
+/// equal, +0 and -0 mixed (equal, so by id), NaN sprinkled (never selected), fewer than k values
+/// that are not NaN (the slots past them get id 0 and NaN), -inf mixed in and selected (ranked
+/// last, by id), all -inf, all NaN; k from 1 to 64; vocabularies below the kernel's block of 256
+/// and not a multiple of it, and odd ones, whose rows do not start 16-byte aligned.
+#[test]
+fn kernel_top_k_is_exact_with_heavy_ties_zeros_nan_and_infinities() {
+    let Some(dev) = device() else { return };
+    const KINDS: [&str; 10] = [
+        "a handful of values",
+        "two values",
+        "all equal",
+        "+0 and -0",
+        "NaN sprinkled",
+        "fewer than k not NaN",
+        "-inf mixed in",
+        "-inf selected",
+        "all -inf",
+        "all NaN",
+    ];
+    for vocab in [1usize, 3, 70, 200, 255, 257, 1000, 4099, 151_936] {
+        let rows = 2 * KINDS.len();
+        let mut v = noise(rows * vocab, 7 + vocab as u64, 8.0);
+        let pick = noise(rows * vocab, 11 + vocab as u64, 1.0);
+        // An index into a list of m choices, from the second noise.
+        let choose = |i: usize, m: usize| (((pick[i] + 1.0) * 0.5 * m as f32) as usize).min(m - 1);
+        for r in 0..rows {
+            let base = r * vocab;
+            for i in 0..vocab {
+                let x = &mut v[base + i];
+                *x = match r % KINDS.len() {
+                    0 => [-1.0, 0.0, 2.5, 3.0, 7.0][choose(base + i, 5)],
+                    1 => [1.0, 2.0][choose(base + i, 2)],
+                    2 => -3.5,
+                    3 => [0.0, -0.0, -0.0, -1.5][choose(base + i, 4)],
+                    4 => [*x, *x, f32::NAN, -f32::NAN][choose(base + i, 4)],
+                    5 | 9 => f32::NAN,
+                    6 => [*x, f32::NEG_INFINITY, f32::NEG_INFINITY][choose(base + i, 3)],
+                    7 | 8 => f32::NEG_INFINITY,
+                    _ => *x,
+                };
+            }
+            let row = &mut v[base..base + vocab];
+            match r % KINDS.len() {
+                // A few positive values above the zeros, the rest of the top k zeros of both signs.
+                3 => (0..5).for_each(|j| row[(j * 37 + r) % vocab] = 0.25),
+                // Three values (fewer where the vocabulary is smaller); the rest NaN.
+                5 => [vocab - 1, 0, vocab / 2].iter().for_each(|&i| row[i] = 1.0 + i as f32 * 1e-3),
+                7 => [vocab / 3, vocab - 1].iter().for_each(|&i| row[i] = -2.0),
+                _ => {}
+            }
+        }
+        let targets: Vec<i32> = (0..rows).map(|r| if r % 3 == 2 { -1 } else { ((r * 7919) % vocab) as i32 }).collect();
+        for k in [1usize, 2, 7, 33, 64] {
+            if k <= vocab {
+                check_rows(&dev, vocab, &v, &targets, k, &|r| {
+                    format!("vocab {vocab}, row {r} ({})", KINDS[r % KINDS.len()])
+                });
+            }
         }
     }
 }

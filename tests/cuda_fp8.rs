@@ -8,11 +8,11 @@
 
 mod common;
 
-use common::{fixtures, read_safetensors, rel_err};
+use common::{fixtures, read_safetensors, rel_err, worst_per_index};
 use layertap::engine::cuda::fp8::{self, Fp8Weight};
 use layertap::engine::layers::fp8::{dequantised_transposed, quantise_row};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{Batch, DType, Device, Engine, OutDType};
+use layertap::engine::{DType, Device};
 
 /// A reproducible stream of uniform numbers in [0, 1).
 struct Lcg(u64);
@@ -66,6 +66,12 @@ fn cpu_product(x: &[f32], m: usize, k: usize, bytes: &[u8], scales: &[f32], n: u
     out
 }
 
+/// `v` rounded to `dtype` and back to f32.
+fn rounded_to(v: &[f32], dtype: DType) -> Vec<f32> {
+    let t = candle_core::Tensor::new(v, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+    t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
+}
+
 fn gpu() -> Option<Device> {
     common::cuda_device()
 }
@@ -103,16 +109,7 @@ fn the_gpu_quantiser_gives_the_cpu_bytes_and_scales() {
             // The quantise-dequantise kernel gives the same values, in the input's dtype.
             let qdq = fp8::qdq(&xt.to_device(&dev).unwrap()).unwrap();
             let qdq = qdq.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let rounded = candle_core::Tensor::from_vec(want.clone(), (m, k), &Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let rounded = rounded_to(&want, dtype);
             for (i, (g, w)) in qdq.iter().zip(&rounded).enumerate() {
                 assert_eq!(g.to_bits(), w.to_bits(), "qdq {dtype:?} element {i}: {g} vs {w}");
             }
@@ -160,17 +157,7 @@ fn block_scaled_gemms_run_on_hopper_and_give_the_w8a8_product() {
             let want = if dtype == DType::F32 {
                 want.clone()
             } else {
-                let xb = candle_core::Tensor::from_vec(x.clone(), (big, k), &Device::Cpu)
-                    .unwrap()
-                    .to_dtype(DType::BF16)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap();
-                cpu_product(&xb, big, k, &bytes, &scales, n)
+                cpu_product(&rounded_to(&x, DType::BF16), big, k, &bytes, &scales, n)
             };
             let all = run(big, 0);
             let e = rel_err(&all, &want);
@@ -217,23 +204,8 @@ fn fp8_fixtures_on_the_gpu_match_transformers_at_every_index() {
             if dtype == DType::BF16 && fast {
                 assert!(described.contains("FP8 tensor cores"), "{described}");
             }
+            let (worst, _) = worst_per_index(&mut m.engine, &reference, m.info.num_layers, f64::INFINITY);
             let n = m.info.num_layers;
-            let all: Vec<usize> = (0..=n + 1).collect();
-            let mut worst = vec![0f64; n + 2];
-            for i in 0.. {
-                let Some(ids) = reference.get(&format!("seq{i}.input_ids")) else { break };
-                let hs = &reference[&format!("seq{i}.hidden_states")];
-                let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
-                let (t, h) = (hs.shape[1], hs.shape[2]);
-                let seq: Vec<u32> = ids.i64.iter().map(|&x| x as u32).collect();
-                let taps = m.engine.forward(&Batch::new(seq.clone(), vec![0, t], all.clone())).unwrap();
-                let got = taps.gather(0, t, &all, OutDType::Float32).unwrap().to_f32();
-                for layer in 0..=n + 1 {
-                    let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
-                    let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
-                    worst[layer] = worst[layer].max(rel_err(&ours, want));
-                }
-            }
             let per_index: Vec<String> = worst.iter().map(|e| format!("{e:.1e}")).collect();
             println!("  worst relative error per index 0..={n}, final_prenorm: {}", per_index.join(" "));
             // f32: the same quantisation as the reference, sums in another order (an input
@@ -262,22 +234,8 @@ fn the_dequantised_path_matches_transformers_too() {
             let mut m = files.load_with(&dev, dtype, &options).unwrap();
             let described = m.info.quantization.clone().unwrap_or_default();
             assert!(described.contains("dequantised") && described.contains("LAYERTAP_FP8_GEMM=0"), "{described}");
-            let n = m.info.num_layers;
-            let all: Vec<usize> = (0..=n).collect();
-            let mut worst = 0f64;
-            for i in 0.. {
-                let Some(ids) = reference.get(&format!("seq{i}.input_ids")) else { break };
-                let hs = &reference[&format!("seq{i}.hidden_states")];
-                let (t, h) = (hs.shape[1], hs.shape[2]);
-                let seq: Vec<u32> = ids.i64.iter().map(|&x| x as u32).collect();
-                let got = m.engine.forward(&Batch::new(seq, vec![0, t], all.clone())).unwrap();
-                let got = got.gather(0, t, &all, OutDType::Float32).unwrap().to_f32();
-                for layer in 0..=n {
-                    let want = &hs.f32[layer * t * h..(layer + 1) * t * h];
-                    let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 1) + layer) * h..][..h].to_vec()).collect();
-                    worst = worst.max(rel_err(&ours, want));
-                }
-            }
+            let (per_index, _) = worst_per_index(&mut m.engine, &reference, m.info.num_layers, f64::INFINITY);
+            let worst = per_index.iter().copied().fold(0f64, f64::max);
             println!("{name} {dtype:?} dequantised: worst relative error {worst:.3e}");
             let allowed = if dtype == DType::F32 { 2e-3 } else { 3e-2 };
             assert!(worst <= allowed, "{name} {dtype:?}: {worst:.3e} > {allowed:.1e}");

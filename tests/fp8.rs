@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{edited_fixture, fixtures, read_safetensors, refusal, rel_err, with_config, with_tensors};
+use common::{edited_fixture, fixtures, read_safetensors, refusal, with_config, with_tensors, worst_per_index};
 use layertap::engine::layers::fp8::quantise_row;
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::{Batch, DType, Device, Engine, ModelEngine, OutDType};
@@ -75,27 +75,8 @@ fn every_fp8_checkpoint_matches_transformers_at_every_index_and_final_prenorm() 
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let (mut engine, n) = load(&dir);
         let reference = read_safetensors(&dir.join("reference.safetensors"));
-        // 0..=n, then final_prenorm (index n + 1).
-        let all: Vec<usize> = (0..=n + 1).collect();
-        let mut worst = vec![0f64; n + 2];
-        for i in 0.. {
-            let Some(ids) = reference.get(&format!("seq{i}.input_ids")) else { break };
-            let hs = &reference[&format!("seq{i}.hidden_states")];
-            let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
-            let (t, h) = (hs.shape[1], hs.shape[2]);
-            assert_eq!(hs.shape[0], n + 1, "{name}: reference has {} hidden states for {n} layers", hs.shape[0]);
-            let seq: Vec<u32> = ids.i64.iter().map(|&x| x as u32).collect();
-            let got = run(&mut engine, &[seq], &all).remove(0);
-            for layer in 0..=n + 1 {
-                let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
-                let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
-                let e = rel_err(&ours, want);
-                worst[layer] = worst[layer].max(e);
-                if e > TOLERANCE {
-                    failures.push(format!("{name} seq{i} (T={t}) index {layer}: relative error {e:.3e}"));
-                }
-            }
-        }
+        let (worst, failed) = worst_per_index(&mut engine, &reference, n, TOLERANCE);
+        failures.extend(failed.into_iter().map(|f| format!("{name} {f}")));
         let per_index: Vec<String> = worst.iter().map(|e| format!("{e:.1e}")).collect();
         println!("{name}: worst relative error per index 0..={n}, final_prenorm: {}", per_index.join(" "));
     }

@@ -493,3 +493,39 @@ pub fn with_config(model: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfi
 pub fn with_tensors(model: &str, edit: impl Fn(&mut Vec<OwnedTensor>)) -> tempfile::TempDir {
     edited_fixture(&fixtures().join(model), edit, |_| {})
 }
+
+/// A fixture's reference against `engine`, each sequence run alone: the worst relative error of
+/// every index 0..=n and of final_prenorm (n + 1), and one line per (sequence, index) past
+/// `tolerance`. The reference holds `seq{i}.input_ids`, `seq{i}.hidden_states` [n + 1, T, H] and
+/// `seq{i}.final_prenorm` [T, H].
+pub fn worst_per_index(
+    engine: &mut layertap::engine::ModelEngine,
+    reference: &HashMap<String, Read>,
+    n: usize,
+    tolerance: f64,
+) -> (Vec<f64>, Vec<String>) {
+    use layertap::engine::OutDType;
+    let all: Vec<usize> = (0..=n + 1).collect();
+    let mut worst = vec![0f64; n + 2];
+    let mut failures = Vec::new();
+    for i in 0.. {
+        let Some(ids) = reference.get(&format!("seq{i}.input_ids")) else { break };
+        let hs = &reference[&format!("seq{i}.hidden_states")];
+        let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
+        let (t, h) = (hs.shape[1], hs.shape[2]);
+        assert_eq!(hs.shape[0], n + 1, "reference has {} hidden states for {n} layers", hs.shape[0]);
+        let seq: Vec<u32> = ids.i64.iter().map(|&x| x as u32).collect();
+        let taps = engine.forward(&Batch::new(seq, vec![0, t], all.clone())).expect("forward");
+        let got = taps.gather(0, t, &all, OutDType::Float32).expect("gather").to_f32();
+        for layer in 0..=n + 1 {
+            let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
+            let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
+            let e = rel_err(&ours, want);
+            worst[layer] = worst[layer].max(e);
+            if e > tolerance {
+                failures.push(format!("seq{i} (T={t}) index {layer}: relative error {e:.3e}"));
+            }
+        }
+    }
+    (worst, failures)
+}

@@ -45,18 +45,13 @@ enum Fp8Part {
 }
 
 /// An FP8 projection as the checkpoint stores it: e4m3 bytes `[n, k]` and the block scales
-/// `[ceil(n/128), ceil(k/128)]` row-major, in f32.
-pub struct Fp8Host {
-    bytes: Vec<u8>,
+/// `[ceil(n/128), ceil(k/128)]` row-major, in f32. The bytes are the memory-mapped file's, not a
+/// copy.
+pub struct Fp8Host<'a> {
+    pub bytes: &'a [u8],
     pub scale: Vec<f32>,
     pub n: usize,
     pub k: usize,
-}
-
-impl Fp8Host {
-    pub fn bytes(&self) -> &[u8] {
-        &self.bytes
-    }
 }
 
 /// Checkpoint parts outside the text decoder that are never read and may hold anything (a
@@ -379,7 +374,7 @@ impl Weights {
     /// For the FP8 projection `name` (an `F8_E4M3` `[N, K]` weight with its `weight_scale_inv`
     /// `[ceil(N/128), ceil(K/128)]`): its bytes and its scales in f32, checked. `None` where
     /// `name` is stored as floats.
-    pub fn get_fp8(&self, name: &str, shape: &[usize]) -> Result<Option<Fp8Host>, EngineError> {
+    pub fn get_fp8(&self, name: &str, shape: &[usize]) -> Result<Option<Fp8Host<'_>>, EngineError> {
         let (Some(_), TensorSource::Safetensors { tensors, .. }) = (&self.quantization, &self.source) else {
             return Ok(None);
         };
@@ -417,7 +412,7 @@ impl Weights {
             .to_vec1::<f32>()?;
         self.mark_read(&full);
         self.mark_read(&scale_name);
-        Ok(Some(Fp8Host { bytes: view.data().to_vec(), scale, n, k }))
+        Ok(Some(Fp8Host { bytes: view.data(), scale, n, k }))
     }
 
     /// Records that one FP8 projection was loaded to be multiplied by `path`.

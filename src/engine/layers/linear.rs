@@ -46,11 +46,11 @@ impl Linear {
 
     /// Where an FP8 weight goes: dequantised to f32 on the CPU; on a GPU, kept in e4m3 where
     /// block-scaled FP8 GEMMs run for the compute dtype, else dequantised to it.
-    fn fp8_kind(w: &Weights, fp8: crate::engine::weights::Fp8Host) -> Result<Kind, EngineError> {
+    fn fp8_kind(w: &Weights, fp8: crate::engine::weights::Fp8Host<'_>) -> Result<Kind, EngineError> {
         #[cfg(feature = "cuda")]
         if w.device.is_cuda() {
             use crate::engine::cuda::fp8 as cuda_fp8;
-            let weight = cuda_fp8::Fp8Weight::upload(&w.device, fp8.bytes(), &fp8.scale, fp8.n, fp8.k)?;
+            let weight = cuda_fp8::Fp8Weight::upload(&w.device, fp8.bytes, &fp8.scale, fp8.n, fp8.k)?;
             if !w.fp8_gemm {
                 w.count_fp8(format!("dequantised to {} at load (LAYERTAP_FP8_GEMM=0)", w.dtype.as_str()));
             } else if cuda_fp8::block_scaled(&w.device, w.dtype) {
@@ -65,7 +65,7 @@ impl Linear {
             return Ok(Kind::Fp8Dequantised(weight.dequantise(w.dtype)?.t()?.contiguous()?));
         }
         w.count_fp8("dequantised to f32 at load (CPU)".into());
-        let t = super::fp8::dequantised_transposed(fp8.bytes(), &fp8.scale, fp8.n, fp8.k);
+        let t = super::fp8::dequantised_transposed(fp8.bytes, &fp8.scale, fp8.n, fp8.k);
         Ok(Kind::Fp8Dequantised(Tensor::from_vec(t, (fp8.k, fp8.n), &candle_core::Device::Cpu)?.to_device(&w.device)?))
     }
 
@@ -96,17 +96,6 @@ impl Linear {
     /// Whether this is an FP8 projection (its input quantised before the product).
     pub fn is_fp8(&self) -> bool {
         !matches!(self.kind, Kind::Float(_))
-    }
-
-    /// Which GEMM an FP8 projection runs: "fp8" (the FP8 tensor cores), "dequantised", or
-    /// `None` for a float projection.
-    pub fn fp8_path(&self) -> Option<&'static str> {
-        match self.kind {
-            Kind::Float(_) => None,
-            Kind::Fp8Dequantised(_) => Some("dequantised"),
-            #[cfg(feature = "cuda")]
-            Kind::Fp8(_) => Some("fp8"),
-        }
     }
 
     /// Output features.

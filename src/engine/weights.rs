@@ -45,10 +45,11 @@ enum Fp8Part {
 }
 
 /// An FP8 projection as the checkpoint stores it: e4m3 bytes `[n, k]` and the block scales
-/// `[ceil(n/128), ceil(k/128)]` row-major, in f32. The bytes are the memory-mapped file's, not a
-/// copy.
+/// `[ceil(n/128), ceil(k/128)]` row-major, in f32.
 pub struct Fp8Host<'a> {
-    pub bytes: &'a [u8],
+    /// `[N, K]` e4m3 bytes, row-major: borrowed from the memory-mapped file, or owned where the
+    /// loader rearranged or produced them.
+    pub bytes: std::borrow::Cow<'a, [u8]>,
     pub scale: Vec<f32>,
     pub n: usize,
     pub k: usize,
@@ -412,7 +413,7 @@ impl Weights {
             .to_vec1::<f32>()?;
         self.mark_read(&full);
         self.mark_read(&scale_name);
-        Ok(Some(Fp8Host { bytes: view.data(), scale, n, k }))
+        Ok(Some(Fp8Host { bytes: std::borrow::Cow::Borrowed(view.data()), scale, n, k }))
     }
 
     /// Records that one FP8 projection was loaded to be multiplied by `path`.

@@ -44,13 +44,19 @@ impl Linear {
         }
     }
 
+    /// An FP8 projection (no bias) from its e4m3 bytes and block scales, placed as
+    /// [`Linear::load`] places those it reads.
+    pub fn from_fp8(w: &Weights, fp8: crate::engine::weights::Fp8Host<'_>) -> Result<Self, EngineError> {
+        Ok(Linear { kind: Self::fp8_kind(w, fp8)?, bias: None })
+    }
+
     /// Where an FP8 weight goes: dequantised to f32 on the CPU; on a GPU, kept in e4m3 where
     /// block-scaled FP8 GEMMs run for the compute dtype, else dequantised to it.
     fn fp8_kind(w: &Weights, fp8: crate::engine::weights::Fp8Host<'_>) -> Result<Kind, EngineError> {
         #[cfg(feature = "cuda")]
         if w.device.is_cuda() {
             use crate::engine::cuda::fp8 as cuda_fp8;
-            let weight = cuda_fp8::Fp8Weight::upload(&w.device, fp8.bytes, &fp8.scale, fp8.n, fp8.k)?;
+            let weight = cuda_fp8::Fp8Weight::upload(&w.device, &fp8.bytes, &fp8.scale, fp8.n, fp8.k)?;
             if !w.fp8_gemm {
                 w.count_fp8(format!("dequantised to {} at load (LAYERTAP_FP8_GEMM=0)", w.dtype.as_str()));
             } else if cuda_fp8::block_scaled(&w.device, w.dtype) {
@@ -65,7 +71,7 @@ impl Linear {
             return Ok(Kind::Fp8Dequantised(weight.dequantise(w.dtype)?.t()?.contiguous()?));
         }
         w.count_fp8("dequantised to f32 at load (CPU)".into());
-        let t = super::fp8::dequantised_transposed(fp8.bytes, &fp8.scale, fp8.n, fp8.k);
+        let t = super::fp8::dequantised_transposed(&fp8.bytes, &fp8.scale, fp8.n, fp8.k);
         Ok(Kind::Fp8Dequantised(Tensor::from_vec(t, (fp8.k, fp8.n), &candle_core::Device::Cpu)?.to_device(&w.device)?))
     }
 

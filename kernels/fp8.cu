@@ -7,6 +7,8 @@
 // fp8_quantise_T: x [m, k] -> q [m_pad, k] e4m3 bytes and scales [k / 128, m_pad] f32 (one
 //   column of m_pad scales per group: the layout cuBLASLt's 1 x 128 block scaling reads). Rows
 //   m..m_pad are zeros with the scale of an all-zero group. One warp per (row, group).
+// fp8_silu_mul_quantise_T: gu [m, 2 * inter] (the gate projection, then the up projection) ->
+//   silu(gate) * up rounded to T, quantised as fp8_quantise_T would quantise it, in one pass.
 // fp8_qdq_T: x [m, k] -> the same quantisation dequantised, q * s, rounded to T (for the path
 //   that multiplies dequantised weights).
 // fp8_dequantise_T: weight bytes [n, k] with block scales [ceil(n/128), ld] -> T [n, k], each
@@ -35,6 +37,20 @@ __device__ __forceinline__ float fp8_decode(uint8_t b) {
     return __half2float(__half(h));
 }
 
+// The scale of a group of 128 values held four per lane of a warp (the same in every lane), and
+// the bytes this lane's four quantise to.
+__device__ __forceinline__ float fp8_group_of(const float v[4], uint8_t q[4]) {
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    const float s = __fdiv_rn(fmaxf(amax, FP8_MIN_AMAX), FP8_MAX);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q[j] = fp8_encode(fminf(fmaxf(__fdiv_rn(v[j], s), -FP8_MAX), FP8_MAX));
+    return s;
+}
+
 // The four values of this lane (elements 4 * lane .. 4 * lane + 3 of group g of row r), their
 // group's scale (the same in every lane), and the bytes they quantise to.
 template <typename T>
@@ -46,15 +62,15 @@ __device__ __forceinline__ float fp8_group(const T* __restrict__ x, size_t m, si
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = to_f32(p[j]);
     }
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-    const float s = __fdiv_rn(fmaxf(amax, FP8_MIN_AMAX), FP8_MAX);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = fp8_encode(fminf(fmaxf(__fdiv_rn(v[j], s), -FP8_MAX), FP8_MAX));
-    return s;
+    return fp8_group_of(v, q);
+}
+
+// Writes a warp's group: four bytes per lane, and the scale from lane 0.
+__device__ __forceinline__ void fp8_store(uint8_t* __restrict__ q, float* __restrict__ scales, size_t k, size_t m_pad,
+                                          size_t r, size_t g, int lane, const uint8_t b[4], float s) {
+    const uint32_t packed = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16) | ((uint32_t)b[3] << 24);
+    *reinterpret_cast<uint32_t*>(q + r * k + g * FP8_GROUP + 4 * lane) = packed;
+    if (lane == 0) scales[g * m_pad + r] = s;
 }
 
 template <typename T>
@@ -67,9 +83,34 @@ __device__ void fp8_quantise(const T* __restrict__ x, size_t m, size_t m_pad, si
     const size_t r = warp / groups, g = warp % groups;
     uint8_t b[4];
     const float s = fp8_group(x, m, k, r, g, lane, b);
-    const uint32_t packed = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16) | ((uint32_t)b[3] << 24);
-    *reinterpret_cast<uint32_t*>(q + r * k + g * FP8_GROUP + 4 * lane) = packed;
-    if (lane == 0) scales[g * m_pad + r] = s;
+    fp8_store(q, scales, k, m_pad, r, g, lane, b, s);
+}
+
+// SiLU(gate) * up of a row [gate (inter) | up (inter)], rounded to T exactly as ops.cu's silu_mul
+// rounds it (same expression, same flags), then quantised as fp8_quantise quantises that T
+// tensor: so the bytes and scales equal those of silu_mul followed by fp8_quantise, without the
+// T activation ever written.
+template <typename T>
+__device__ void fp8_silu_mul_quantise(const T* __restrict__ gu, size_t m, size_t m_pad, size_t inter,
+                                      uint8_t* __restrict__ q, float* __restrict__ scales) {
+    const size_t groups = inter / FP8_GROUP;
+    const size_t warp = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= m_pad * groups) return;
+    const size_t r = warp / groups, g = warp % groups;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r < m) {
+        const T* gp = gu + r * 2 * inter + g * FP8_GROUP + 4 * lane;
+        const T* up = gp + inter;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float x = to_f32(gp[j]);
+            v[j] = to_f32(from_f32<T>(x / (1.f + __expf(-x)) * to_f32(up[j])));
+        }
+    }
+    uint8_t b[4];
+    const float s = fp8_group_of(v, b);
+    fp8_store(q, scales, inter, m_pad, r, g, lane, b, s);
 }
 
 template <typename T>
@@ -99,6 +140,10 @@ __device__ void fp8_dequantise(const uint8_t* __restrict__ w, const float* __res
     extern "C" __global__ void fp8_quantise_##SUFFIX(const T* x, size_t m, size_t m_pad, size_t k, uint8_t* q,       \
                                                      float* scales) {                                                \
         fp8_quantise(x, m, m_pad, k, q, scales);                                                                     \
+    }                                                                                                                \
+    extern "C" __global__ void fp8_silu_mul_quantise_##SUFFIX(const T* gu, size_t m, size_t m_pad, size_t inter,   \
+                                                              uint8_t* q, float* scales) {                           \
+        fp8_silu_mul_quantise(gu, m, m_pad, inter, q, scales);                                                       \
     }                                                                                                                \
     extern "C" __global__ void fp8_qdq_##SUFFIX(const T* x, size_t m, size_t k, T* y) { fp8_qdq(x, m, k, y); }       \
     extern "C" __global__ void fp8_dequantise_##SUFFIX(const uint8_t* w, const float* scale, size_t n, size_t k,    \

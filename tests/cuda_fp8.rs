@@ -117,6 +117,46 @@ fn the_gpu_quantiser_gives_the_cpu_bytes_and_scales() {
     }
 }
 
+/// SiLU · up quantised in one kernel gives the bytes and scales of `ops::silu_mul` followed by
+/// the quantiser, and its product the one of that pair followed by the GEMM, bit for bit.
+#[test]
+fn silu_mul_quantised_in_one_pass_equals_the_two_kernels() {
+    let Some(dev) = gpu() else { return };
+    use layertap::engine::cuda::ops::silu_mul;
+    for (m, inter) in [(1, 128), (6, 384), (130, 1024)] {
+        let gu = inputs(m, 2 * inter, (m * inter) as u64 + 3);
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let t = candle_core::Tensor::from_vec(gu.clone(), (m, 2 * inter), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_device(&dev)
+                .unwrap();
+            let two = fp8::quantise_to_host(&silu_mul(&t).unwrap()).unwrap();
+            let one = fp8::silu_mul_quantise_to_host(&t).unwrap();
+            assert_eq!(one.2, two.2, "m_pad");
+            assert_eq!(one.0, two.0, "{dtype:?} [{m}, {inter}]: bytes");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&one.1), bits(&two.1), "{dtype:?} [{m}, {inter}]: scales");
+            // Not all zero: the inputs reach the quantiser.
+            assert!(one.0.iter().any(|&b| b != 0) && one.1.iter().any(|&s| s > 1e-9));
+            if dtype == DType::F16 || !fp8::block_scaled(&dev, dtype) {
+                continue;
+            }
+            let n = 200;
+            let (bytes, scales) = weight(n, inter, inter as u64);
+            let w = Fp8Weight::upload(&dev, &bytes, &scales, n, inter).unwrap();
+            let flat = |y: candle_core::Tensor| {
+                y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            let fused = flat(fp8::silu_mul_matmul(&t, &w).unwrap());
+            let apart = flat(fp8::matmul(&silu_mul(&t).unwrap(), &w).unwrap());
+            assert_eq!(fused.len(), m * n);
+            assert_eq!(bits(&fused), bits(&apart), "{dtype:?} [{m}, {inter}] x [{n}, {inter}]^T");
+        }
+    }
+}
+
 #[test]
 fn block_scaled_gemms_run_on_hopper_and_give_the_w8a8_product() {
     let Some(dev) = gpu() else { return };

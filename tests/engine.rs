@@ -223,10 +223,11 @@ fn options_passed_to_the_loader_leave_the_cpu_path_as_it_is() {
         gdn_tf32: false,
         cuda_moe: false,
         fp8_gemm: false,
+        fp8_fused: false,
         spin_wait: true,
         pool_release: true,
     };
-    assert_eq!(flipped.changed().len(), 11, "every switch but profile differs: {:?}", flipped.changed());
+    assert_eq!(flipped.changed().len(), 12, "every switch but profile differs: {:?}", flipped.changed());
     let seqs = vec![vec![1u32, 5, 9, 2], vec![7, 3, 11]];
     for dir in variants() {
         let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();

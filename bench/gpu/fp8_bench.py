@@ -133,7 +133,30 @@ def matmul_rates(shapes, m=8192):
         fp8 = flops / timed(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
                                                       out_dtype=torch.bfloat16)) / 1e12
         out[name] = {"k": k, "n": n, "bf16_tflops": round(bf16, 1), "fp8_tflops": round(fp8, 1)}
+        out[name].update(blockwise_rate(a8, b8, m, k, n, flops))
     return out
+
+
+def blockwise_rate(a8, b8, m, k, n, flops):
+    """torch._scaled_mm with the scaling layertap's FP8 GEMMs use (1 x 128 activation scales,
+    128 x 128 weight scales): its TFLOP/s, or why it did not run. The scales' memory layout that
+    torch accepts differs between versions, so each is tried."""
+    kb, nb = k // 128, n // 128
+    layouts = {
+        "a outer-major, b outer-major": (torch.ones(kb, m, device="cuda").t(), torch.ones(nb, kb, device="cuda").t()),
+        "a outer-major, b row-major": (torch.ones(kb, m, device="cuda").t(), torch.ones(kb, nb, device="cuda")),
+        "both row-major": (torch.ones(m, kb, device="cuda"), torch.ones(kb, nb, device="cuda")),
+    }
+    errors = []
+    for label, (sa, sb) in layouts.items():
+        try:
+            f = lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+            f()
+            torch.cuda.synchronize()
+            return {"fp8_block_tflops": round(flops / timed(f) / 1e12, 1), "fp8_block_layout": label}
+        except Exception as e:  # noqa: BLE001 - recorded, not hidden
+            errors.append(f"{label}: {str(e).splitlines()[0][:200]}")
+    return {"fp8_block_tflops": None, "fp8_block_errors": errors}
 
 
 def matmul_params(shape):
@@ -167,6 +190,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-batch-tokens", type=int, default=32768)
     ap.add_argument("--prepare-only", action="store_true", help="make the checkpoints and the workload, then stop")
+    ap.add_argument("--rates-only", action="store_true", help="prepare, measure the matmul rates, then stop")
     ap.add_argument("--shape", choices=["8b", "27b"], default="8b",
                     help="8b: the Qwen3-8B shape; 27b: the Qwen3.5/3.6-27B hybrid width, --layers layers "
                          "(bench/gpu/prepare_hybrid.py, taps spread as DFlash spreads them)")
@@ -197,6 +221,8 @@ def main():
         return
     rates = matmul_rates(shapes)
     log(step="matmul_rates", tokens=8192, shapes=rates)
+    if a.rates_only:
+        return
     bf16_rate = sum(r["bf16_tflops"] for r in rates.values()) / len(rates)
     fp8_rate = sum(r["fp8_tflops"] for r in rates.values()) / len(rates)
     for rnd in range(a.rounds):

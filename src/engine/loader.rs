@@ -266,6 +266,7 @@ impl ModelFiles {
         let config = self.config().clone();
         let mut weights = self.weights(device, dtype)?;
         weights.fp8_gemm = options.fp8_gemm;
+        weights.fp8_fused = options.fp8_fused;
         let bar = indicatif::ProgressBar::new(config.num_hidden_layers as u64).with_style(
             indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),

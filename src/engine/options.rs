@@ -15,6 +15,7 @@
 //! | `LAYERTAP_GDN_TF32=0` | on | the Gated DeltaNet kernels' chunk products in f32 for 16-bit models |
 //! | `LAYERTAP_CUDA_MOE=0` | on | one matmul chain per expert instead of the experts' kernels |
 //! | `LAYERTAP_FP8_GEMM=0` | on | FP8 projections dequantised at load instead of FP8 GEMMs (CUDA) |
+//! | `LAYERTAP_FP8_FUSED=0` | on | SiLU · up written in the compute dtype, then quantised for the FP8 down projection (CUDA) |
 //! | `LAYERTAP_SPIN_WAIT=1` | off | threads waiting on the GPU spin instead of sleeping |
 //! | `LAYERTAP_POOL_RELEASE=1` | off | the device's memory pool hands freed memory back at every synchronisation |
 //!
@@ -112,6 +113,10 @@ pub struct EngineOptions {
     /// load into the compute dtype, each input quantised and dequantised before the matmul, as on
     /// GPUs without those GEMMs).
     pub fp8_gemm: bool,
+    /// `LAYERTAP_FP8_FUSED=0` turns off: where the MLP's down projection runs on the FP8 tensor
+    /// cores, `silu(gate) * up` is quantised straight from the gate and up projections' output
+    /// in one kernel (off: written in the compute dtype, then quantised; the same bytes).
+    pub fp8_fused: bool,
     /// `LAYERTAP_SPIN_WAIT=1`: host threads that wait on the GPU spin under the driver's default
     /// scheduling instead of sleeping (the device thread's waits and the result thread's).
     pub spin_wait: bool,
@@ -134,6 +139,7 @@ impl Default for EngineOptions {
             gdn_tf32: true,
             cuda_moe: true,
             fp8_gemm: true,
+            fp8_fused: true,
             spin_wait: false,
             pool_release: false,
         }
@@ -160,6 +166,7 @@ impl EngineOptions {
             gdn_tf32: !is("LAYERTAP_GDN_TF32", "0"),
             cuda_moe: !is("LAYERTAP_CUDA_MOE", "0"),
             fp8_gemm: !is("LAYERTAP_FP8_GEMM", "0"),
+            fp8_fused: !is("LAYERTAP_FP8_FUSED", "0"),
             spin_wait: is("LAYERTAP_SPIN_WAIT", "1"),
             pool_release: is("LAYERTAP_POOL_RELEASE", "1"),
         }
@@ -199,6 +206,7 @@ impl EngineOptions {
         flag("LAYERTAP_GDN_TF32", self.gdn_tf32, d.gdn_tf32);
         flag("LAYERTAP_CUDA_MOE", self.cuda_moe, d.cuda_moe);
         flag("LAYERTAP_FP8_GEMM", self.fp8_gemm, d.fp8_gemm);
+        flag("LAYERTAP_FP8_FUSED", self.fp8_fused, d.fp8_fused);
         flag("LAYERTAP_SPIN_WAIT", self.spin_wait, d.spin_wait);
         flag("LAYERTAP_POOL_RELEASE", self.pool_release, d.pool_release);
         if let Some(k) = self.attention_kernel {
@@ -232,6 +240,7 @@ mod tests {
             ("LAYERTAP_GDN_TF32", "0"),
             ("LAYERTAP_CUDA_MOE", "0"),
             ("LAYERTAP_FP8_GEMM", "0"),
+            ("LAYERTAP_FP8_FUSED", "0"),
             ("LAYERTAP_SPIN_WAIT", "1"),
             ("LAYERTAP_POOL_RELEASE", "1"),
             ("LAYERTAP_ATTENTION_KERNEL", "w8"),

@@ -29,6 +29,9 @@ pub struct Weights {
     /// Whether FP8 projections may run as FP8 GEMMs where the GPU runs them
     /// (`EngineOptions::fp8_gemm`).
     pub fp8_gemm: bool,
+    /// Whether an FP8 down projection quantises SiLU · up in the kernel that computes it
+    /// (`EngineOptions::fp8_fused`).
+    pub fp8_fused: bool,
     /// How many FP8 projections were loaded for each way of multiplying them.
     fp8_paths: Mutex<std::collections::BTreeMap<String, usize>>,
 }
@@ -99,6 +102,7 @@ impl Weights {
             read: Mutex::default(),
             quantization: None,
             fp8_gemm: true,
+            fp8_fused: true,
             fp8_paths: Mutex::default(),
         }
     }

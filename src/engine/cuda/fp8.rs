@@ -137,8 +137,27 @@ struct Quantised {
     m_pad: usize,
 }
 
-fn quantise<T: KernelType>(dev: &CudaDevice, x: &Tensor) -> candle_core::Result<Quantised> {
-    let (m, k) = x.dims2()?;
+/// What the GEMM's input is quantised from.
+#[derive(Clone, Copy, PartialEq)]
+enum Source {
+    /// The input itself, `[M, K]`.
+    Plain,
+    /// `[M, 2K]`, the gate and up projections side by side: the input is `silu(gate) * up`,
+    /// rounded to the dtype as `ops::silu_mul` rounds it, never written in that dtype.
+    SiluMul,
+}
+
+fn quantise_from<T: KernelType>(dev: &CudaDevice, x: &Tensor, source: Source) -> candle_core::Result<Quantised> {
+    let (m, cols) = x.dims2()?;
+    let (k, name) = match source {
+        Source::Plain => (cols, "fp8_quantise"),
+        Source::SiluMul => {
+            if !cols.is_multiple_of(2) {
+                candle_core::bail!("fp8 silu_mul quantise: [{m}, {cols}] is not [rows, 2 * inter]");
+            }
+            (cols / 2, "fp8_silu_mul_quantise")
+        }
+    };
     check_k(k, "fp8 quantise")?;
     let m_pad = m.next_multiple_of(4).max(4);
     // SAFETY: the kernel writes every byte and scale (the padding rows included).
@@ -146,7 +165,7 @@ fn quantise<T: KernelType>(dev: &CudaDevice, x: &Tensor) -> candle_core::Result<
     let scales = unsafe { dev.alloc::<f32>(m_pad * (k / FP8_BLOCK))? };
     let (xs, xl) = x.storage_and_layout();
     let xv = cuda_view::<T>(&xs, xl, "fp8 quantise: input")?;
-    let func = kernel(dev, FP8, &kernel_name::<T>("fp8_quantise"))?;
+    let func = kernel(dev, FP8, &kernel_name::<T>(name))?;
     let mut b = func.builder();
     b.arg(&xv);
     b.arg(&m);
@@ -195,12 +214,22 @@ fn qdq_as<T: KernelType>(dev: &CudaDevice, x: &Tensor) -> candle_core::Result<Te
 /// The input's quantisation as the GEMM receives it, copied to the host: bytes `[m_pad, K]` and
 /// scales `[K/128, m_pad]` (for tests against the CPU quantiser).
 pub fn quantise_to_host(x: &Tensor) -> candle_core::Result<(Vec<u8>, Vec<f32>, usize)> {
+    to_host(x, Source::Plain)
+}
+
+/// As [`quantise_to_host`], for the input `silu(gate) * up` of `gu` `[M, 2I]` quantised in one
+/// pass (the fused kernel [`silu_mul_matmul`] runs).
+pub fn silu_mul_quantise_to_host(gu: &Tensor) -> candle_core::Result<(Vec<u8>, Vec<f32>, usize)> {
+    to_host(gu, Source::SiluMul)
+}
+
+fn to_host(x: &Tensor, source: Source) -> candle_core::Result<(Vec<u8>, Vec<f32>, usize)> {
     let dev = cuda_device(x, "fp8 quantise")?;
     let x = x.contiguous()?;
     let qz = match x.dtype() {
-        DType::BF16 => quantise::<half::bf16>(dev, &x)?,
-        DType::F16 => quantise::<half::f16>(dev, &x)?,
-        DType::F32 => quantise::<f32>(dev, &x)?,
+        DType::BF16 => quantise_from::<half::bf16>(dev, &x, source)?,
+        DType::F16 => quantise_from::<half::f16>(dev, &x, source)?,
+        DType::F32 => quantise_from::<f32>(dev, &x, source)?,
         d => candle_core::bail!("fp8 quantise: no kernel for {d:?}"),
     };
     let stream = dev.cuda_stream();
@@ -274,26 +303,43 @@ fn out_type(dtype: DType) -> candle_core::Result<sys::cudaDataType> {
 /// dtype, through the FP8 tensor cores. Fails where block-scaled GEMMs do not run (see
 /// [`block_scaled`]).
 pub fn matmul(x: &Tensor, w: &Fp8Weight) -> candle_core::Result<Tensor> {
+    matmul_from(x, w, Source::Plain)
+}
+
+/// `silu(gate) * up` of `gu` `[M, 2I]` (the gate projection's outputs, then the up
+/// projection's) multiplied by the FP8 weight `[N, I]`: the same bytes, scales and product as
+/// `matmul(&ops::silu_mul(gu)?, w)`, with the activation quantised straight from `gu`.
+pub fn silu_mul_matmul(gu: &Tensor, w: &Fp8Weight) -> candle_core::Result<Tensor> {
+    matmul_from(gu, w, Source::SiluMul)
+}
+
+fn matmul_from(x: &Tensor, w: &Fp8Weight, source: Source) -> candle_core::Result<Tensor> {
     let dev = cuda_device(x, "fp8 matmul")?;
     let x = x.contiguous()?;
     match x.dtype() {
-        DType::BF16 => matmul_as::<half::bf16>(dev, &x, w),
-        DType::F16 => matmul_as::<half::f16>(dev, &x, w),
-        DType::F32 => matmul_as::<f32>(dev, &x, w),
+        DType::BF16 => matmul_as::<half::bf16>(dev, &x, w, source),
+        DType::F16 => matmul_as::<half::f16>(dev, &x, w, source),
+        DType::F32 => matmul_as::<f32>(dev, &x, w, source),
         d => candle_core::bail!("fp8 matmul: no kernel for {d:?}"),
     }
 }
 
-fn matmul_as<T: KernelType>(dev: &CudaDevice, x: &Tensor, w: &Fp8Weight) -> candle_core::Result<Tensor> {
-    let (m, k) = x.dims2()?;
+fn matmul_as<T: KernelType>(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Fp8Weight,
+    source: Source,
+) -> candle_core::Result<Tensor> {
+    let (m, cols) = x.dims2()?;
+    let k = if source == Source::SiluMul { cols / 2 } else { cols };
     let (n, k2) = w.q.dims2()?;
-    if k != k2 {
-        candle_core::bail!("fp8 matmul: input [{m}, {k}] and weight [{n}, {k2}] do not fit");
+    if k != k2 || (source == Source::SiluMul && cols != 2 * k) {
+        candle_core::bail!("fp8 matmul: input [{m}, {cols}] and weight [{n}, {k2}] do not fit");
     }
     if m == 0 {
         return Tensor::zeros((0, n), x.dtype(), x.device());
     }
-    let qx = quantise::<T>(dev, x)?;
+    let qx = quantise_from::<T>(dev, x, source)?;
     let m_pad = qx.m_pad;
     // SAFETY: the GEMM writes every element of D (beta = 0).
     let mut out = unsafe { dev.alloc::<T>(m_pad * n)? };

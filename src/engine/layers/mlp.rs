@@ -20,6 +20,10 @@ enum GateUp {
 pub struct GatedMlp {
     gate_up: GateUp,
     down: Linear,
+    /// Whether an FP8 down projection quantises `silu(gate) * up` in the same kernel that
+    /// computes it (`EngineOptions::fp8_fused`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fp8_fused: bool,
 }
 
 impl GatedMlp {
@@ -28,7 +32,9 @@ impl GatedMlp {
         let gate = Linear::load(w, &format!("{prefix}.gate_proj"), inter, hidden, bias)?;
         let up = Linear::load(w, &format!("{prefix}.up_proj"), inter, hidden, bias)?;
         let down = Linear::load(w, &format!("{prefix}.down_proj"), hidden, inter, bias)?;
-        Self::new(gate, up, down, w.device.is_cuda())
+        let mut mlp = Self::new(gate, up, down, w.device.is_cuda())?;
+        mlp.fp8_fused = w.fp8_fused;
+        Ok(mlp)
     }
 
     pub fn new(gate: Linear, up: Linear, down: Linear, fuse: bool) -> Result<Self, EngineError> {
@@ -43,10 +49,14 @@ impl GatedMlp {
             let _ = fuse;
             GateUp::Separate { gate, up }
         };
-        Ok(GatedMlp { gate_up, down })
+        Ok(GatedMlp { gate_up, down, fp8_fused: true })
     }
 
     pub fn forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let GateUp::Fused(l) = &self.gate_up {
+            return self.down.forward_silu_mul(&l.forward(h)?, self.fp8_fused);
+        }
         let act = match &self.gate_up {
             GateUp::Separate { gate, up } => {
                 let (g, u) = (gate.forward(h)?, up.forward(h)?);
@@ -55,9 +65,6 @@ impl GatedMlp {
                     None => (candle_nn::ops::silu(&g)? * u)?,
                 }
             }
-            #[cfg(feature = "cuda")]
-            GateUp::Fused(l) => crate::engine::cuda::ops::silu_mul(&l.forward(h)?)?,
-            #[cfg(not(feature = "cuda"))]
             GateUp::Fused(_) => candle_core::bail!("fused gate/up needs the cuda feature"),
         };
         self.down.forward(&act)

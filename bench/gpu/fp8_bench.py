@@ -196,7 +196,14 @@ def main():
                          "(bench/gpu/prepare_hybrid.py, taps spread as DFlash spreads them)")
     ap.add_argument("--layers", type=int, default=16, help="27b: decoder layers")
     ap.add_argument("--profile", action="store_true", help="one more run of each checkpoint with LAYERTAP_PROFILE=1")
+    ap.add_argument("--quantise", nargs=2, metavar=("BF16_DIR", "FP8_DIR"),
+                    help="only write the FP8 release layout of the bf16 checkpoint BF16_DIR to FP8_DIR")
     a = ap.parse_args()
+    if a.quantise:
+        t0 = time.time()
+        quantise_checkpoint(*a.quantise)
+        log(step="quantise", src=a.quantise[0], dst=a.quantise[1], seconds=round(time.time() - t0, 1))
+        return
     os.makedirs(a.work, exist_ok=True)
     t0 = time.time()
     if a.shape == "8b":

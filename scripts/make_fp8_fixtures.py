@@ -2,8 +2,10 @@
 """Generate tiny random-weight checkpoints in the layout of Qwen's block-wise FP8 releases, plus
 reference hidden states, used by the Rust test-suite (tests/fp8.rs): Qwen3 (scales in bf16, with
 one projection kept in bf16, and in f32), Llama (f16 scales), Qwen3-MoE (per-expert FP8
-experts, bf16 router) and Qwen3.5 text (Gated DeltaNet in_proj_qkv / in_proj_z / out_proj in FP8;
-needs the pure-torch path, as scripts/make_hybrid_fixtures.py does).
+experts, bf16 router), Qwen3.5 text (Gated DeltaNet in_proj_qkv / in_proj_z / out_proj in FP8),
+Qwen3.5-MoE text (the same, with per-expert FP8 experts and an FP8 shared expert) and Qwen3-Next
+(its fused in_proj_qkvz in FP8, grouped per key head, in_proj_ba in bf16). The hybrids need the
+pure-torch path, as scripts/make_hybrid_fixtures.py does.
 
 The releases' scheme (config.json `quantization_config`: quant_method "fp8", fmt "e4m3",
 activation_scheme "dynamic", weight_block_size [128, 128]):
@@ -37,13 +39,16 @@ test: the layers add a few per cent to a residual stream of std 1 (EMBED_SCALE, 
 quantisation altogether moves them by ~2e-3); and the weight seed of each variant is the first
 from WEIGHT_SEED on for which no activation of magnitude 8 or more (an e4m3 step of 1 or more)
 lies closer to a rounding boundary than 3 times the rms difference between float32 and float64
-over its group of 128 (`close_calls`). reference.json records the seed.
+over its group of 128 (`close_calls`), and, in the MoE variants, no token's k-th and (k+1)-th
+router probabilities lie closer than MIN_ROUTER_GAP (a near tie would choose another expert under
+the same last-bit differences). reference.json records the seed.
 
 Pinned package versions: scripts/requirements-fixtures.txt. As for make_fixtures.py, the committed
 files were generated with torch's AVX2 CPU kernels (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine).
 Usage: python scripts/make_fp8_fixtures.py [--out tests/fixtures/fp8] [--only VARIANT ...]
 """
 
+import contextlib
 import os
 
 import torch
@@ -52,11 +57,15 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from fixture_common import (
@@ -95,16 +104,22 @@ SEED_TRIES = 400
 # between float32 and float64 over its group (make_variant).
 MARGIN = 3.0
 CHECKED_FROM = 8.0
+# ... and, where there are experts, when every token's k-th router probability exceeds its
+# (k+1)-th by at least this much.
+MIN_ROUTER_GAP = 1e-4
 
 # Embeddings of std 1 under projections of std 0.02 (initializer_range): each layer adds a few per
 # cent to the residual stream, as in trained models, so one activation rounded the other way by
 # a last-bit difference moves the states by ~1e-5, not ~1e-3 (see make_variant).
 EMBED_SCALE = 50.0
 
-# The Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj are quantised in the releases; its
-# in_proj_a / in_proj_b (and conv1d, A_log, dt_bias, norm) stay bf16 (A_log and the norm f32).
+# The Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj (Qwen3-Next: in_proj_qkvz) are
+# quantised in the releases; its in_proj_a / in_proj_b (Qwen3-Next: in_proj_ba), conv1d, A_log,
+# dt_bias and norm stay bf16 (A_log and the norm f32). The MoE releases quantise every expert and
+# the shared expert (gate_proj, up_proj, down_proj); the router (mlp.gate) and
+# mlp.shared_expert_gate stay bf16.
 QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
-             "out_proj")
+             "in_proj_qkvz", "out_proj")
 
 COMMON = dict(
     num_hidden_layers=2,
@@ -191,6 +206,64 @@ VARIANTS = {
         keep_bf16=[],
         modules_to_not_convert=["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b"],
     ),
+    # Qwen3.5-MoE text (the layout of Qwen3.6-35B-A3B-FP8's decoder): as qwen3_5_f32_scales, with
+    # four experts (top 2) and a gated shared expert in both layers; the experts are quantised and
+    # written one module per expert (mlp.experts.{e}.{gate,up,down}_proj), the shared expert's
+    # projections quantised, the router and shared_expert_gate kept bf16.
+    "qwen3_5_moe_f32_scales": dict(
+        config_cls=Qwen3_5MoeTextConfig,
+        model_cls=Qwen3_5MoeForCausalLM,
+        drop_common=["intermediate_size"],  # no dense MLP: every layer has experts
+        kwargs=dict(
+            tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[8, 4, 4], mrope_interleaved=True),
+        ),
+        hybrid=True,
+        scale_dtype=torch.float32,
+        keep_bf16=[],
+        modules_to_not_convert=["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.gate",
+                                "mlp.shared_expert_gate"],
+    ),
+    # Qwen3-Next (the layout of Qwen3-Next-80B-A3B-FP8): the Gated DeltaNet's fused in_proj_qkvz
+    # quantised as stored, its rows grouped per key head (two key heads of two value heads each,
+    # head dims 128: every part of a group is whole 128-row blocks, as in the release), in_proj_ba
+    # kept bf16; experts in both layers as in qwen3_5_moe_f32_scales; scales in bf16.
+    "qwen3_next_bf16_scales": dict(
+        config_cls=Qwen3NextConfig,
+        model_cls=Qwen3NextForCausalLM,
+        kwargs=dict(
+            tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        ),
+        hybrid=True,
+        scale_dtype=torch.bfloat16,
+        keep_bf16=[],
+        modules_to_not_convert=["lm_head", "linear_attn.in_proj_ba", "mlp.gate", "mlp.shared_expert_gate"],
+    ),
 }
 
 
@@ -262,7 +335,8 @@ def build(spec, seed):
     checkpoint's tensors. Returns (model, tensors, quantised module names, each quantiser call's clamped x / s, norms
     perturbed)."""
     torch.manual_seed(seed)
-    cfg = spec["config_cls"](**COMMON, **spec["kwargs"], attn_implementation="eager")
+    common = {k: v for k, v in COMMON.items() if k not in spec.get("drop_common", [])}
+    cfg = spec["config_cls"](**common, **spec["kwargs"], attn_implementation="eager")
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     model = spec["model_cls"](cfg).float().eval()
@@ -277,6 +351,9 @@ def build(spec, seed):
             for name, mod in model.named_modules():
                 if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in QUANTISED:
                     mod.weight.mul_(0.02 / hybrid.LINEAR_STD)
+                elif isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter):
+                    mod.gate_up_proj.mul_(0.02 / hybrid.LINEAR_STD)
+                    mod.down_proj.mul_(0.02 / hybrid.LINEAR_STD)
             model.get_input_embeddings().weight.mul_(1.0 / hybrid.EMBED_STD)
     else:
         n_norm = perturb_norms(model, torch.Generator().manual_seed(seed + 1))
@@ -361,6 +438,24 @@ def quantise_experts(name, mod, spec, tensors, captured):
     mod.forward = forward
 
 
+@contextlib.contextmanager
+def router_gaps(model):
+    """Collects, while the block runs, each router call's smallest gap between a token's k-th and
+    (k+1)-th softmax probabilities (none where the model has no experts)."""
+    gaps = []
+
+    def hook(mod, _inp, out):
+        probs = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True).values
+        gaps.append(float((probs[:, mod.top_k - 1] - probs[:, mod.top_k]).min()))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    try:
+        yield gaps
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def run_reference(model, ids):
     base = model.model
@@ -387,14 +482,17 @@ def make_variant(name, spec, out_dir):
     seqs = random_sequences(COMMON["vocab_size"], SEQ_LENGTHS, SEQ_SEED)
     for seed in range(WEIGHT_SEED, WEIGHT_SEED + SEED_TRIES):
         model, tensors, quantised, captured, n_norm = build(spec, seed)
-        results = [run_reference(model, ids) for ids in seqs]
+        with router_gaps(model) as gaps:
+            results = [run_reference(model, ids) for ids in seqs]
+        if gaps and min(gaps) < MIN_ROUTER_GAP:
+            continue
         wide = float64_activations(spec, seed, seqs)
         assert len(wide) == len(captured)
         if sum(close_calls(v, w) for v, w in zip(captured, wide)) == 0:
             break
     else:
         raise SystemExit(f"{name}: no weight seed in {SEED_TRIES} tries keeps the activations off the e4m3 "
-                         "rounding boundaries")
+                         "rounding boundaries (and the routers off ties)")
     cfg = model.config
     # Every projection is listed in modules_to_not_convert or quantised, never both.
     listed = spec["modules_to_not_convert"] or []
@@ -424,8 +522,9 @@ def make_variant(name, spec, out_dir):
     L = cfg.num_hidden_layers
     if spec.get("hybrid"):
         randomised = ("every parameter randomised by scripts/make_hybrid_fixtures.py's randomise() (generator seeded "
-                      "weight_seed + 1; pure-torch Gated DeltaNet), then the quantised projections rescaled to std "
-                      "0.02 and the embeddings to std 1; A_log and linear_attn.norm.weight stored in float32")
+                      "weight_seed + 1; pure-torch Gated DeltaNet), then the quantised projections"
+                      f"{' (the experts too)' if gaps else ''} rescaled to std 0.02 and the embeddings to std 1; "
+                      "A_log and linear_attn.norm.weight stored in float32")
     else:
         randomised = ("initializer_range 0.02; RMSNorm weights multiplied by (1 + 0.1*randn) (generator seeded "
                       f"weight_seed + 1), embeddings by {EMBED_SCALE}")
@@ -443,6 +542,7 @@ def make_variant(name, spec, out_dir):
         "kept_bf16": spec["keep_bf16"],
         "activations_quantised": sum(v.numel() for v in captured),
         "activation_margin": f"|x / s| >= {CHECKED_FROM}: {MARGIN} x rms(float32 - float64) per group",
+        **({"min_router_gap": min(gaps)} if gaps else {}),
         "notes": (
             "hidden_states = torch.stack(model.model(input_ids[None], output_hidden_states=True).hidden_states)[:, 0]; "
             "index 0 is the embedding output, index l (1..L) the output of decoder layer l, index L after the final "
@@ -454,7 +554,10 @@ def make_variant(name, spec, out_dir):
             "x_q = e4m3(clamp(x / s, -448, 448)), input x_q * s). weight_seed is the first from "
             f"{WEIGHT_SEED} for which no quantised activation x / s with |x / s| >= {CHECKED_FROM} lies closer to an "
             f"e4m3 rounding boundary than {MARGIN} times the rms difference of x / s between this float32 run and a "
-            "float64 run over its group of 128. input ids: torch.randint(0, vocab_size) with "
+            "float64 run over its group of 128"
+            + (f" and no token's k-th router probability exceeds its (k+1)-th by less than {MIN_ROUTER_GAP}"
+               if gaps else "")
+            + ". input ids: torch.randint(0, vocab_size) with "
             f"torch.Generator().manual_seed({SEQ_SEED}), lengths in order."
         ),
     }

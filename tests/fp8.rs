@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 const TOLERANCE: f64 = 1e-4;
 
 const BF16_SCALES: &str = "fp8/qwen3_bf16_scales";
+const NEXT: &str = "fp8/qwen3_next_bf16_scales";
 const SUPPORTED: &str =
     "supported quantisation: quant_method \"fp8\" with fmt \"e4m3\", activation_scheme \"dynamic\" \
                          and weight_block_size [128, 128]";
@@ -67,7 +68,14 @@ fn every_fp8_checkpoint_matches_transformers_at_every_index_and_final_prenorm() 
         assert!(dtypes.iter().any(|d| d == want), "a fixture with {want} scales: {dtypes:?}");
     }
     let classes: Vec<String> = dirs.iter().map(|d| described(d, "model_class")).collect();
-    for want in ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM"] {
+    for want in [
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+    ] {
         assert!(classes.iter().any(|c| c == want), "a {want} fixture: {classes:?}");
     }
     let mut failures = Vec::new();
@@ -143,13 +151,6 @@ fn every_other_quantisation_scheme_is_refused_naming_the_one_supported() {
         let msg = refusal(dir.path()).unwrap_or_else(|| panic!("{q} must be refused"));
         assert!(msg.contains(names) && msg.contains(SUPPORTED), "{q}: {msg}");
     }
-    // The scheme itself, on a family whose FP8 layout is not read yet.
-    let dir = with_config("tiny/qwen3_next_per_expert", |c| {
-        c["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "weight_block_size": [128, 128]});
-    });
-    let msg = refusal(dir.path()).unwrap_or_default();
-    assert!(msg.contains("Qwen3NextForCausalLM") && msg.contains("not read yet"), "{msg}");
     // compressed-tensors' older key, whatever it says.
     let dir = with_config(BF16_SCALES, |c| c["compression_config"] = json!({"quant_method": "fp8"}));
     assert!(refusal(dir.path()).is_some_and(|m| m.contains("compression_config") && m.contains(SUPPORTED)));
@@ -220,17 +221,57 @@ fn checkpoints_that_contradict_their_fp8_config_are_refused_naming_the_tensor() 
     let msg = refusal(dir.path()).unwrap_or_default();
     assert!(msg.contains(&format!("{experts}.down_proj")) && msg.contains("F8_E4M3"), "{msg}");
     // An FP8 config over float weights: transformers would quantise them as it loads; layertap
-    // does not quantise.
-    let dir = edited_fixture(
-        &fixtures().join("tiny/qwen3_qknorm"),
-        |_| {},
-        |c| {
-            c["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                              "weight_block_size": [128, 128]});
-        },
-    );
-    let msg = refusal(dir.path()).unwrap_or_default();
-    assert!(msg.contains("no decoder weight") && msg.contains("F8_E4M3"), "{msg}");
+    // does not quantise, whatever the family.
+    for tiny in ["tiny/qwen3_qknorm", "tiny/qwen3_next_per_expert"] {
+        let dir = edited_fixture(
+            &fixtures().join(tiny),
+            |_| {},
+            |c| {
+                c["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
+                                                  "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
+            },
+        );
+        let msg = refusal(dir.path()).unwrap_or_default();
+        assert!(msg.contains("no decoder weight") && msg.contains("F8_E4M3"), "{tiny}: {msg}");
+    }
     // The fixtures themselves load (the edits above are what is refused).
     assert_eq!(refusal(&fixtures().join(BF16_SCALES)), None);
+}
+
+/// A Qwen3-Next FP8 checkpoint's fused `in_proj_qkvz` is regrouped per key head in whole 128-row
+/// blocks; dimensions that would split a block between q, k, v and z (a key head dim, or value
+/// rows per key head, not a multiple of 128) are refused at load, naming them.
+#[test]
+fn qwen3_next_fp8_whose_groups_split_a_block_is_refused_naming_the_dimensions() {
+    let qkvz = "model.layers.0.linear_attn.in_proj_qkvz";
+    // (linear_key_head_dim, linear_num_value_heads, linear_value_head_dim) over 2 key heads, and
+    // what the message says of them.
+    let cases = [
+        (64, 4, 128, ["linear_key_head_dim (64)", "2 x 128 = 256"]),
+        (128, 2, 64, ["linear_key_head_dim (128)", "1 x 64 = 64"]),
+    ];
+    for (dk, nv, dv, said) in cases {
+        // The config and in_proj_qkvz agree with each other (the other tensors are never reached).
+        let rows = 2 * (2 * dk + 2 * (nv / 2) * dv);
+        let dir = edited_fixture(
+            &fixtures().join(NEXT),
+            |ts| {
+                let w = ts.iter_mut().find(|t| t.0 == format!("{qkvz}.weight")).unwrap();
+                (w.2, w.3) = (vec![rows, 128], vec![0x38; rows * 128]);
+                let s = ts.iter_mut().find(|t| t.0 == format!("{qkvz}.weight_scale_inv")).unwrap();
+                (s.2, s.3) = (vec![rows.div_ceil(128), 1], vec![0x3c; 2 * rows.div_ceil(128)]);
+            },
+            |c| {
+                c["linear_key_head_dim"] = json!(dk);
+                c["linear_num_value_heads"] = json!(nv);
+                c["linear_value_head_dim"] = json!(dv);
+            },
+        );
+        let msg = refusal(dir.path()).unwrap_or_default();
+        assert!(msg.contains(qkvz) && msg.contains("128-row blocks"), "{msg}");
+        for s in said {
+            assert!(msg.contains(s), "{s:?} in {msg}");
+        }
+    }
+    assert_eq!(refusal(&fixtures().join(NEXT)), None);
 }

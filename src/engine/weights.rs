@@ -58,6 +58,32 @@ pub struct Fp8Host<'a> {
     pub k: usize,
 }
 
+impl Fp8Host<'_> {
+    /// The projection whose rows are `ranges` of this one's, in that order, owned: each range
+    /// starts on a 128-row block boundary and spans whole blocks (the last range may end at the
+    /// last row), so its rows keep their block scales and the scale rows move with them. A range
+    /// that cuts a block would need scales the checkpoint does not hold, and is an error.
+    pub fn gather_rows(&self, ranges: &[std::ops::Range<usize>]) -> Result<Fp8Host<'static>, EngineError> {
+        let blocks_k = self.k.div_ceil(FP8_BLOCK);
+        let (mut bytes, mut scale) = (Vec::new(), Vec::new());
+        for (i, r) in ranges.iter().enumerate() {
+            let last = i + 1 == ranges.len() && r.end == self.n;
+            let whole = r.start.is_multiple_of(FP8_BLOCK) && (r.end.is_multiple_of(FP8_BLOCK) || last);
+            if r.start > r.end || r.end > self.n || !whole {
+                return Err(EngineError::Load(format!(
+                    "rows {r:?} of an FP8 projection with {} rows are not whole {FP8_BLOCK}-row blocks",
+                    self.n
+                )));
+            }
+            bytes.extend_from_slice(&self.bytes[r.start * self.k..r.end * self.k]);
+            let (b0, b1) = (r.start / FP8_BLOCK, r.end.div_ceil(FP8_BLOCK));
+            scale.extend_from_slice(&self.scale[b0 * blocks_k..b1 * blocks_k]);
+        }
+        let n = ranges.iter().map(|r| r.end - r.start).sum();
+        Ok(Fp8Host { bytes: std::borrow::Cow::Owned(bytes), scale, n, k: self.k })
+    }
+}
+
 /// Checkpoint parts outside the text decoder that are never read and may hold anything (a
 /// vision tower, a multi-token-prediction head, the output head).
 const IGNORED_PREFIXES: &[&str] = &[
@@ -517,5 +543,34 @@ impl Weights {
             "tensor {full:?} is missing from {}; the checkpoint is incomplete or does not match config.json",
             self.where_from()
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An FP8 projection of `n` rows (at most 8 blocks) and 128 columns whose bytes in row i are
+    /// `32 * block + i % 32`, and whose block scales are the block indices.
+    fn numbered(n: usize) -> Fp8Host<'static> {
+        let bytes = (0..n).flat_map(|i| vec![(32 * (i / FP8_BLOCK) + i % 32) as u8; FP8_BLOCK]).collect();
+        let scale = (0..n.div_ceil(FP8_BLOCK)).map(|b| b as f32).collect();
+        Fp8Host { bytes: std::borrow::Cow::Owned(bytes), scale, n, k: FP8_BLOCK }
+    }
+
+    #[test]
+    fn gathered_rows_move_with_their_block_scales() {
+        let w = numbered(4 * FP8_BLOCK + 5);
+        let g = w.gather_rows(&[256..384, 0..128, 512..517]).unwrap();
+        assert_eq!((g.n, g.k), (261, FP8_BLOCK));
+        assert_eq!(g.scale, [2.0, 0.0, 4.0]);
+        let first_of_row = |i: usize| g.bytes[i * FP8_BLOCK];
+        assert_eq!([first_of_row(0), first_of_row(127), first_of_row(128), first_of_row(260)], [64, 95, 0, 132]);
+        assert_eq!(g.bytes[..FP8_BLOCK * FP8_BLOCK], w.bytes[256 * FP8_BLOCK..384 * FP8_BLOCK]);
+        assert_eq!(g.bytes[2 * FP8_BLOCK * FP8_BLOCK..], w.bytes[512 * FP8_BLOCK..]);
+        // Rows that cut a block, a partial block anywhere but last, or rows past the end, are refused.
+        for bad in [[0..128, 64..192], [0..100, 128..256], [512..517, 0..128], [0..128, 0..1000]] {
+            assert!(w.gather_rows(&bad).is_err(), "{bad:?}");
+        }
     }
 }

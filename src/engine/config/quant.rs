@@ -58,25 +58,37 @@ impl Quantization {
     }
 }
 
-/// The families whose FP8 checkpoints are read: those of attention + MLP layers, Qwen3-MoE
-/// (experts stored one module per expert, as its FP8 releases do; FP8 experts fused into 3-D
-/// tensors are refused as a dtype the loader does not read) and the dense Qwen3.5 hybrid (its
-/// Gated DeltaNet projections are separate, each read as stored). Qwen3-Next (fused, regrouped
-/// projections) and Qwen3.5-MoE are refused until their FP8 layouts are checked against
-/// references of their own.
-const FP8_FAMILIES: &[Family] =
-    &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3, Family::Qwen3Moe, Family::Qwen3_5];
+/// The families whose FP8 checkpoints are read: those of attention + MLP layers; the MoE families
+/// with experts stored one module per expert, as their FP8 releases do (FP8 experts fused into
+/// 3-D tensors are refused as a dtype the loader does not read); the Qwen3.5 hybrids, dense and
+/// MoE (their Gated DeltaNet projections are separate, each read as stored); and Qwen3-Next,
+/// whose fused `in_proj_qkvz` is regrouped at load in whole 128-row blocks (the FP8 rows with
+/// their block scales). A family added to the engine is refused here until its FP8 layout is
+/// checked against references of its own.
+const FP8_FAMILIES: &[Family] = &[
+    Family::Llama,
+    Family::Mistral,
+    Family::Qwen2,
+    Family::Qwen3,
+    Family::Qwen3Moe,
+    Family::Qwen3Next,
+    Family::Qwen3_5,
+    Family::Qwen3_5Moe,
+];
 
-/// Refuses `q` for a family whose quantised layout is not read yet.
+/// Refuses `q` for a family whose quantised layout is not read yet, naming the architectures
+/// whose FP8 checkpoints are read.
 pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Result<(), EngineError> {
     if FP8_FAMILIES.contains(&family) {
         return Ok(());
     }
+    let read: Vec<&str> =
+        super::ARCHITECTURES.iter().filter(|(_, f)| FP8_FAMILIES.contains(f)).map(|(a, _)| *a).collect();
     Err(bad(format!(
-        "config.json: {} checkpoints of {architecture} are not read yet (only those of LlamaForCausalLM, \
-         MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and the dense Qwen3.5: \
-         Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM); use the model's unquantised (bf16) release",
-        q.describe()
+        "config.json: {} checkpoints of {architecture} are not read yet (only those of {}); use the model's \
+         unquantised (bf16) release",
+        q.describe(),
+        read.join(", ")
     )))
 }
 

@@ -23,7 +23,9 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         anyhow::bail!("give at least one --input-ids or --text");
     }
     let device = engine::parse_device(&a.device)?;
-    let (mut model, tok_src) = engine::load(&a.model, &device, a.dtype.candle())?;
+    let files = engine::loader::ModelFiles::locate(&a.model)?.quantize(a.quantize)?;
+    let mut model = files.load(&device, a.dtype.candle())?;
+    let tok_src = files.tokenizer_source()?;
     let tok = TextTokenizer::from_source(&tok_src)?;
     let layers = LayerSet::resolve(&a.layers, model.info.num_layers).map_err(anyhow::Error::msg)?;
     let seqs = inputs.iter().map(|i| i.tokenize(tok.as_ref())).collect::<Result<Vec<_>, _>>()?;

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::answer::LayerRef;
-use crate::engine::{ComputeDType, OutDType};
+use crate::engine::{ComputeDType, OutDType, Quantize};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -54,6 +54,12 @@ pub struct BenchArgs {
     /// Compute and output dtype.
     #[arg(long, default_value = "f32")]
     pub dtype: ComputeDType,
+    /// Quantise the float checkpoint's projections at load: fp8 is Qwen's block-wise FP8
+    /// (e4m3 weights in 128x128 blocks, dynamic per-token fp8 activations; attention, MLP and
+    /// expert projections, the Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj). Reads
+    /// safetensors checkpoints with float weights only.
+    #[arg(long, value_enum)]
+    pub quantize: Option<Quantize>,
     /// Most tokens per forward pass.
     #[arg(long, default_value_t = 4096)]
     pub max_batch_tokens: usize,
@@ -88,6 +94,12 @@ pub struct ExtractArgs {
     /// Compute and output dtype: f32, bf16, f16 (or float32, bfloat16, float16).
     #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
     pub dtype: ComputeDType,
+    /// Quantise the float checkpoint's projections at load: fp8 is Qwen's block-wise FP8
+    /// (e4m3 weights in 128x128 blocks, dynamic per-token fp8 activations; attention, MLP and
+    /// expert projections, the Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj). Reads
+    /// safetensors checkpoints with float weights only.
+    #[arg(long, value_enum, env = "LAYERTAP_QUANTIZE")]
+    pub quantize: Option<Quantize>,
     /// Output dtype if different from the compute dtype (also fp8: float8_e4m3fn with one scale
     /// per token and layer, quantised on the device).
     #[arg(long = "out-dtype")]

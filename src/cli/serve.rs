@@ -3,7 +3,7 @@
 
 use clap::Args;
 
-use crate::engine::ComputeDType;
+use crate::engine::{ComputeDType, Quantize};
 
 /// What the start-up self-check does with its verdict (see `--selfcheck`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -50,6 +50,12 @@ pub struct ServeArgs {
     /// Compute dtype (also the default output dtype): f32, bf16 or f16.
     #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
     pub dtype: ComputeDType,
+    /// Quantise the float checkpoint's projections at load: fp8 is Qwen's block-wise FP8
+    /// (e4m3 weights in 128x128 blocks, dynamic per-token fp8 activations; attention, MLP and
+    /// expert projections, the Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj). Reads
+    /// safetensors checkpoints with float weights only.
+    #[arg(long, value_enum, env = "LAYERTAP_QUANTIZE")]
+    pub quantize: Option<Quantize>,
     /// Most tokens in one forward pass (a longer input runs alone). Default: 1024 on CPU; on CUDA sized from free memory after loading.
     #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]
     pub max_batch_tokens: Option<usize>,

@@ -7,7 +7,8 @@ use std::time::Duration;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 
-use super::config::ModelConfig;
+use super::config::quant::{Quantization, Quantize};
+use super::config::{GdnLayout, ModelConfig};
 use super::decoder::Decoder;
 use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
 use super::options::EngineOptions;
@@ -203,6 +204,36 @@ impl ModelFiles {
         Ok(ModelFiles { id, files: Files::Hf { config, shards }, root: Some(dir) })
     }
 
+    /// These files with their float projections quantised at load as `quantize` says
+    /// (`--quantize`; `None` leaves them as they are): every later load from them, the start-up
+    /// self-check's reference included, reads the projections so, and the config says so
+    /// (`/v1/info`). Refused for a GGUF file and for a checkpoint that declares its own
+    /// quantisation.
+    pub fn quantize(mut self, quantize: Option<Quantize>) -> Result<Self, EngineError> {
+        let Some(q) = quantize else { return Ok(self) };
+        let flag = q.flag();
+        match &mut self.files {
+            Files::Gguf { .. } => Err(err(format!(
+                "{flag} reads safetensors checkpoints (float32, float16 or bfloat16 weights in a Hugging Face \
+                 folder or hub repo); {:?} is a GGUF file, read in the types it stores: drop {flag}, or pass the \
+                 model's safetensors checkpoint",
+                self.id
+            ))),
+            Files::Hf { config, .. } => match &config.quantization {
+                Some(declared) => Err(err(format!(
+                    "{flag} quantises float checkpoints, and the config.json of {:?} already declares its own \
+                     quantization_config ({}): the checkpoint is read as it is quantised; drop {flag}",
+                    self.id,
+                    declared.describe()
+                ))),
+                None => {
+                    config.quantization = Some(q.scheme());
+                    Ok(self)
+                }
+            },
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         match &self.files {
             Files::Hf { config, .. } | Files::Gguf { config, .. } => config,
@@ -281,6 +312,14 @@ impl ModelFiles {
         if let Some(paths) = weights.fp8_summary() {
             tracing::info!(model = %self.id, device = ?device, "FP8 projections: {paths}");
             info.quantization = info.quantization.map(|q| format!("{q}; projections: {paths}"));
+        }
+        let fused_gdn = config.linear_attention.as_ref().is_some_and(|d| d.layout == GdnLayout::Fused);
+        if config.quantization == Some(Quantization::Fp8AtLoad) && fused_gdn {
+            tracing::info!(
+                model = %self.id,
+                "--quantize fp8 keeps the Gated DeltaNet's fused in_proj_qkvz (and in_proj_ba) in float: their rows \
+                 are regrouped per key head at load"
+            );
         }
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }

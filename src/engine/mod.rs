@@ -26,6 +26,7 @@ pub mod weights;
 pub use candle_core::{DType, Device};
 
 pub use budget::tokens_for_memory;
+pub use config::quant::Quantize;
 pub use config::{Family, LayerKinds, ModelConfig, ARCHITECTURES};
 pub use device::{cuda_device_count, device_memory, parse_device, MemoryProbe};
 pub use dtype::{ComputeDType, OutDType};

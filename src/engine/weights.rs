@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
-use super::config::quant::{Quantization, FP8_BLOCK};
+use super::config::quant::{quantised_at_load, Quantization, FP8_BLOCK};
 use super::EngineError;
 
 pub enum TensorSource {
@@ -34,6 +34,9 @@ pub struct Weights {
     pub fp8_fused: bool,
     /// How many FP8 projections were loaded for each way of multiplying them.
     fp8_paths: Mutex<std::collections::BTreeMap<String, usize>>,
+    /// Under [`Quantization::Fp8AtLoad`]: how many projections it names stayed in float because
+    /// their input features are not a multiple of 128.
+    kept_float: std::sync::atomic::AtomicUsize,
 }
 
 /// The dtypes the loader reads a parameter from: floating-point weights, cast to the compute
@@ -84,6 +87,60 @@ impl Fp8Host<'_> {
     }
 }
 
+/// A fused experts tensor `[E, parts * N, K]` quantised at load ([`Quantization::Fp8AtLoad`])
+/// one `[N, K]` projection at a time, so only one expert's bytes are held besides the
+/// memory-mapped floats.
+pub struct Fp8Stacked<'a> {
+    name: String,
+    data: &'a [u8],
+    dtype: DType,
+    /// Projections per expert along the rows (2 for `gate_up_proj`: gate, then up).
+    pub parts: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Fp8Stacked<'_> {
+    /// Part `part` of expert `expert` (rows `part * N .. (part + 1) * N` of its `[parts * N, K]`).
+    pub fn get(&self, expert: usize, part: usize) -> Result<Fp8Host<'static>, EngineError> {
+        let (n, k) = (self.n, self.k);
+        let at = (expert * self.parts + part) * n * k;
+        let (bytes, scale) = quantise_float(self.data, self.dtype, at, n, k).ok_or_else(|| non_finite(&self.name))?;
+        Ok(Fp8Host { bytes: std::borrow::Cow::Owned(bytes), scale, n, k })
+    }
+}
+
+/// Elements `at .. at + n * k` of the little-endian float tensor `data` (`dtype`: f32, f16,
+/// bf16 or f64) as an `[n, k]` weight quantised to FP8 blocks
+/// ([`crate::engine::layers::fp8::quantise_weight_with`]); `None` where a value is not finite
+/// (or the dtype is not one of those, which the callers check first).
+fn quantise_float(data: &[u8], dtype: DType, at: usize, n: usize, k: usize) -> Option<(Vec<u8>, Vec<f32>)> {
+    use crate::engine::layers::fp8::quantise_weight_with as quantise;
+    let bytes = |i: usize, size: usize| &data[(at + i) * size..(at + i + 1) * size];
+    let two = |i: usize| u16::from_le_bytes([data[2 * (at + i)], data[2 * (at + i) + 1]]);
+    match dtype {
+        DType::F32 => quantise(n, k, |i| f32::from_le_bytes(bytes(i, 4).try_into().unwrap_or_default())),
+        DType::BF16 => quantise(n, k, |i| half::bf16::from_bits(two(i)).to_f32()),
+        DType::F16 => quantise(n, k, |i| half::f16::from_bits(two(i)).to_f32()),
+        DType::F64 => quantise(n, k, |i| f64::from_le_bytes(bytes(i, 8).try_into().unwrap_or_default()) as f32),
+        _ => None,
+    }
+}
+
+/// A float tensor of the checkpoint: its full name, little-endian bytes and dtype.
+struct FloatTensor<'a> {
+    full: String,
+    data: &'a [u8],
+    dtype: DType,
+}
+
+fn non_finite(full: &str) -> EngineError {
+    EngineError::Load(format!(
+        "tensor {full:?} holds a value that is not finite (NaN or infinity), so it has no FP8 block scale: \
+         --quantize fp8 cannot quantise it"
+    ))
+}
+
 /// Checkpoint parts outside the text decoder that are never read and may hold anything (a
 /// vision tower, a multi-token-prediction head, the output head).
 const IGNORED_PREFIXES: &[&str] = &[
@@ -130,6 +187,7 @@ impl Weights {
             fp8_gemm: true,
             fp8_fused: true,
             fp8_paths: Mutex::default(),
+            kept_float: Default::default(),
         }
     }
 
@@ -341,12 +399,14 @@ impl Weights {
                 return Err(self.unreadable(name, &format!("{:?}", view.dtype())));
             }
         }
-        if let (Some(q), 0) = (&self.quantization, fp8_weights) {
-            // transformers would quantise such weights as it loads them; layertap does not.
+        if let (Some(q @ Quantization::Fp8Block { .. }), 0) = (&self.quantization, fp8_weights) {
+            // transformers would quantise such weights as it loads them; layertap does so only when
+            // asked (`--quantize fp8`), not because a config says so.
             return Err(EngineError::Load(format!(
                 "config.json declares {} but no decoder weight in {} is stored as F8_E4M3 with a weight_scale_inv; \
-                 layertap reads FP8 projections as the checkpoint stores them and does not quantise float weights, \
-                 so it refuses the checkpoint rather than compute something else than the config says",
+                 layertap reads FP8 projections as the checkpoint stores them, so it refuses the checkpoint rather \
+                 than compute something else than the config says (to quantise float weights at load, remove the \
+                 quantization_config and pass --quantize fp8)",
                 q.describe(),
                 self.where_from()
             )));
@@ -359,7 +419,7 @@ impl Weights {
     /// `None` for any other tensor. Either half without the other, a scale in another dtype, or
     /// an FP8 projection that config.json lists in `modules_to_not_convert`, is refused.
     fn fp8_part(&self, tensors: &MmapedSafetensors, full: &str) -> Result<Option<Fp8Part>, EngineError> {
-        let Some(q) = &self.quantization else { return Ok(None) };
+        let Some(q @ Quantization::Fp8Block { .. }) = &self.quantization else { return Ok(None) };
         let dtype = |name: &str| tensors.get(name).ok().map(|v| (DType::try_from(v.dtype()).ok(), v.dtype()));
         let (module, part) = if let Some(m) = full.strip_suffix(".weight_scale_inv") {
             (m, Fp8Part::Scale)
@@ -403,12 +463,103 @@ impl Weights {
     }
 
     /// For the FP8 projection `name` (an `F8_E4M3` `[N, K]` weight with its `weight_scale_inv`
-    /// `[ceil(N/128), ceil(K/128)]`): its bytes and its scales in f32, checked. `None` where
-    /// `name` is stored as floats.
+    /// `[ceil(N/128), ceil(K/128)]`): its bytes and its scales in f32, checked. Under
+    /// [`Quantization::Fp8AtLoad`], the float weight `name` quantised, where
+    /// [`quantised_at_load`] names it and its input features are a multiple of 128. `None` where
+    /// `name` is to be read as floats.
     pub fn get_fp8(&self, name: &str, shape: &[usize]) -> Result<Option<Fp8Host<'_>>, EngineError> {
-        let (Some(_), TensorSource::Safetensors { tensors, .. }) = (&self.quantization, &self.source) else {
+        let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(None) };
+        match &self.quantization {
+            None => Ok(None),
+            Some(Quantization::Fp8AtLoad) => self.quantise_at_load(tensors, name, shape),
+            Some(Quantization::Fp8Block { .. }) => self.read_fp8(tensors, name, shape),
+        }
+    }
+
+    /// The float `[N, K]` weight `name` quantised to FP8 blocks, where `--quantize fp8` quantises
+    /// it (see [`Weights::get_fp8`]); a projection it names whose `K` is not a multiple of 128 is
+    /// counted as kept in float.
+    fn quantise_at_load(
+        &self,
+        tensors: &MmapedSafetensors,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<Fp8Host<'static>>, EngineError> {
+        let Some(FloatTensor { full, data, dtype }) = self.float_to_quantise(tensors, name, shape)? else {
             return Ok(None);
         };
+        let &[n, k] = shape else {
+            return Err(EngineError::Load(format!("{full:?}: FP8 weights of 2-D projections only")));
+        };
+        if !k.is_multiple_of(FP8_BLOCK) {
+            self.kept_float.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(None);
+        }
+        let (bytes, scale) = quantise_float(data, dtype, 0, n, k).ok_or_else(|| non_finite(&full))?;
+        self.mark_read(&full);
+        Ok(Some(Fp8Host { bytes: std::borrow::Cow::Owned(bytes), scale, n, k }))
+    }
+
+    /// Under [`Quantization::Fp8AtLoad`]: the experts fused into the 3-D tensor `name`
+    /// (`[E, parts * N, K]`: `gate_up_proj` with `parts` 2, `down_proj` with 1), to be quantised
+    /// one projection of one expert at a time, as the releases store them. `None` elsewhere, and
+    /// where `K` is not a multiple of 128 (its `E * parts` projections counted as kept in float).
+    pub fn get_fp8_stacked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        parts: usize,
+    ) -> Result<Option<Fp8Stacked<'_>>, EngineError> {
+        let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(None) };
+        if self.quantization != Some(Quantization::Fp8AtLoad) {
+            return Ok(None);
+        }
+        let Some(FloatTensor { full, data, dtype }) = self.float_to_quantise(tensors, name, shape)? else {
+            return Ok(None);
+        };
+        let &[e, rows, k] = shape else {
+            return Err(EngineError::Load(format!("{full:?}: experts fused into a 3-D tensor only")));
+        };
+        if parts == 0 || !rows.is_multiple_of(parts) {
+            return Err(EngineError::Load(format!("{full:?}: {rows} rows do not split into {parts} projections")));
+        }
+        if !k.is_multiple_of(FP8_BLOCK) {
+            self.kept_float.fetch_add(e * parts, std::sync::atomic::Ordering::Relaxed);
+            return Ok(None);
+        }
+        self.mark_read(&full);
+        Ok(Some(Fp8Stacked { name: full, data, dtype, parts, n: rows / parts, k }))
+    }
+
+    /// The float tensor `name` that `--quantize fp8` quantises (shape checked): its full name,
+    /// bytes and dtype; `None` where [`quantised_at_load`] does not name it.
+    fn float_to_quantise<'t>(
+        &self,
+        tensors: &'t MmapedSafetensors,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<FloatTensor<'t>>, EngineError> {
+        if !quantised_at_load(name) {
+            return Ok(None);
+        }
+        let full = self.full_name(name);
+        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
+        let Some(dtype) = DType::try_from(view.dtype()).ok().filter(|d| FLOAT_DTYPES.contains(d)) else {
+            return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
+        };
+        if view.shape() != shape {
+            return Err(self.shape_mismatch(&full, view.shape(), shape));
+        }
+        Ok(Some(FloatTensor { full, data: view.data(), dtype }))
+    }
+
+    /// The checkpoint's FP8 projection `name` (see [`Weights::get_fp8`]).
+    fn read_fp8<'t>(
+        &self,
+        tensors: &'t MmapedSafetensors,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<Fp8Host<'t>>, EngineError> {
         let full = self.full_name(name);
         let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
         if DType::try_from(view.dtype()).ok() != Some(DType::F8E4M3) {
@@ -454,17 +605,35 @@ impl Weights {
     }
 
     /// How the FP8 projections loaded so far are multiplied ("196 on the FP8 tensor cores
-    /// (...)"), or None where there are none.
+    /// (...)"), and under `--quantize fp8` how many of the projections it names stayed in float
+    /// ("…, 12 kept in float (input features not a multiple of 128)"); None where there are none.
     pub fn fp8_summary(&self) -> Option<String> {
         let p = self.fp8_paths.lock().ok()?;
-        (!p.is_empty()).then(|| p.iter().map(|(path, n)| format!("{n} {path}")).collect::<Vec<_>>().join(", "))
+        let mut paths: Vec<String> = p.iter().map(|(path, n)| format!("{n} {path}")).collect();
+        let kept = self.kept_float.load(std::sync::atomic::Ordering::Relaxed);
+        if kept > 0 {
+            paths.push(format!("{kept} kept in float (input features not a multiple of {FP8_BLOCK})"));
+        }
+        (!paths.is_empty()).then(|| paths.join(", "))
     }
 
-    /// Whether `name` is an FP8 projection's weight (`F8_E4M3` under an FP8 scheme).
+    /// Whether `name` is an FP8 projection's weight: `F8_E4M3` under the checkpoint's FP8
+    /// scheme, or under `--quantize fp8` a float weight it quantises (named by
+    /// [`quantised_at_load`], its input features a multiple of 128; a fused experts tensor
+    /// included).
     pub fn is_fp8(&self, name: &str) -> bool {
         let TensorSource::Safetensors { tensors, .. } = &self.source else { return false };
-        self.quantization.is_some()
-            && tensors.get(&self.full_name(name)).is_ok_and(|v| DType::try_from(v.dtype()).ok() == Some(DType::F8E4M3))
+        let Ok(view) = tensors.get(&self.full_name(name)) else { return false };
+        let dtype = DType::try_from(view.dtype()).ok();
+        match &self.quantization {
+            None => false,
+            Some(Quantization::Fp8Block { .. }) => dtype == Some(DType::F8E4M3),
+            Some(Quantization::Fp8AtLoad) => {
+                quantised_at_load(name)
+                    && dtype.is_some_and(|d| FLOAT_DTYPES.contains(&d))
+                    && view.shape().last().is_some_and(|k| k.is_multiple_of(FP8_BLOCK))
+            }
+        }
     }
 
     /// Once the decoder is loaded: the checkpoint's tensors that nothing read are listed (debug),

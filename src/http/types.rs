@@ -126,8 +126,10 @@ pub struct InfoResponse {
     /// How many decoder layers of each kind (full or linear attention, dense MLP or mixture of
     /// experts), and the experts' count and top-k.
     pub layer_kinds: LayerKinds,
-    /// How the checkpoint's weights are quantised, when they are (e.g. "fp8 e4m3 weights in
-    /// 128x128 blocks, dynamic per-token fp8 activations").
+    /// How the weights are quantised, when they are: as the checkpoint stores them (e.g. "fp8
+    /// e4m3 weights in 128x128 blocks, dynamic per-token fp8 activations"), or by layertap at
+    /// load from a float checkpoint ("fp8 e4m3 weights in 128x128 blocks quantised at load
+    /// (--quantize fp8), dynamic per-token fp8 activations").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantization: Option<String>,
     /// Compute dtype (the default output dtype).

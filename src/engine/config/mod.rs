@@ -172,7 +172,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// One entry per decoder layer.
     pub layers: Vec<LayerSpec>,
-    /// The checkpoint's quantisation scheme (None: float weights, or GGUF types dequantised).
+    /// The checkpoint's quantisation scheme (None: float weights, or GGUF types dequantised), or
+    /// the one its float projections are quantised to at load (`ModelFiles::quantize`).
     pub quantization: Option<quant::Quantization>,
 }
 

@@ -18,6 +18,29 @@ pub const FP8_BLOCK: usize = 128;
 pub const SUPPORTED_QUANTIZATION: &str = "quant_method \"fp8\" with fmt \"e4m3\", activation_scheme \"dynamic\" and \
      weight_block_size [128, 128] (Qwen's block-wise FP8 releases)";
 
+/// A scheme a float checkpoint's projections can be quantised to at load (`--quantize`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Quantize {
+    /// Qwen's block-wise FP8: e4m3 weights in 128x128 blocks, dynamic per-token activations.
+    Fp8,
+}
+
+impl Quantize {
+    /// The flag as written on the command line.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Quantize::Fp8 => "--quantize fp8",
+        }
+    }
+
+    /// The scheme the loader applies.
+    pub fn scheme(self) -> Quantization {
+        match self {
+            Quantize::Fp8 => Quantization::Fp8AtLoad,
+        }
+    }
+}
+
 /// A quantisation scheme the engine implements.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(tag = "method", rename_all = "snake_case")]
@@ -29,6 +52,46 @@ pub enum Quantization {
     /// tensor; `modules_to_not_convert` is the config's list of those kept unquantised, checked
     /// against it.
     Fp8Block { modules_to_not_convert: Vec<String> },
+    /// The same arithmetic on a float checkpoint whose projections are quantised as they are
+    /// loaded (`--quantize fp8`): the projections [`quantised_at_load`] names, whose input
+    /// features are a multiple of 128, become FP8 projections with the releases' block scheme
+    /// (`layers::fp8::quantise_weight`); every other tensor is read as it is stored.
+    Fp8AtLoad,
+}
+
+/// The last part of the names of the projections `--quantize fp8` quantises: those Qwen's FP8
+/// releases store in FP8. Attention `q/k/v/o_proj`; the MLP's `gate/up/down_proj`, dense, per
+/// expert (`experts.N.gate_proj`, ...) and of the shared expert; the experts fused into 3-D
+/// tensors (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`), quantised per
+/// expert and per projection (gate and up apart), as the releases store them; the Gated
+/// DeltaNet's `in_proj_qkv`, `in_proj_z` and `out_proj`.
+///
+/// Never quantised: the embeddings, `lm_head`, the norms, the router (`mlp.gate`), the
+/// `shared_expert_gate`, the Gated DeltaNet's `in_proj_a` / `in_proj_b` / `in_proj_ba` (small
+/// gate projections the releases keep in bf16), `conv1d`, and Qwen3-Next's fused `in_proj_qkvz`
+/// (its rows are regrouped per key head at load, which does not keep FP8 blocks whole).
+const QUANTISED_AT_LOAD: &[&str] = &[
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+];
+
+/// Whether `--quantize fp8` quantises the tensor `name` (a projection's `{module}.weight`, or a
+/// fused experts tensor): the one place that decides, by module name ([`QUANTISED_AT_LOAD`]).
+/// A projection it names stays in float all the same when its input features are not a
+/// multiple of 128 (its input could not be quantised in whole groups).
+pub fn quantised_at_load(name: &str) -> bool {
+    let module = name.strip_suffix(".weight").unwrap_or(name);
+    let last = module.rsplit('.').next().unwrap_or(module);
+    QUANTISED_AT_LOAD.contains(&last) && (last != "gate_up_proj" || module.ends_with("experts.gate_up_proj"))
 }
 
 impl Quantization {
@@ -38,6 +101,10 @@ impl Quantization {
             Quantization::Fp8Block { .. } => {
                 format!("fp8 e4m3 weights in {FP8_BLOCK}x{FP8_BLOCK} blocks, dynamic per-token fp8 activations")
             }
+            Quantization::Fp8AtLoad => format!(
+                "fp8 e4m3 weights in {FP8_BLOCK}x{FP8_BLOCK} blocks quantised at load (--quantize fp8), dynamic \
+                 per-token fp8 activations"
+            ),
         }
     }
 
@@ -46,7 +113,7 @@ impl Quantization {
     /// module boundary, or as a suffix; `*` matches any run of characters. The decoder's prefix
     /// is not told apart (`model.language_model.` and `model.` name the same module).
     pub fn not_converted(&self, name: &str) -> bool {
-        let Quantization::Fp8Block { modules_to_not_convert } = self;
+        let Quantization::Fp8Block { modules_to_not_convert } = self else { return false };
         let strip = |s: &str| {
             let s = s.strip_prefix("model.language_model.").or_else(|| s.strip_prefix("model.")).unwrap_or(s);
             s.to_string()
@@ -232,6 +299,49 @@ mod tests {
 
     fn listed(entries: &[&str]) -> Quantization {
         Quantization::Fp8Block { modules_to_not_convert: entries.iter().map(|s| s.to_string()).collect() }
+    }
+
+    /// The projections Qwen's FP8 releases quantise, and nothing else.
+    #[test]
+    fn quantise_at_load_names_the_releases_projections() {
+        for yes in [
+            "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight",
+            "layers.0.self_attn.o_proj.weight",
+            "layers.0.mlp.gate_proj.weight",
+            "layers.0.mlp.up_proj.weight",
+            "layers.0.mlp.down_proj.weight",
+            "layers.1.mlp.experts.7.gate_proj.weight",
+            "layers.1.mlp.experts.7.down_proj.weight",
+            "layers.1.mlp.experts.gate_up_proj",
+            "layers.1.mlp.experts.down_proj",
+            "layers.1.mlp.shared_expert.up_proj.weight",
+            "layers.0.linear_attn.in_proj_qkv.weight",
+            "layers.0.linear_attn.in_proj_z.weight",
+            "layers.0.linear_attn.out_proj.weight",
+        ] {
+            assert!(quantised_at_load(yes), "{yes}");
+        }
+        for no in [
+            "embed_tokens.weight",
+            "lm_head.weight",
+            "norm.weight",
+            "layers.0.input_layernorm.weight",
+            "layers.0.self_attn.q_norm.weight",
+            "layers.0.self_attn.q_proj.bias",
+            "layers.1.mlp.gate.weight",
+            "layers.1.mlp.shared_expert_gate.weight",
+            "layers.0.linear_attn.in_proj_a.weight",
+            "layers.0.linear_attn.in_proj_b.weight",
+            "layers.0.linear_attn.in_proj_ba.weight",
+            "layers.0.linear_attn.in_proj_qkvz.weight",
+            "layers.0.linear_attn.conv1d.weight",
+            "layers.0.linear_attn.A_log",
+            "layers.0.mlp.gate_up_proj.weight",
+        ] {
+            assert!(!quantised_at_load(no), "{no}");
+        }
     }
 
     #[test]

@@ -59,6 +59,66 @@ pub fn quantise_activations(x: &Tensor) -> candle_core::Result<Tensor> {
     Tensor::from_vec(v, (t, k), &Device::Cpu)
 }
 
+/// The e4m3 byte of `v`, a value of the e4m3 grid ([`round_e4m3`]'s result, `|v| <= 448`):
+/// the conversion is exact, so it only encodes.
+fn e4m3_bits(v: f32) -> u8 {
+    float8::F8E4M3::from_f32(v).to_bits()
+}
+
+/// The multiplier stored for a 128 x 128 block that is all zeros: any finite scale keeps its
+/// zeros; 1.0 keeps the dequantisation `q * scale` trivially exact and finite on every path.
+pub const ZERO_BLOCK_SCALE: f32 = 1.0;
+
+/// A float weight `[n, k]` (`w(i)`: its element `i`, row-major) quantised to e4m3 in 128 x 128
+/// blocks as Qwen's FP8 releases are made (transformers' fine-grained FP8 quantisation): per
+/// block (edge blocks partial), `amax = max |w|` and `scale = amax / 448` in f32
+/// ([`ZERO_BLOCK_SCALE`] for an all-zero block), `q = e4m3(clamp(w / scale, -448, 448))` rounded
+/// to nearest, ties to even ([`round_e4m3`], torch's cast). Returns the `[n, k]` e4m3 bytes and
+/// the `[ceil(n/128), ceil(k/128)]` scales, the dequantisation multipliers (`w ~ q * scale`),
+/// row-major; `None` where the weight holds a non-finite value (it has no block scale). Row
+/// blocks are quantised in parallel: a 27B model's projections go through this at load.
+pub fn quantise_weight_with(n: usize, k: usize, w: impl Fn(usize) -> f32 + Sync) -> Option<(Vec<u8>, Vec<f32>)> {
+    let kb = k.div_ceil(FP8_BLOCK);
+    let mut bytes = vec![0u8; n * k];
+    let mut scale = vec![0f32; n.div_ceil(FP8_BLOCK) * kb];
+    if n == 0 || k == 0 {
+        return Some((bytes, scale));
+    }
+    let block = |(rb, (q, s)): (usize, (&mut [u8], &mut [f32]))| -> Option<()> {
+        let row0 = rb * FP8_BLOCK;
+        let rows = q.len() / k;
+        for (cb, s) in s.iter_mut().enumerate() {
+            let cols = cb * FP8_BLOCK..((cb + 1) * FP8_BLOCK).min(k);
+            let mut amax = 0f32;
+            for r in 0..rows {
+                for c in cols.clone() {
+                    let v = w((row0 + r) * k + c);
+                    if !v.is_finite() {
+                        return None;
+                    }
+                    amax = amax.max(v.abs());
+                }
+            }
+            *s = if amax == 0.0 { ZERO_BLOCK_SCALE } else { amax / E4M3_MAX };
+            for r in 0..rows {
+                for c in cols.clone() {
+                    let v = (w((row0 + r) * k + c) / *s).clamp(-E4M3_MAX, E4M3_MAX);
+                    q[r * k + c] = e4m3_bits(round_e4m3(v));
+                }
+            }
+        }
+        Some(())
+    };
+    bytes.par_chunks_mut(FP8_BLOCK * k).zip(scale.par_chunks_mut(kb)).enumerate().try_for_each(block)?;
+    Some((bytes, scale))
+}
+
+/// [`quantise_weight_with`] of the row-major `[n, k]` weight `w`.
+pub fn quantise_weight(w: &[f32], n: usize, k: usize) -> Option<(Vec<u8>, Vec<f32>)> {
+    assert_eq!(w.len(), n * k, "a [{n}, {k}] weight");
+    quantise_weight_with(n, k, |i| w[i])
+}
+
 /// The `[K, N]` f32 transpose of the dequantised `[N, K]` weight: `w[n][k] = e4m3(bytes[n * K + k])
 /// * scale[n / 128][k / 128]`, with `scale` `[ceil(N/128), ceil(K/128)]` row-major.
 pub fn dequantised_transposed(bytes: &[u8], scale: &[f32], n: usize, k: usize) -> Vec<f32> {
@@ -77,6 +137,47 @@ pub fn dequantised_transposed(bytes: &[u8], scale: &[f32], n: usize, k: usize) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each block's largest magnitude becomes 448 exactly, every value lands within half an
+    /// e4m3 step of `w / scale`, partial edge blocks and all-zero blocks included; a non-finite
+    /// value is refused.
+    #[test]
+    fn weights_quantise_per_block_to_the_e4m3_grid() {
+        let (n, k) = (200, 300);
+        let mut w: Vec<f32> =
+            (0..n * k).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3 * (1 + i % 13) as f32).collect();
+        // Block (1, 2) all zeros.
+        for r in 128..200 {
+            for c in 256..300 {
+                w[r * k + c] = 0.0;
+            }
+        }
+        let (q, s) = quantise_weight(&w, n, k).unwrap();
+        assert_eq!(s.len(), 2 * 3);
+        assert_eq!(s[5], ZERO_BLOCK_SCALE);
+        let table = e4m3_table();
+        for (rb, cb) in [(0, 0), (0, 2), (1, 0), (1, 1)] {
+            let (rows, cols) = (rb * 128..(rb * 128 + 128).min(n), cb * 128..(cb * 128 + 128).min(k));
+            let scale = s[rb * 3 + cb];
+            let amax = rows
+                .clone()
+                .flat_map(|r| cols.clone().map(move |c| (r, c)))
+                .fold(0f32, |m, (r, c)| m.max(w[r * k + c].abs()));
+            assert_eq!(scale, amax / E4M3_MAX);
+            let mut largest = 0f32;
+            for r in rows {
+                for c in cols.clone() {
+                    let v = table[q[r * k + c] as usize];
+                    assert_eq!(v, round_e4m3((w[r * k + c] / scale).clamp(-E4M3_MAX, E4M3_MAX)));
+                    largest = largest.max(v.abs());
+                }
+            }
+            assert_eq!(largest, E4M3_MAX);
+        }
+        assert!((128..200).all(|r| (256..300).all(|c| table[q[r * k + c] as usize] == 0.0)));
+        w[12345] = f32::NAN;
+        assert!(quantise_weight(&w, n, k).is_none());
+    }
 
     #[test]
     fn rounding_matches_the_e4m3_grid_with_ties_to_even() {

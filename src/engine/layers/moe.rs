@@ -44,10 +44,12 @@ fn load_experts(
 ) -> Result<Experts, EngineError> {
     #[cfg(not(feature = "cuda"))]
     let _ = o;
-    // FP8 experts run one FP8 projection chain per expert (the grouped kernel is 16-bit only).
+    // FP8 experts (stored so, or quantised at load by `--quantize fp8`, fused ones included) run
+    // one FP8 projection chain per expert (the grouped kernel is 16-bit only).
     #[cfg(feature = "cuda")]
     if o.cuda_moe
         && !w.is_fp8(&format!("{prefix}.experts.0.gate_proj.weight"))
+        && !w.is_fp8(&format!("{prefix}.experts.gate_up_proj"))
         && crate::engine::cuda::moe::supported(
             &w.device,
             w.dtype,
@@ -83,14 +85,12 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
     let fuse = w.device.is_cuda();
     let fused = format!("{prefix}.experts.gate_up_proj");
     if w.has(&fused) {
-        let gate_up = w.get(&fused, &[e, 2 * i, hidden])?;
-        let down = w.get(&format!("{prefix}.experts.down_proj"), &[e, hidden, i])?;
+        let gate_up = Fused::load(w, &fused, &[e, 2 * i, hidden], 2)?;
+        let down = Fused::load(w, &format!("{prefix}.experts.down_proj"), &[e, hidden, i], 1)?;
         return (0..e)
             .map(|x| {
-                let gu = gate_up.get(x)?;
-                let gate = Linear::from_weight(gu.narrow(0, 0, i)?, None)?;
-                let up = Linear::from_weight(gu.narrow(0, i, i)?, None)?;
-                GatedMlp::new(gate, up, Linear::from_weight(down.get(x)?, None)?, fuse)
+                let (gate, up) = (gate_up.projection(w, x, 0)?, gate_up.projection(w, x, 1)?);
+                GatedMlp::new(gate, up, down.projection(w, x, 0)?, fuse)
             })
             .collect();
     }
@@ -103,6 +103,34 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
         )));
     }
     (0..e).map(|x| GatedMlp::load(w, &format!("{prefix}.experts.{x}"), hidden, i, false)).collect()
+}
+
+/// A tensor of experts fused along its first dimension (`[E, parts * N, K]`: `gate_up_proj`
+/// holds each expert's gate rows then its up rows, `down_proj` one projection per expert).
+enum Fused<'a> {
+    Float {
+        t: Tensor,
+        n: usize,
+    },
+    /// Quantised at load (`--quantize fp8`), one projection of one expert at a time.
+    Fp8(crate::engine::weights::Fp8Stacked<'a>),
+}
+
+impl<'a> Fused<'a> {
+    fn load(w: &'a Weights, name: &str, shape: &[usize], parts: usize) -> Result<Self, EngineError> {
+        Ok(match w.get_fp8_stacked(name, shape, parts)? {
+            Some(q) => Fused::Fp8(q),
+            None => Fused::Float { t: w.get(name, shape)?, n: shape[1] / parts },
+        })
+    }
+
+    /// Part `part` of expert `x` as a projection.
+    fn projection(&self, w: &Weights, x: usize, part: usize) -> Result<Linear, EngineError> {
+        match self {
+            Fused::Float { t, n } => Ok(Linear::from_weight(t.get(x)?.narrow(0, part * n, *n)?, None)?),
+            Fused::Fp8(q) => Linear::from_fp8(w, q.get(x, part)?),
+        }
+    }
 }
 
 impl SparseMoe {

@@ -504,3 +504,30 @@ fn quantize_fp8_answers_stay_near_the_float_models() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// On the GPU (CUDA builds, where a device is visible): the float copies loaded with
+/// `--quantize fp8` run on the FP8 tensor cores and match the FP8 fixtures' references as the
+/// FP8 checkpoints themselves do there (tests/cuda_fp8.rs: f32 within 2e-3, bf16 within 3e-2).
+#[cfg(feature = "cuda")]
+#[test]
+fn quantize_fp8_on_the_gpu_matches_the_fp8_references() {
+    let Some(dev) = common::cuda_device() else { return };
+    let mut names = F32_SCALES.to_vec();
+    names.push("fp8/qwen3_5_moe_f32_scales");
+    for name in names {
+        let dir = float_copy(name);
+        let files = ModelFiles::locate(&dir.path().to_string_lossy()).unwrap().quantize(Some(Quantize::Fp8)).unwrap();
+        let reference = read_safetensors(&fixtures().join(name).join("reference.safetensors"));
+        for (dtype, allowed) in [(DType::F32, 2e-3), (DType::BF16, 3e-2)] {
+            let mut m = files.load(&dev, dtype).unwrap();
+            let described = m.info.quantization.clone().unwrap_or_default();
+            assert!(described.starts_with(AT_LOAD), "{described}");
+            let (worst, _) = worst_per_index(&mut m.engine, &reference, m.info.num_layers, f64::INFINITY);
+            let per_index: Vec<String> = worst.iter().map(|e| format!("{e:.1e}")).collect();
+            println!("{name} {dtype:?} ({described}): worst per index {}", per_index.join(" "));
+            for (i, e) in worst.iter().enumerate() {
+                assert!(*e <= allowed, "{name} {dtype:?} index {i}: {e:.3e} > {allowed:.1e}");
+            }
+        }
+    }
+}

@@ -10,7 +10,7 @@
 #   source bench/gpu/cuda-libs.sh && PYTHONPATH=<fla> bench/gpu/fp8_full.sh
 #
 # LAYERS (64), SEQUENCES (150), TAPS (2,17,32,47,62), WORK (/dev/shm/layertap-fp8: the models
-# live in memory), OUT_DIR (bench/out/gpu). One JSON line per contender in $OUT_DIR/fp8-full.jsonl.
+# live in memory), OUT_DIR (bench/out/gpu), ENGINE (1; 0 skips the in-process engine runs). One JSON line per contender in $OUT_DIR/fp8-full.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN="${BIN:-.gpu/layertap}"
@@ -34,9 +34,10 @@ for label in bf16 fp8; do
   model="$work/27b"
   [[ "$label" == fp8 ]] && model="$work/27b-fp8"
   tag="s/^{/{\"contender\":\"layertap $label\",/"
-  "$BIN" bench --workload "$wl" --model "$model" --device cuda:0 --dtype bf16 \
-    --max-batch-tokens "$MAX_BATCH_TOKENS" 2>"$out/engine-$label.log" | sed "$tag" | tee -a "$results"
-  grep -h "FP8 projections" "$out/engine-$label.log" | tail -n 1 || true
+  if [[ "${ENGINE:-1}" == 1 ]]; then
+    "$BIN" bench --workload "$wl" --model "$model" --device cuda:0 --dtype bf16 \
+      --max-batch-tokens "$MAX_BATCH_TOKENS" 2>"$out/engine-$label.log" | sed "$tag" | tee -a "$results"
+  fi
   start_server "$model" cuda:0 "$out/server-$label.log"
   clients "$wl" 64 zstd | sed "s/^{/{\"contender\":\"layertap $label http\",/" | tee -a "$results"
   kill -TERM "$server"

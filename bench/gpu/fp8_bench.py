@@ -52,8 +52,8 @@ def log(**kv):
     print(json.dumps(kv), flush=True)
 
 
-def quantise_checkpoint(src, dst):
-    """The FP8 release layout of the bf16 checkpoint at `src`, written to `dst`."""
+def quantise_checkpoint(src, dst, device="cuda"):
+    """The FP8 release layout of the bf16 checkpoint at `src`, written to `dst` (quantised on `device`)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -72,7 +72,7 @@ def quantise_checkpoint(src, dst):
     shards = sorted(p for p in os.listdir(src) if p.endswith(".safetensors"))
     for shard in shards:
         out = {}
-        with safe_open(os.path.join(src, shard), "pt", device="cuda") as f:
+        with safe_open(os.path.join(src, shard), "pt", device=device) as f:
             for name in f.keys():
                 t = f.get_tensor(name)
                 if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS and ".layers." in name:
@@ -87,7 +87,8 @@ def quantise_checkpoint(src, dst):
         save_file({k: v.cpu() for k, v in out.items()}, os.path.join(dst, shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in out})
         del out
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     for extra in ("generation_config.json", "params.json"):

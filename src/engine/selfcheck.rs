@@ -23,12 +23,23 @@ pub const PROBE_LENGTHS: [usize; 4] = [1, 5, 65, 129];
 /// whose router scores nearly tie, and each flip moves that token's state by a whole expert's
 /// share: measured on a random 35B-A3B-width model, whose near-uniform routers flip most, the
 /// errors are a few times those of dense models, so the allowance is five times theirs.
-pub fn tolerance(dtype: ComputeDType, routed: bool) -> f64 {
+///
+/// Where the projections are FP8 (`fp8`: W8A8 with dynamic activation scales), a 16-bit input
+/// rounds to another e4m3 value than the f32 reference's in a few per cent of its elements, each
+/// such flip moving that element by up to a sixteenth, and a layer's output carries them on: on a
+/// random 27B-width hybrid the bf16 path's distance from the f32 W8A8 path is 0.150 at index 4 on
+/// the CPU (no CUDA kernel involved) and 0.151 on the H200, against 0.016–0.018 for the bf16
+/// checkpoint of the same weights (bench/RESULTS.md, "FP8 at the 27B width at full depth"). So a
+/// 16-bit compute dtype with FP8 projections is allowed three times the float allowance; a
+/// defect (a misread scale, a wrong kernel) moves states by about their own size. f32 compute
+/// quantises the same inputs as the reference and keeps its allowance.
+pub fn tolerance(dtype: ComputeDType, routed: bool, fp8: bool) -> f64 {
     let dense = match dtype {
         ComputeDType::Float32 => 1e-3,
         ComputeDType::Float16 => 0.05,
         ComputeDType::Bfloat16 => 0.1,
     };
+    let dense = if fp8 && dtype != ComputeDType::Float32 { 3.0 * dense } else { dense };
     if routed {
         5.0 * dense
     } else {
@@ -47,6 +58,8 @@ pub struct Probe {
     pub indices: Vec<usize>,
     /// Whether one of those layers routes tokens to experts (see [`tolerance`]).
     pub routed: bool,
+    /// Whether the model's projections are FP8 (see [`tolerance`]).
+    pub fp8: bool,
 }
 
 impl Probe {
@@ -84,7 +97,7 @@ impl Probe {
             indices.push(n + 1);
         }
         let routed = cfg.layers[..depth].iter().any(|l| l.ffn == super::config::FfnKind::Moe);
-        Probe { seqs, depth, indices, routed }
+        Probe { seqs, depth, indices, routed, fp8: cfg.quantization.is_some() }
     }
 
     pub fn tokens(&self) -> usize {
@@ -245,7 +258,7 @@ pub fn check(
         device: device.into(),
         dtype,
         errors,
-        tolerance: tolerance(dtype, probe.routed),
+        tolerance: tolerance(dtype, probe.routed, probe.fp8),
         seconds: start.elapsed().as_secs_f64(),
         reference_seconds: reference.seconds,
         waited_seconds: 0.0,

@@ -303,15 +303,8 @@ impl Weights {
         else {
             return Ok(None);
         };
-        let full = self.full_name(name);
-        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
-        let Some(dtype) = DType::try_from(view.dtype()).ok().filter(|d| FLOAT_DTYPES.contains(d)) else {
-            return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
-        };
-        if view.shape() != shape {
-            return Err(self.shape_mismatch(&full, view.shape(), shape));
-        }
-        let t = crate::engine::layers::cpu_ops::transposed_f32_from_bytes(view.data(), dtype, *rows, *cols)?;
+        let (full, data, dtype) = self.float_view(tensors, name, shape)?;
+        let t = crate::engine::layers::cpu_ops::transposed_f32_from_bytes(data, dtype, *rows, *cols)?;
         if t.is_some() {
             self.mark_read(&full);
         }
@@ -542,6 +535,18 @@ impl Weights {
         if !quantised_at_load(name) {
             return Ok(None);
         }
+        let (full, data, dtype) = self.float_view(tensors, name, shape)?;
+        Ok(Some(FloatTensor { full, data, dtype }))
+    }
+
+    /// The tensor `name` as the file stores it: its full name, bytes and float dtype, checked
+    /// to be a float tensor of `shape`.
+    fn float_view<'t>(
+        &self,
+        tensors: &'t MmapedSafetensors,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(String, &'t [u8], DType), EngineError> {
         let full = self.full_name(name);
         let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
         let Some(dtype) = DType::try_from(view.dtype()).ok().filter(|d| FLOAT_DTYPES.contains(d)) else {
@@ -550,7 +555,7 @@ impl Weights {
         if view.shape() != shape {
             return Err(self.shape_mismatch(&full, view.shape(), shape));
         }
-        Ok(Some(FloatTensor { full, data: view.data(), dtype }))
+        Ok((full, view.data(), dtype))
     }
 
     /// The checkpoint's FP8 projection `name` (see [`Weights::get_fp8`]).

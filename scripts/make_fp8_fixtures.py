@@ -137,6 +137,20 @@ COMMON = dict(
     pad_token_id=0,
 )
 
+# The Qwen3.5 text decoder of the hybrid variants: layer 0 linear attention (one key head, two
+# value heads of 128), layer 1 full attention, partial interleaved multimodal rotary.
+QWEN3_5_TEXT = dict(
+    tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                         mrope_section=[8, 4, 4], mrope_interleaved=True),
+)
+
 VARIANTS = {
     # Qwen3 (q/k norm), scales in bf16, one projection kept in bf16 and listed as such.
     "qwen3_bf16_scales": dict(
@@ -190,17 +204,7 @@ VARIANTS = {
     "qwen3_5_f32_scales": dict(
         config_cls=Qwen3_5TextConfig,
         model_cls=Qwen3_5ForCausalLM,
-        kwargs=dict(
-            tie_word_embeddings=False,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_conv_kernel_dim=4,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
-                                 mrope_section=[8, 4, 4], mrope_interleaved=True),
-        ),
+        kwargs=dict(QWEN3_5_TEXT),
         hybrid=True,
         scale_dtype=torch.float32,
         keep_bf16=[],
@@ -215,19 +219,11 @@ VARIANTS = {
         model_cls=Qwen3_5MoeForCausalLM,
         drop_common=["intermediate_size"],  # no dense MLP: every layer has experts
         kwargs=dict(
-            tie_word_embeddings=False,
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_conv_kernel_dim=4,
+            QWEN3_5_TEXT,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=128,
             shared_expert_intermediate_size=128,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
-                                 mrope_section=[8, 4, 4], mrope_interleaved=True),
         ),
         hybrid=True,
         scale_dtype=torch.float32,

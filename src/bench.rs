@@ -158,7 +158,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let device = parse_device(&a.device)?;
     let (layers, mut seqs) = read_workload(&a.workload.to_string_lossy())?;
     anyhow::ensure!(!seqs.is_empty(), "the workload has no sequences");
-    let files = ModelFiles::locate(&a.model)?.quantize(a.quantize)?;
+    let files = ModelFiles::locate_with(&a.model, a.synthetic_weights)?.quantize(a.quantize)?;
     let layers = LayerSet::of_indices(&layers, files.config().num_hidden_layers).map_err(anyhow::Error::msg)?;
     let mut m = files.load(&device, dtype.candle())?;
     seqs.sort_by_key(|s| s.len());

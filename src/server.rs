@@ -384,8 +384,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     return_free_memory_periodically();
     let devices = args.devices().map_err(anyhow::Error::msg)?;
     let spec = args.model.clone();
-    let quantize = args.quantize;
-    let files = Arc::new(tokio::task::spawn_blocking(move || ModelFiles::locate(&spec)?.quantize(quantize)).await??);
+    let (quantize, synthetic) = (args.quantize, args.synthetic_weights);
+    let files = Arc::new(
+        tokio::task::spawn_blocking(move || ModelFiles::locate_with(&spec, synthetic)?.quantize(quantize)).await??,
+    );
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source()?)?;
     let cfg = files.config().clone();
     if let Some(t) = &tokenizer {

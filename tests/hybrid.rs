@@ -218,7 +218,14 @@ fn f32_tensors_of_a_bf16_checkpoint_keep_their_precision() {
     assert_eq!(stored.dtype(), DType::F32, "the fixture stores A_log in f32");
     let bf16_weights = tensors.load("model.language_model.embed_tokens.weight", &Device::Cpu).unwrap();
     assert_eq!(bf16_weights.dtype(), DType::BF16, "the fixture stores the rest in bf16");
-    let w = Weights::new(TensorSource::Safetensors { files: vec![file.clone()], tensors }, Device::Cpu, DType::BF16);
+    let w = Weights::new(
+        TensorSource::Safetensors {
+            files: vec![file.clone()],
+            tensors: layertap::engine::weights::Store::Files(tensors),
+        },
+        Device::Cpu,
+        DType::BF16,
+    );
     let a = w.get_f32("layers.0.linear_attn.A_log", &[stored.dim(0).unwrap()]).unwrap();
     assert_eq!(a.dtype(), DType::F32);
     assert_eq!(a.to_vec1::<f32>().unwrap(), stored.to_vec1::<f32>().unwrap());

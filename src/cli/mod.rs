@@ -60,6 +60,11 @@ pub struct BenchArgs {
     /// safetensors checkpoints with float weights only.
     #[arg(long, value_enum)]
     pub quantize: Option<Quantize>,
+    /// Random weights of the real layout instead of a checkpoint, from the model folder's
+    /// config.json and synthetic-weights.json (bench/gpu/synthetic_manifest.py): for shapes
+    /// whose checkpoint is not at hand (speed does not depend on the weights' values).
+    #[arg(long)]
+    pub synthetic_weights: bool,
     /// Most tokens per forward pass.
     #[arg(long, default_value_t = 4096)]
     pub max_batch_tokens: usize,

@@ -56,6 +56,12 @@ pub struct ServeArgs {
     /// safetensors checkpoints with float weights only.
     #[arg(long, value_enum, env = "LAYERTAP_QUANTIZE")]
     pub quantize: Option<Quantize>,
+    /// Benchmarks only: serve random weights of the real layout instead of a checkpoint, from the
+    /// model folder's config.json and synthetic-weights.json (made by
+    /// bench/gpu/synthetic_manifest.py). The hidden states mean nothing; /v1/info's model id says
+    /// "(synthetic weights)".
+    #[arg(long, env = "LAYERTAP_SYNTHETIC_WEIGHTS")]
+    pub synthetic_weights: bool,
     /// Most tokens in one forward pass (a longer input runs alone). Default: 1024 on CPU; on CUDA sized from free memory after loading.
     #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]
     pub max_batch_tokens: Option<usize>,

@@ -12,7 +12,8 @@ use super::config::{GdnLayout, ModelConfig};
 use super::decoder::Decoder;
 use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
 use super::options::EngineOptions;
-use super::weights::{TensorSource, Weights};
+use super::synthetic::{SyntheticTensors, MANIFEST};
+use super::weights::{Store, TensorSource, Weights};
 use super::{ComputeDType, EngineError, ModelEngine, ModelInfo};
 
 /// Where the tokenizer of a model comes from.
@@ -29,8 +30,19 @@ pub enum TokenizerSource {
 }
 
 enum Files {
-    Hf { config: ModelConfig, shards: Vec<PathBuf> },
-    Gguf { file: Arc<GgufFile>, config: ModelConfig },
+    Hf {
+        config: ModelConfig,
+        shards: Vec<PathBuf>,
+    },
+    /// `--synthetic-weights`: the random tensors of the folder's manifest.
+    Synthetic {
+        config: ModelConfig,
+        tensors: Arc<SyntheticTensors>,
+    },
+    Gguf {
+        file: Arc<GgufFile>,
+        config: ModelConfig,
+    },
 }
 
 /// A model located and its config read, ready to be loaded onto one or more devices.
@@ -64,9 +76,14 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, EngineError> {
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.is_file() {
+        let synthetic = if dir.join(MANIFEST).is_file() {
+            format!("; its {MANIFEST} describes random weights for benchmarks, served only with --synthetic-weights")
+        } else {
+            String::new()
+        };
         return Err(err(format!(
             "{} has neither model.safetensors nor model.safetensors.index.json (only safetensors weights are \
-             supported; convert .bin checkpoints with transformers' save_pretrained)",
+             supported; convert .bin checkpoints with transformers' save_pretrained){synthetic}",
             dir.display()
         )));
     }
@@ -166,6 +183,31 @@ fn local_id(path: &Path) -> String {
 impl ModelFiles {
     /// Locates the model named by `spec`: a folder, a `.gguf` file, or a hub repo id.
     pub fn locate(spec: &str) -> Result<Self, EngineError> {
+        Self::locate_with(spec, false)
+    }
+
+    /// [`ModelFiles::locate`]; with `synthetic`, the folder `spec`'s config with the random
+    /// weights its `synthetic-weights.json` describes instead of a checkpoint (benchmarks of
+    /// shapes whose checkpoint is not at hand; see [`super::synthetic`]).
+    pub fn locate_with(spec: &str, synthetic: bool) -> Result<Self, EngineError> {
+        if synthetic {
+            let dir = Path::new(spec);
+            if !dir.join("config.json").is_file() || !dir.join(MANIFEST).is_file() {
+                return Err(err(format!(
+                    "--synthetic-weights reads a folder with config.json and {MANIFEST} (made by \
+                     bench/gpu/synthetic_manifest.py); {spec:?} is not one"
+                )));
+            }
+            let config = ModelConfig::from_hf_json(&read_json(&dir.join("config.json"))?)?;
+            let tensors = Arc::new(SyntheticTensors::open(dir)?);
+            tracing::warn!(model = %spec, "serving synthetic random weights (--synthetic-weights): for benchmarks only, \
+                 the hidden states mean nothing");
+            return Ok(ModelFiles {
+                id: format!("{} (synthetic weights)", local_id(dir)),
+                files: Files::Synthetic { config, tensors },
+                root: Some(dir.to_path_buf()),
+            });
+        }
         let path = Path::new(spec);
         let dir = if path.is_file() {
             if path.extension().is_some_and(|e| e == "gguf") {
@@ -219,7 +261,7 @@ impl ModelFiles {
                  model's safetensors checkpoint",
                 self.id
             ))),
-            Files::Hf { config, .. } => match &config.quantization {
+            Files::Hf { config, .. } | Files::Synthetic { config, .. } => match &config.quantization {
                 Some(declared) => Err(err(format!(
                     "{flag} quantises float checkpoints, and the config.json of {:?} already declares its own \
                      quantization_config ({}): the checkpoint is read as it is quantised; drop {flag}",
@@ -236,14 +278,14 @@ impl ModelFiles {
 
     pub fn config(&self) -> &ModelConfig {
         match &self.files {
-            Files::Hf { config, .. } | Files::Gguf { config, .. } => config,
+            Files::Hf { config, .. } | Files::Synthetic { config, .. } | Files::Gguf { config, .. } => config,
         }
     }
 
     pub fn tokenizer_source(&self) -> Result<TokenizerSource, EngineError> {
         match (&self.files, &self.root) {
             (Files::Gguf { file, .. }, _) => Ok(TokenizerSource::Gguf(Box::new(file.tokenizer_data()?))),
-            (Files::Hf { .. }, Some(root)) => {
+            (Files::Hf { .. } | Files::Synthetic { .. }, Some(root)) => {
                 let tj = root.join("tokenizer.json");
                 if !tj.is_file() {
                     return Ok(TokenizerSource::None);
@@ -271,8 +313,12 @@ impl ModelFiles {
                 // SAFETY: the files are memory-mapped read-only; layertap does not modify them while loaded.
                 let tensors = unsafe { MmapedSafetensors::multi(shards) }
                     .map_err(|e| err(format!("cannot open safetensors shards: {e}")))?;
-                TensorSource::Safetensors { files: shards.clone(), tensors }
+                TensorSource::Safetensors { files: shards.clone(), tensors: Store::Files(tensors) }
             }
+            Files::Synthetic { tensors, .. } => TensorSource::Safetensors {
+                files: vec![tensors.path().to_path_buf()],
+                tensors: Store::Synthetic(tensors.clone()),
+            },
             Files::Gguf { file, config } => TensorSource::Gguf(GgufTensors::new(file.clone(), config)),
         };
         let quantization = self.config().quantization.clone();

@@ -21,6 +21,7 @@ pub mod output;
 pub mod profile;
 mod runner;
 pub mod selfcheck;
+pub mod synthetic;
 pub mod weights;
 
 pub use candle_core::{DType, Device};

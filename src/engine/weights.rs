@@ -9,11 +9,92 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use super::config::quant::{quantised_at_load, Quantization, FP8_BLOCK};
+use super::synthetic::SyntheticTensors;
 use super::EngineError;
 
 pub enum TensorSource {
-    Safetensors { files: Vec<PathBuf>, tensors: MmapedSafetensors },
+    Safetensors { files: Vec<PathBuf>, tensors: Store },
     Gguf(super::gguf::GgufTensors),
+}
+
+/// Where named tensors in the safetensors layout come from: memory-mapped files, or the random
+/// tensors of a manifest (`--synthetic-weights`).
+pub enum Store {
+    Files(MmapedSafetensors),
+    Synthetic(std::sync::Arc<SyntheticTensors>),
+}
+
+/// A stored tensor: its dtype (`None` where the loader reads no such dtype), the dtype as the
+/// file names it, its shape and bytes.
+pub struct View<'a> {
+    pub dtype: Option<DType>,
+    pub dtype_name: String,
+    pub shape: Vec<usize>,
+    pub data: &'a [u8],
+}
+
+impl Store {
+    /// The tensor `name`, if stored.
+    pub fn get(&self, name: &str) -> Option<View<'_>> {
+        match self {
+            Store::Files(t) => t.get(name).ok().map(|v| View {
+                dtype: DType::try_from(v.dtype()).ok(),
+                dtype_name: format!("{:?}", v.dtype()),
+                shape: v.shape().to_vec(),
+                data: v.data(),
+            }),
+            Store::Synthetic(s) => s.get(name).map(|d| View {
+                dtype: d.dtype,
+                dtype_name: d.dtype_name.to_string(),
+                shape: d.shape.to_vec(),
+                data: d.data,
+            }),
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.dtype(name).is_some()
+    }
+
+    /// The dtype and dtype name of `name`, if stored, without reading (or drawing) its values.
+    pub fn dtype(&self, name: &str) -> Option<(Option<DType>, String)> {
+        match self {
+            Store::Files(t) => t.get(name).ok().map(|v| (DType::try_from(v.dtype()).ok(), format!("{:?}", v.dtype()))),
+            Store::Synthetic(s) => s.dtype(name).map(|(d, n)| (d, n.to_string())),
+        }
+    }
+
+    /// The shape of `name`, if stored, without reading (or drawing) its values.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self {
+            Store::Files(t) => t.get(name).ok().map(|v| v.shape().to_vec()),
+            Store::Synthetic(s) => s.shape(name).map(<[usize]>::to_vec),
+        }
+    }
+
+    /// Every tensor's name, dtype and dtype name.
+    pub fn list(&self) -> Vec<(String, Option<DType>, String)> {
+        match self {
+            Store::Files(t) => t
+                .tensors()
+                .into_iter()
+                .map(|(n, v)| (n, DType::try_from(v.dtype()).ok(), format!("{:?}", v.dtype())))
+                .collect(),
+            Store::Synthetic(s) => s.list().map(|(n, d, dn)| (n.to_string(), d, dn.to_string())).collect(),
+        }
+    }
+
+    /// The tensor `name` on the CPU in its stored dtype.
+    fn load_cpu(&self, name: &str) -> Result<Tensor, EngineError> {
+        match self {
+            Store::Files(t) => Ok(t.load(name, &Device::Cpu)?),
+            Store::Synthetic(_) => {
+                let v = self.get(name).ok_or_else(|| EngineError::Load(format!("no tensor {name:?}")))?;
+                let dtype = v.dtype.ok_or_else(|| EngineError::Load(format!("{name:?}: {}", v.dtype_name)))?;
+                Ok(Tensor::from_raw_buffer(v.data, dtype, &v.shape, &Device::Cpu)?)
+            }
+        }
+    }
 }
 
 pub struct Weights {
@@ -173,7 +254,7 @@ impl Weights {
         let prefix = match &source {
             TensorSource::Safetensors { tensors, .. } => ["model.language_model.", "model."]
                 .into_iter()
-                .find(|p| tensors.get(&format!("{p}embed_tokens.weight")).is_ok())
+                .find(|p| tensors.has(&format!("{p}embed_tokens.weight")))
                 .unwrap_or(""),
             TensorSource::Gguf(_) => "",
         };
@@ -206,7 +287,7 @@ impl Weights {
     pub fn has(&self, name: &str) -> bool {
         let full = self.full_name(name);
         match &self.source {
-            TensorSource::Safetensors { tensors, .. } => tensors.get(&full).is_ok(),
+            TensorSource::Safetensors { tensors, .. } => tensors.has(&full),
             TensorSource::Gguf(g) => g.has(name),
         }
     }
@@ -217,12 +298,12 @@ impl Weights {
         const HEAD: &str = "lm_head.weight";
         let t = match &self.source {
             TensorSource::Safetensors { tensors, .. } => {
-                let Ok(view) = tensors.get(HEAD) else { return Ok(None) };
-                if !DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d)) {
-                    return Err(self.unreadable(HEAD, &format!("{:?}", view.dtype())));
+                let Some((dtype, dtype_name)) = tensors.dtype(HEAD) else { return Ok(None) };
+                if !dtype.is_some_and(|d| FLOAT_DTYPES.contains(&d)) {
+                    return Err(self.unreadable(HEAD, &dtype_name));
                 }
                 self.mark_read(HEAD);
-                tensors.load(HEAD, &Device::Cpu)?
+                tensors.load_cpu(HEAD)?
             }
             TensorSource::Gguf(g) => match g.load(HEAD)? {
                 Some(t) => t,
@@ -238,7 +319,7 @@ impl Weights {
     /// Whether the checkpoint holds an output head `lm_head.weight` (`output.weight` in GGUF).
     pub fn has_head(&self) -> bool {
         match &self.source {
-            TensorSource::Safetensors { tensors, .. } => tensors.get("lm_head.weight").is_ok(),
+            TensorSource::Safetensors { tensors, .. } => tensors.has("lm_head.weight"),
             TensorSource::Gguf(g) => g.has("lm_head.weight"),
         }
     }
@@ -271,14 +352,14 @@ impl Weights {
         let full = self.full_name(name);
         let t = match &self.source {
             TensorSource::Safetensors { tensors, .. } => {
-                let Ok(view) = tensors.get(&full) else {
+                let Some((dtype, dtype_name)) = tensors.dtype(&full) else {
                     return Err(self.missing(&full));
                 };
-                if !DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d)) {
-                    return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
+                if !dtype.is_some_and(|d| FLOAT_DTYPES.contains(&d)) {
+                    return Err(self.unreadable(&full, &dtype_name));
                 }
                 self.mark_read(&full);
-                tensors.load(&full, &Device::Cpu)?
+                tensors.load_cpu(&full)?
             }
             TensorSource::Gguf(g) => g.load(name)?.ok_or_else(|| self.missing(&full))?,
         };
@@ -325,18 +406,17 @@ impl Weights {
             let ids = Tensor::new(rows, &self.device)?;
             return Ok(self.get_as(name, shape, self.dtype)?.index_select(&ids, 0)?);
         };
-        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
-        let dtype = DType::try_from(view.dtype()).ok().filter(|d| FLOAT_DTYPES.contains(d));
-        let Some(dtype) = dtype else {
-            return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
+        let view = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
+        let Some(dtype) = view.dtype.filter(|d| FLOAT_DTYPES.contains(d)) else {
+            return Err(self.unreadable(&full, &view.dtype_name));
         };
-        if view.shape() != shape {
-            return Err(self.shape_mismatch(&full, view.shape(), shape));
+        if view.shape != shape {
+            return Err(self.shape_mismatch(&full, &view.shape, shape));
         }
         self.mark_read(&full);
         let row = cols * dtype.size_in_bytes();
         let bytes: Vec<u8> =
-            rows.iter().flat_map(|&r| &view.data()[r as usize * row..(r as usize + 1) * row]).copied().collect();
+            rows.iter().flat_map(|&r| &view.data[r as usize * row..(r as usize + 1) * row]).copied().collect();
         let t = Tensor::from_raw_buffer(&bytes, dtype, &[rows.len(), cols], &Device::Cpu)?;
         Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
     }
@@ -372,10 +452,10 @@ impl Weights {
         let TensorSource::Safetensors { tensors, .. } = &self.source else {
             return Ok(());
         };
-        let mut all = tensors.tensors();
+        let mut all = tensors.list();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         let mut fp8_weights = 0;
-        for (name, view) in &all {
+        for (name, dtype, dtype_name) in &all {
             if !self.must_be_read(name, layers) {
                 continue;
             }
@@ -387,9 +467,9 @@ impl Weights {
                 Some(Fp8Part::Scale) => continue,
                 None => {}
             }
-            let float = DType::try_from(view.dtype()).is_ok_and(|d| FLOAT_DTYPES.contains(&d));
+            let float = dtype.is_some_and(|d| FLOAT_DTYPES.contains(&d));
             if !float || is_quant_data(name) {
-                return Err(self.unreadable(name, &format!("{:?}", view.dtype())));
+                return Err(self.unreadable(name, dtype_name));
             }
         }
         if let (Some(q @ Quantization::Fp8Block { .. }), 0) = (&self.quantization, fp8_weights) {
@@ -411,9 +491,9 @@ impl Weights {
     /// `{module}.weight` with its `{module}.weight_scale_inv` (bf16, f16 or f32) or that scale;
     /// `None` for any other tensor. Either half without the other, a scale in another dtype, or
     /// an FP8 projection that config.json lists in `modules_to_not_convert`, is refused.
-    fn fp8_part(&self, tensors: &MmapedSafetensors, full: &str) -> Result<Option<Fp8Part>, EngineError> {
+    fn fp8_part(&self, tensors: &Store, full: &str) -> Result<Option<Fp8Part>, EngineError> {
         let Some(q @ Quantization::Fp8Block { .. }) = &self.quantization else { return Ok(None) };
-        let dtype = |name: &str| tensors.get(name).ok().map(|v| (DType::try_from(v.dtype()).ok(), v.dtype()));
+        let dtype = |name: &str| tensors.dtype(name);
         let (module, part) = if let Some(m) = full.strip_suffix(".weight_scale_inv") {
             (m, Fp8Part::Scale)
         } else if let Some(m) = full.strip_suffix(".weight") {
@@ -442,7 +522,7 @@ impl Weights {
                 Ok(Some(part))
             }
             (_, true, Some((_, scale_dtype))) => Err(EngineError::Load(format!(
-                "tensor {scale:?} ({scale_dtype:?}) in {}: layertap reads FP8 block scales stored as float32, \
+                "tensor {scale:?} ({scale_dtype}) in {}: layertap reads FP8 block scales stored as float32, \
                  float16 or bfloat16",
                 self.where_from()
             ))),
@@ -450,7 +530,7 @@ impl Weights {
                 "tensor {scale:?} in {} scales {weight:?}, which is {}, not an F8_E4M3 weight; layertap refuses the \
                  checkpoint rather than guess what the scale means",
                 self.where_from(),
-                weight_dtype.map_or("missing".to_string(), |(_, d)| format!("{d:?}"))
+                weight_dtype.map_or("missing".to_string(), |(_, d)| d)
             ))),
         }
     }
@@ -474,7 +554,7 @@ impl Weights {
     /// counted as kept in float.
     fn quantise_at_load(
         &self,
-        tensors: &MmapedSafetensors,
+        tensors: &Store,
         name: &str,
         shape: &[usize],
     ) -> Result<Option<Fp8Host<'static>>, EngineError> {
@@ -528,7 +608,7 @@ impl Weights {
     /// bytes and dtype; `None` where [`quantised_at_load`] does not name it.
     fn float_to_quantise<'t>(
         &self,
-        tensors: &'t MmapedSafetensors,
+        tensors: &'t Store,
         name: &str,
         shape: &[usize],
     ) -> Result<Option<FloatTensor<'t>>, EngineError> {
@@ -543,38 +623,40 @@ impl Weights {
     /// to be a float tensor of `shape`.
     fn float_view<'t>(
         &self,
-        tensors: &'t MmapedSafetensors,
+        tensors: &'t Store,
         name: &str,
         shape: &[usize],
     ) -> Result<(String, &'t [u8], DType), EngineError> {
         let full = self.full_name(name);
-        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
-        let Some(dtype) = DType::try_from(view.dtype()).ok().filter(|d| FLOAT_DTYPES.contains(d)) else {
-            return Err(self.unreadable(&full, &format!("{:?}", view.dtype())));
+        let (dtype, dtype_name) = tensors.dtype(&full).ok_or_else(|| self.missing(&full))?;
+        let Some(dtype) = dtype.filter(|d| FLOAT_DTYPES.contains(d)) else {
+            return Err(self.unreadable(&full, &dtype_name));
         };
-        if view.shape() != shape {
-            return Err(self.shape_mismatch(&full, view.shape(), shape));
+        let view = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
+        if view.shape != shape {
+            return Err(self.shape_mismatch(&full, &view.shape, shape));
         }
-        Ok((full, view.data(), dtype))
+        Ok((full, view.data, dtype))
     }
 
     /// The checkpoint's FP8 projection `name` (see [`Weights::get_fp8`]).
     fn read_fp8<'t>(
         &self,
-        tensors: &'t MmapedSafetensors,
+        tensors: &'t Store,
         name: &str,
         shape: &[usize],
     ) -> Result<Option<Fp8Host<'t>>, EngineError> {
         let full = self.full_name(name);
-        let view = tensors.get(&full).map_err(|_| self.missing(&full))?;
-        if DType::try_from(view.dtype()).ok() != Some(DType::F8E4M3) {
+        let (dtype, _) = tensors.dtype(&full).ok_or_else(|| self.missing(&full))?;
+        if dtype != Some(DType::F8E4M3) {
             return Ok(None);
         }
+        let view = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
         let &[n, k] = shape else {
             return Err(EngineError::Load(format!("{full:?}: FP8 weights of 2-D projections only")));
         };
-        if view.shape() != shape {
-            return Err(self.shape_mismatch(&full, view.shape(), shape));
+        if view.shape != shape {
+            return Err(self.shape_mismatch(&full, &view.shape, shape));
         }
         if !k.is_multiple_of(FP8_BLOCK) {
             return Err(EngineError::Load(format!(
@@ -583,23 +665,21 @@ impl Weights {
             )));
         }
         let scale_name = format!("{full}_scale_inv");
-        let sview = tensors.get(&scale_name).map_err(|_| self.missing(&scale_name))?;
+        let sview = tensors.get(&scale_name).ok_or_else(|| self.missing(&scale_name))?;
         let want = [n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK)];
-        if sview.shape() != want {
-            return Err(self.shape_mismatch(&scale_name, sview.shape(), &want));
+        if sview.shape != want {
+            return Err(self.shape_mismatch(&scale_name, &sview.shape, &want));
         }
-        let Some(sdtype) =
-            DType::try_from(sview.dtype()).ok().filter(|d| [DType::F32, DType::F16, DType::BF16].contains(d))
-        else {
-            return Err(self.unreadable(&scale_name, &format!("{:?}", sview.dtype())));
+        let Some(sdtype) = sview.dtype.filter(|d| [DType::F32, DType::F16, DType::BF16].contains(d)) else {
+            return Err(self.unreadable(&scale_name, &sview.dtype_name));
         };
-        let scale = Tensor::from_raw_buffer(sview.data(), sdtype, &want, &Device::Cpu)?
+        let scale = Tensor::from_raw_buffer(sview.data, sdtype, &want, &Device::Cpu)?
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
         self.mark_read(&full);
         self.mark_read(&scale_name);
-        Ok(Some(Fp8Host { bytes: std::borrow::Cow::Borrowed(view.data()), scale, n, k }))
+        Ok(Some(Fp8Host { bytes: std::borrow::Cow::Borrowed(view.data), scale, n, k }))
     }
 
     /// Records that one FP8 projection was loaded to be multiplied by `path`.
@@ -628,15 +708,15 @@ impl Weights {
     /// included).
     pub fn is_fp8(&self, name: &str) -> bool {
         let TensorSource::Safetensors { tensors, .. } = &self.source else { return false };
-        let Ok(view) = tensors.get(&self.full_name(name)) else { return false };
-        let dtype = DType::try_from(view.dtype()).ok();
+        let full = self.full_name(name);
+        let Some((dtype, _)) = tensors.dtype(&full) else { return false };
         match &self.quantization {
             None => false,
             Some(Quantization::Fp8Block { .. }) => dtype == Some(DType::F8E4M3),
             Some(Quantization::Fp8AtLoad) => {
                 quantised_at_load(name)
                     && dtype.is_some_and(|d| FLOAT_DTYPES.contains(&d))
-                    && view.shape().last().is_some_and(|k| k.is_multiple_of(FP8_BLOCK))
+                    && tensors.shape(&full).and_then(|s| s.last().copied()).is_some_and(|k| k.is_multiple_of(FP8_BLOCK))
             }
         }
     }
@@ -652,10 +732,10 @@ impl Weights {
         };
         let read = self.read.lock().map(|r| r.clone()).unwrap_or_default();
         let mut unread: Vec<(String, String)> = tensors
-            .tensors()
+            .list()
             .into_iter()
-            .filter(|(name, _)| !read.contains(name))
-            .map(|(name, view)| (name, format!("{:?}", view.dtype())))
+            .filter(|(name, _, _)| !read.contains(name))
+            .map(|(name, _, dtype_name)| (name, dtype_name))
             .collect();
         unread.sort();
         if unread.is_empty() {

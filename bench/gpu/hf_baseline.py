@@ -9,8 +9,12 @@ whole workload timed end to end. For the Gated DeltaNet
 hybrids, transformers uses fla's kernels when fla imports (the JSON line says whether it did);
 MoE models take --experts-implementation.
 
+--from-config: the model of DIR's config.json with transformers' own random initialisation, drawn in
+bf16 on the GPU (for the shapes bench/gpu/synthetic_manifest.py describes, whose checkpoints are
+not written; speed does not depend on the weights' values).
+
 Usage: python3 bench/gpu/hf_baseline.py --model-dir DIR --workload bench/out/gpu/workload_gpu.json
-           [--max-batch-tokens 16384]
+           [--max-batch-tokens 16384] [--from-config]
 """
 
 import argparse
@@ -19,9 +23,11 @@ import json
 import os
 import time
 
+import sys
+
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def load_workload(path):
@@ -61,13 +67,28 @@ def main():
                          "compile and autotune per shape on first use)")
     ap.add_argument("--experts-implementation", default=None,
                     help="MoE models: transformers' experts kernel (grouped_mm, batched_mm, eager)")
+    ap.add_argument("--from-config", action="store_true",
+                    help="random weights of DIR's config.json, drawn on the GPU, instead of its checkpoint")
     a = ap.parse_args()
     layers, seqs = load_workload(a.workload)
     extra = {"experts_implementation": a.experts_implementation} if a.experts_implementation else {}
-    # Loaded straight onto the GPU: a full-depth 27B model held once more in host memory would not
-    # fit beside its files in /dev/shm.
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                 device_map="cuda", **extra)
+    load_t0 = time.perf_counter()
+    if a.from_config:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+        from random_checkpoint import random_model
+
+        cfg = AutoConfig.from_pretrained(a.model_dir)
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config  # the FP8 layout's config: transformers runs the bf16 model
+        model = random_model(cfg, cfg.architectures[0], device="cuda", dtype=torch.bfloat16, from_config=True,
+                             attn_implementation="sdpa", **extra)
+    else:
+        # Loaded straight onto the GPU: a full-depth 27B model held once more in host memory would
+        # not fit beside its files in /dev/shm.
+        model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                     device_map="cuda", **extra)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - load_t0
     base = model.model.eval()
     del model.lm_head
     n = base.config.num_hidden_layers
@@ -150,6 +171,7 @@ def main():
         "tokens_per_s": round(tokens / secs, 1), "max_batch_tokens": a.max_batch_tokens, "batches": len(batches),
         "padded_tokens": sum(len(b) * len(seqs[b[-1]]) for b in batches), "output_bytes": out_bytes,
         "layers_run": len(base.layers), "warmup": a.warmup, "warmup_seconds": round(warmup_s, 3),
+        "load_seconds": round(load_s, 3), "weights": "random, drawn on the GPU" if a.from_config else a.model_dir,
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
         "transformers": transformers.__version__, "experts_implementation": a.experts_implementation,
         "fla": importlib.util.find_spec("fla") is not None, "chunk_gated_delta_rule": rule,

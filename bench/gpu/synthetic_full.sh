@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The real shapes at full depth on random weights that are never written to disk (layertap
+# --synthetic-weights, transformers --from-config; speed does not depend on the weights' values):
+# one step per command, so each fits the GPU machine's 10-minute command limit. Run on the GPU
+# machine from the repository root, with the CUDA build of layertap and the HTTP client
+# (examples/bench_http.rs) in .gpu/:
+#
+#   source bench/gpu/cuda-libs.sh && PYTHONPATH=<fla> bench/gpu/synthetic_full.sh STEP
+#
+# STEP:
+#   27b-layertap      Qwen3.5/3.6-27B (64 layers, taps 2,17,32,47,62): the bf16 and FP8 matmul
+#                     rates of its projection shapes, then layertap bf16 and FP8 (the FP8
+#                     releases' layout), each as the engine in process and as the server (zstd,
+#                     64 in flight)
+#   27b-transformers  the same shape and workload in transformers + hooks (+ fla when PYTHONPATH
+#                     holds it), bf16, its cold pass (warmup_seconds: every batch once, in which
+#                     fla's kernels compile and autotune) and its warm pass
+#   moe               Qwen3.5/3.6-35B-A3B (40 layers, taps 2,11,20,29,38): layertap engine bf16 and FP8
+#   122b              Qwen3.5-122B-A10B in FP8 (48 layers, DFlash's taps 2,13,25,36,47): layertap
+#                     engine and server; peak GPU memory from nvidia-smi, sampled every 0.5 s
+#
+# SEQUENCES (200), WORK (/tmp/layertap-synthetic), OUT_DIR (bench/out/gpu). One JSON line per
+# contender in $OUT_DIR/synthetic.jsonl.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN="${BIN:-.gpu/layertap}"
+CLIENT="${CLIENT:-.gpu/bench_http}"
+PORT="${PORT:-18080}"
+MAX_BATCH_TOKENS="${MAX_BATCH_TOKENS:-32768}"
+work="${WORK:-/tmp/layertap-synthetic}"
+out="${OUT_DIR:-bench/out/gpu}"
+seqs="${SEQUENCES:-200}"
+mkdir -p "$out" "$work"
+results="$out/synthetic.jsonl"
+# shellcheck source=bench/gpu/serve.sh
+source bench/gpu/serve.sh
+step="${1:?STEP: 27b-layertap, 27b-transformers, moe or 122b}"
+
+manifest() {  # manifest NAME SHAPE [FLAGS...]: the model folder NAME, its bench.json line tagged
+  local name="$1" shape="$2"
+  shift 2
+  [[ -f "$work/$name/bench.json" ]] && return
+  python3 bench/gpu/synthetic_manifest.py --shape "$shape" --out "$work/$name" --sequences "$seqs" "$@" \
+    | sed "s/^{/{\"step\":\"manifest\",\"model\":\"$name\",/" | tee -a "$results"
+}
+
+engine() {  # engine LABEL MODEL
+  "$BIN" bench --workload "$work/$2/workload.json" --model "$work/$2" --device cuda:0 --dtype bf16 \
+    --max-batch-tokens "$MAX_BATCH_TOKENS" --synthetic-weights 2>"$out/engine-$1.log" \
+    | sed "s/^{/{\"contender\":\"layertap $1\",/" | tee -a "$results"
+}
+
+server() {  # server LABEL MODEL: the server's startup (process start to /ready) and its HTTP run
+  local t0 t1
+  t0=$(date +%s.%N)
+  start_server "$work/$2" cuda:0 "$out/server-$1.log" --synthetic-weights
+  t1=$(date +%s.%N)
+  echo "{\"contender\":\"layertap $1 server start\",\"seconds_to_ready\":$(python3 -c "print(round($t1 - $t0, 2))")}" | tee -a "$results"
+  clients "$work/$2/workload.json" 64 zstd | sed "s/^{/{\"contender\":\"layertap $1 http\",/" | tee -a "$results"
+  grep -i "self-check" "$out/server-$1.log" | tail -2 | cut -c1-400 || true
+  kill -TERM "$server"
+  wait "$server" || true
+  trap - EXIT
+}
+
+peak_memory() {  # runs "$@" while sampling the GPU's used memory; prints the peak (MiB) as JSON
+  local log="$out/nvidia-smi-$1.log"
+  shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 >"$log" &
+  local smi=$!
+  "$@"
+  kill "$smi" 2>/dev/null || true
+  echo "{\"step\":\"peak_gpu_memory\",\"during\":\"$*\",\"mib\":$(sort -n "$log" | tail -1)}" | tee -a "$results"
+}
+
+case "$step" in
+  27b-layertap)
+    manifest 27b 27b --taps 2,17,32,47,62
+    manifest 27b-fp8 27b --fp8 --taps 2,17,32,47,62
+    python3 -c 'import json, sys; sys.path.insert(0, "bench/gpu"); import fp8_bench as f
+print(json.dumps({"step": "matmul_rates", "tokens": 8192, "shapes": f.matmul_rates(f.SHAPES_27B)}))' | tee -a "$results"
+    engine bf16 27b
+    engine fp8 27b-fp8
+    server bf16 27b
+    server fp8 27b-fp8
+    ;;
+  27b-transformers)
+    manifest 27b 27b --taps 2,17,32,47,62
+    python3 bench/gpu/hf_baseline.py --model-dir "$work/27b" --workload "$work/27b/workload.json" \
+      --max-batch-tokens 16384 --from-config | sed "s/^{/{\"contender\":\"transformers\",/" | tee -a "$results"
+    ;;
+  moe)
+    manifest moe 35b-a3b --taps 2,11,20,29,38
+    manifest moe-fp8 35b-a3b --fp8 --taps 2,11,20,29,38
+    engine moe-bf16 moe
+    engine moe-fp8 moe-fp8
+    ;;
+  122b)
+    manifest 122b-fp8 122b-a10b --fp8
+    peak_memory engine-122b engine 122b-fp8 122b-fp8
+    peak_memory server-122b server 122b-fp8 122b-fp8
+    ;;
+  *)
+    echo "unknown step $step" >&2
+    exit 2
+    ;;
+esac

@@ -328,6 +328,189 @@ GROUPED(grouped_swiglu_bf16, __nv_bfloat16, true)
 GROUPED(grouped_swiglu_f16, __half, true)
 
 // ---------------------------------------------------------------------------------------------
+// The grouped product of FP8 experts (e4m3, W8A8 with block scales, as Qwen's FP8 releases
+// define it): x [R, K] e4m3 bytes, each row quantised per group of 128 along K with its scale in
+// xs[g * xs_ld + row] (the layout fp8_quantise writes); w [E, N', K] e4m3 (N' = 2N for SwiGLU,
+// gate rows first) with block scales ws[(e * N'/128 + row/128) * ws_ld + g]. For the rows r of
+// expert e:
+//     y[r, c] = sum over groups g in order of (sum_{k in g} x[src(r), k] w_e[c, k]) * xs[g, src(r)] * ws[e, c/128, g]
+// each group's products summed in f32 by mma.sync.m16n8k32 (e4m3), then scaled and added in f32.
+// The tiles, copies and fragments are grouped_mm's with two e4m3 bytes carried as one 16-bit
+// element (a 16 x 32-byte A fragment and a 32-byte x 8 B fragment are laid out in registers as
+// m16n8k16's 16-bit ones). K and N must be multiples of 128, so each block's output rows lie in
+// one scale block (SwiGLU: its 64 gate rows in one, its 64 up rows in one). sm_89 and newer.
+
+__device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+template <typename T, bool SWIGLU>
+__device__ void grouped_fp8(const uint8_t* __restrict__ x, const float* __restrict__ xs, int xs_ld,
+                            const uint32_t* __restrict__ gather, const uint8_t* __restrict__ w,
+                            const float* __restrict__ ws, int ws_ld, T* __restrict__ y,
+                            const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ n_tiles, int n, int k) {
+    __shared__ __align__(16) uint16_t xsm[STAGES][BM][BK + PADK];
+    __shared__ __align__(16) uint16_t wsm[STAGES][BN][BK + PADK];
+
+    const int tile = blockIdx.x;
+    if (n_tiles != nullptr && tile >= (int)*n_tiles) return;
+    const int e = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];
+    const int n0 = blockIdx.y * (SWIGLU ? BN / 2 : BN);
+    const int wn = SWIGLU ? 2 * n : n;
+    const int kh = k / 2;  // K in byte pairs
+    const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+    const uint16_t* we = reinterpret_cast<const uint16_t*>(w + (size_t)e * wn * k);
+    const float* wse = ws + (size_t)e * (wn / 128) * ws_ld;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wm = (warp / 2) * 32;
+    const int g = lane / 4, t = lane % 4;
+
+    float acc[2][8][4], part[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = part[i][j][q] = 0.f;
+
+    const int ccol = (threadIdx.x % 4) * 8;
+    const uint16_t* xrow[2];
+    const uint16_t* wrow[4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = (threadIdx.x + i * THREADS) / 4;
+        xrow[i] = row < rows ? x16 + (size_t)(gather ? gather[r0 + row] : r0 + row) * kh : nullptr;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = (threadIdx.x + i * THREADS) / 4;
+        const int out = n0 + (SWIGLU ? row % (BN / 2) : row);
+        wrow[i] = out < n ? we + (size_t)((SWIGLU && row >= BN / 2 ? n : 0) + out) * kh : nullptr;
+    }
+    // The activation-scale rows of this thread's accumulators (rows wm + 16 i + g and + 8), -1 past the tile.
+    int src[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = wm + i * 16 + g + 8 * h;
+            src[i][h] = row < rows ? (int)(gather ? gather[r0 + row] : r0 + row) : -1;
+        }
+    // The weight-scale rows of this block's output rows: the gate's (or the only) block, the up's.
+    const int sb0 = n0 / 128, sb1 = SWIGLU ? (n + n0) / 128 : sb0;
+    auto load = [&](int stage, int k0) {
+        const int col = k0 + ccol;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const bool ok = xrow[i] != nullptr && col < kh;
+            cp_async16(&xsm[stage][(threadIdx.x + i * THREADS) / 4][ccol], ok ? xrow[i] + col : x16, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const bool ok = wrow[i] != nullptr && col < kh;
+            cp_async16(&wsm[stage][(threadIdx.x + i * THREADS) / 4][ccol], ok ? wrow[i] + col : we, ok);
+        }
+    };
+    auto bbase = [&](int j) {
+        return SWIGLU ? (j / 4) * (BN / 2) + (warp % 2) * 32 + (j % 4) * 8 : (warp % 2) * 64 + j * 8;
+    };
+    const int lm = lane / 8, lr = lane % 8;
+
+    const int steps = kh / BK;          // 64 bytes of K per step
+    const int per_group = 128 / (2 * BK);  // steps per group of 128
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load(s, s * BK);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int next = step + STAGES - 1;
+        if (next < steps) load(next % STAGES, next * BK);
+        cp_async_commit();
+        const int st = step % STAGES;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            uint32_t af[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                ldmatrix_x4(af[i], &xsm[st][wm + i * 16 + lr + (lm % 2) * 8][kk + (lm / 2) * 8]);
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                uint32_t bf[4];
+                ldmatrix_x4(bf, &wsm[st][bbase(j + lm / 2) + lr][kk + (lm % 2) * 8]);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mma_e4m3(part[i][j], af[i], bf[0], bf[1]);
+                    mma_e4m3(part[i][j + 1], af[i], bf[2], bf[3]);
+                }
+            }
+        }
+        if (step % per_group == per_group - 1) {
+            // The group is complete: its sums scaled by both scales, added in f32.
+            const int grp = step / per_group;
+            const float w0 = wse[sb0 * ws_ld + grp], w1 = wse[sb1 * ws_ld + grp];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const float a0 = src[i][0] >= 0 ? xs[(size_t)grp * xs_ld + src[i][0]] : 0.f;
+                const float a1 = src[i][1] >= 0 ? xs[(size_t)grp * xs_ld + src[i][1]] : 0.f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float sw = (SWIGLU && j >= 4) ? w1 : w0;
+                    acc[i][j][0] += part[i][j][0] * (a0 * sw);
+                    acc[i][j][1] += part[i][j][1] * (a0 * sw);
+                    acc[i][j][2] += part[i][j][2] * (a1 * sw);
+                    acc[i][j][3] += part[i][j][3] * (a1 * sw);
+                    part[i][j][0] = part[i][j][1] = part[i][j][2] = part[i][j][3] = 0.f;
+                }
+            }
+        }
+    }
+    const T* as_t = nullptr;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int ra = wm + i * 16 + g, rb = ra + 8;
+#pragma unroll
+        for (int j = 0; j < (SWIGLU ? 4 : 8); ++j) {
+            const int col = n0 + (SWIGLU ? (warp % 2) * 32 : (warp % 2) * 64) + j * 8 + 2 * t;
+            if (col >= n) continue;
+            float o[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (SWIGLU) {
+                    const float gate = round_to(acc[i][j][q], as_t), up = round_to(acc[i][j + 4][q], as_t);
+                    o[q] = gate / (1.f + __expf(-gate)) * up;
+                } else {
+                    o[q] = acc[i][j][q];
+                }
+            }
+            if (ra < rows) *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + ra) * n + col) = Mma<T>::pack(o[0], o[1]);
+            if (rb < rows) *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + rb) * n + col) = Mma<T>::pack(o[2], o[3]);
+        }
+    }
+}
+
+#define GROUPED_FP8(NAME, T, SWIGLU)                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
+        NAME(const uint8_t* x, const float* xs, int xs_ld, const uint32_t* gather, const uint8_t* w,             \
+             const float* ws, int ws_ld, T* y, const uint32_t* tiles, const uint32_t* n_tiles, int n, int k) {   \
+        grouped_fp8<T, SWIGLU>(x, xs, xs_ld, gather, w, ws, ws_ld, y, tiles, n_tiles, n, k);                    \
+    }
+GROUPED_FP8(grouped_fp8_mm_bf16, __nv_bfloat16, false)
+GROUPED_FP8(grouped_fp8_mm_f16, __half, false)
+GROUPED_FP8(grouped_fp8_swiglu_bf16, __nv_bfloat16, true)
+GROUPED_FP8(grouped_fp8_swiglu_f16, __half, true)
+
+// ---------------------------------------------------------------------------------------------
 // The weighted sum over the slots (and the shared expert): one block per token, 16-byte vectors.
 
 template <typename T>

@@ -80,11 +80,13 @@ def main():
     ap.add_argument("--count", type=int, default=100000)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the engine")
+    ap.add_argument("--synthetic-weights", action="store_true",
+                    help="the model folder holds a synthetic-weights.json (bench/gpu/synthetic_manifest.py)")
     a = ap.parse_args()
     cmd = [ncu_path(), "--csv", "--print-units", "base", "--clock-control", "none", "--metrics",
            "gpu__time_duration.sum", "--launch-skip", str(a.skip), "--launch-count", str(a.count),
            a.bin, "bench", "--workload", a.workload, "--model", a.model, "--device", "cuda:0", "--dtype", "bf16",
-           "--max-batch-tokens", str(a.max_batch_tokens)]
+           "--max-batch-tokens", str(a.max_batch_tokens)] + (["--synthetic-weights"] if a.synthetic_weights else [])
     env = dict(os.environ)
     env.update(kv.split("=", 1) for kv in a.env)
     t0 = time.time()

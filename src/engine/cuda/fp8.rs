@@ -211,6 +211,21 @@ fn qdq_as<T: KernelType>(dev: &CudaDevice, x: &Tensor) -> candle_core::Result<Te
     Ok(tensor(y, dev, (m, k)))
 }
 
+/// `x` `[M, K]` (bf16 or f16) quantised as the FP8 GEMMs receive it, on the device: e4m3 bytes
+/// `[m_pad, K]` (U8) and scales `[K/128, m_pad]` (f32; each group's scales contiguous), `m_pad`
+/// M rounded up to a multiple of 4 (zero rows). For the experts' grouped FP8 kernel.
+pub fn quantise(x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let dev = cuda_device(x, "fp8 quantise")?;
+    let x = x.contiguous()?;
+    let k = x.dim(1)?;
+    let qz = match x.dtype() {
+        DType::BF16 => quantise_from::<half::bf16>(dev, &x, Source::Plain)?,
+        DType::F16 => quantise_from::<half::f16>(dev, &x, Source::Plain)?,
+        d => candle_core::bail!("fp8 quantise: no kernel for {d:?}"),
+    };
+    Ok((tensor(qz.q, dev, (qz.m_pad, k)), tensor(qz.scales, dev, (k / FP8_BLOCK, qz.m_pad))))
+}
+
 /// The input's quantisation as the GEMM receives it, copied to the host: bytes `[m_pad, K]` and
 /// scales `[K/128, m_pad]` (for tests against the CPU quantiser).
 pub fn quantise_to_host(x: &Tensor) -> candle_core::Result<(Vec<u8>, Vec<f32>, usize)> {

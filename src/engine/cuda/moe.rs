@@ -217,6 +217,136 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
     })
 }
 
+/// FP8 experts stacked for the grouped FP8 kernel: e4m3 bytes `q` `[E, N', K]` (U8; N' = 2N,
+/// gate rows first, for the SwiGLU projection) and block scales `scale` `[E, N'/128, Kb4]` (f32,
+/// each expert's [`super::fp8::Fp8Weight`] scales, rows padded to Kb4).
+pub struct Fp8Experts {
+    pub q: Tensor,
+    pub scale: Tensor,
+}
+
+impl Fp8Experts {
+    /// The experts' weights, each `[N', K]` with its scales, stacked.
+    pub fn stack(weights: &[&super::fp8::Fp8Weight]) -> candle_core::Result<Self> {
+        let q: Vec<&Tensor> = weights.iter().map(|w| &w.q).collect();
+        let s: Vec<&Tensor> = weights.iter().map(|w| &w.scale).collect();
+        Ok(Fp8Experts { q: Tensor::stack(&q, 0)?, scale: Tensor::stack(&s, 0)? })
+    }
+}
+
+/// Whether the grouped FP8 kernel serves experts of `hidden` x `inter` in `dtype` on `device`:
+/// both multiples of 128 (whole scale blocks per tile), a GPU with FP8 tensor cores (sm_89+).
+pub fn fp8_supported(device: &Device, dtype: DType, hidden: usize, inter: usize) -> bool {
+    let sm = super::fp8::compute_capability(device).map_or(0, |(major, minor)| major * 10 + minor);
+    matches!(dtype, DType::BF16 | DType::F16) && hidden.is_multiple_of(128) && inter.is_multiple_of(128) && sm >= 89
+}
+
+/// `silu(x W_gate^T) * (x W_up^T)` for every row of the plan from the FP8 experts `gate_up`
+/// (`[E, 2N, K]`), `x` the tokens quantised by [`super::fp8::quantise`] (`xq` `[m_pad, K]`,
+/// `xs` `[K/128, m_pad]`). Returns `[T k, N]` in `dtype`, in the plan's row order.
+pub fn grouped_fp8_swiglu(
+    xq: &Tensor,
+    xs: &Tensor,
+    gate_up: &Fp8Experts,
+    plan: &Plan,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
+    grouped_fp8(xq, xs, gate_up, plan, true, dtype)
+}
+
+/// `x[r] W_e^T` for every row r of the plan from the FP8 experts `w` (`[E, N, K]`), `x` `[T k,
+/// K]` in the plan's row order quantised by [`super::fp8::quantise`]. Returns `[T k, N]`.
+pub fn grouped_fp8_matmul(
+    xq: &Tensor,
+    xs: &Tensor,
+    w: &Fp8Experts,
+    plan: &Plan,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
+    grouped_fp8(xq, xs, w, plan, false, dtype)
+}
+
+fn grouped_fp8(
+    xq: &Tensor,
+    xs: &Tensor,
+    w: &Fp8Experts,
+    plan: &Plan,
+    swiglu: bool,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
+    let (m_pad, k) = xq.dims2()?;
+    let (groups, xs_ld) = xs.dims2()?;
+    let (_, wn, kw) = w.q.dims3()?;
+    let (_, wnb, ws_ld) = w.scale.dims3()?;
+    let rows = plan.t * plan.k;
+    let n = if swiglu { wn / 2 } else { wn };
+    let want_rows = if swiglu { plan.t } else { rows };
+    if kw != k
+        || !k.is_multiple_of(128)
+        || !n.is_multiple_of(128)
+        || groups != k / 128
+        || xs_ld != m_pad
+        || m_pad < want_rows
+        || wnb != wn / 128
+        || ws_ld < groups
+        || xq.dtype() != DType::U8
+        || w.q.dtype() != DType::U8
+        || xs.dtype() != DType::F32
+        || w.scale.dtype() != DType::F32
+    {
+        candle_core::bail!(
+            "grouped fp8 matmul: x {:?} (scales {:?}) and w {:?} (scales {:?}) do not fit a plan of {rows} rows",
+            xq.shape(),
+            xs.shape(),
+            w.q.shape(),
+            w.scale.shape()
+        );
+    }
+    let (xq, xs, wq, wsc) = (xq.contiguous()?, xs.contiguous()?, w.q.contiguous()?, w.scale.contiguous()?);
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(16);
+    if !aligned(&xq) || !aligned(&wq) {
+        candle_core::bail!("grouped fp8 matmul: x and w must start 16-byte aligned");
+    }
+    let dev = cuda_device(&xq, "grouped fp8 matmul")?;
+    let (n_i, k_i) = (as_i32(n, "columns")?, as_i32(k, "the reduction")?);
+    let (xs_ld_i, ws_ld_i) = (as_i32(xs_ld, "the scales' stride")?, as_i32(ws_ld, "the scales' stride")?);
+    let block_cols = if swiglu { BN_SWIGLU } else { BN };
+    let (xqs, xql) = xq.storage_and_layout();
+    let (xss, xsl) = xs.storage_and_layout();
+    let (wqs, wql) = wq.storage_and_layout();
+    let (wss, wsl) = wsc.storage_and_layout();
+    let (ts, tl) = plan.tiles.storage_and_layout();
+    let (cs, cl) = plan.n_tiles.storage_and_layout();
+    let (gs, gl) = plan.tokens.storage_and_layout();
+    let xqv = cuda_view::<u8>(&xqs, xql, "x")?;
+    let xsv = cuda_view::<f32>(&xss, xsl, "x's scales")?;
+    let wqv = cuda_view::<u8>(&wqs, wql, "w")?;
+    let wsv = cuda_view::<f32>(&wss, wsl, "w's scales")?;
+    let tiles = cuda_view::<u32>(&ts, tl, "the tile list")?;
+    let n_tiles = cuda_view::<u32>(&cs, cl, "the tile count")?;
+    let gather = cuda_view::<u32>(&gs, gl, "the rows' tokens")?;
+    half_type!(dtype, H, {
+        // SAFETY: the tiles cover every row of the plan once, and each writes all n columns of
+        // its rows.
+        let y = unsafe { dev.alloc::<H>(rows * n)? };
+        if rows > 0 {
+            let name = kernel_name::<H>(if swiglu { "grouped_fp8_swiglu" } else { "grouped_fp8_mm" });
+            let f = kernel(dev, MOE, &name)?;
+            let mut b = f.builder();
+            let null = 0u64;
+            b.arg(&xqv).arg(&xsv).arg(&xs_ld_i);
+            if swiglu {
+                b.arg(&gather);
+            } else {
+                b.arg(&null);
+            }
+            b.arg(&wqv).arg(&wsv).arg(&ws_ld_i).arg(&y).arg(&tiles).arg(&n_tiles).arg(&n_i).arg(&k_i);
+            launch(&mut b, (plan.bound as u32, n.div_ceil(block_cols) as u32), 128)?;
+        }
+        Ok(wrap(y, dev, (rows, n)))
+    })
+}
+
 /// The layer's output `[T, H]`: for each token the sum over its slots, best first, of
 /// `weights[t, j] * ys[row_of(j, t)]` in f32, plus `shared_y * sigmoid(x . gate)` when
 /// `shared` is `(shared_y [T, H], x [T, H], gate [H])`, rounded once to `ys`' type.

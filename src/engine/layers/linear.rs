@@ -170,6 +170,15 @@ impl Linear {
         }
     }
 
+    /// The weight of an FP8 projection kept in e4m3 on the GPU, when this is one without a bias.
+    #[cfg(feature = "cuda")]
+    pub fn fp8_weight(&self) -> Option<&crate::engine::cuda::fp8::Fp8Weight> {
+        match (&self.kind, &self.bias) {
+            (Kind::Fp8(w), None) => Some(w),
+            _ => None,
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.kind {
             Kind::Float(w) => matmul(x, w)?,

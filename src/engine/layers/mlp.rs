@@ -52,6 +52,16 @@ impl GatedMlp {
         Ok(GatedMlp { gate_up, down, fp8_fused: true })
     }
 
+    /// The fused gate·up weight (`[2I, H]`, gate rows first) and the down weight, where both are
+    /// FP8 projections kept in e4m3 on the GPU (for the experts' grouped FP8 kernel).
+    #[cfg(feature = "cuda")]
+    pub fn fp8_weights(&self) -> Option<(&crate::engine::cuda::fp8::Fp8Weight, &crate::engine::cuda::fp8::Fp8Weight)> {
+        match &self.gate_up {
+            GateUp::Fused(l) => Some((l.fp8_weight()?, self.down.fp8_weight()?)),
+            GateUp::Separate { .. } => None,
+        }
+    }
+
     pub fn forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let GateUp::Fused(l) = &self.gate_up {

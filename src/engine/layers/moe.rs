@@ -21,6 +21,13 @@ enum Experts {
         gate_up: Tensor,
         down: Tensor,
     },
+    /// FP8 experts for the grouped FP8 kernel: `gate_up` `[E, 2I, H]`, `down` `[E, H, I]` in e4m3
+    /// with their block scales.
+    #[cfg(feature = "cuda")]
+    StackedFp8 {
+        gate_up: crate::engine::cuda::moe::Fp8Experts,
+        down: crate::engine::cuda::moe::Fp8Experts,
+    },
 }
 
 pub struct SparseMoe {
@@ -45,7 +52,12 @@ fn load_experts(
     #[cfg(not(feature = "cuda"))]
     let _ = o;
     // FP8 experts (stored so, or quantised at load by `--quantize fp8`, fused ones included) run
-    // one FP8 projection chain per expert (the grouped kernel is 16-bit only).
+    // in the grouped FP8 kernel where it serves (whole 128-blocks, a GPU with FP8 tensor cores,
+    // the FP8 GEMMs on); otherwise one FP8 projection chain per expert.
+    #[cfg(feature = "cuda")]
+    if let Some(experts) = load_fp8_grouped(w, prefix, m, hidden, o)? {
+        return Ok(experts);
+    }
     #[cfg(feature = "cuda")]
     if o.cuda_moe
         && !w.is_fp8(&format!("{prefix}.experts.0.gate_proj.weight"))
@@ -78,6 +90,41 @@ fn load_experts(
         }
     }
     Ok(Experts::PerExpert(load_per_expert(w, prefix, m, hidden)?))
+}
+
+/// FP8 experts for the grouped FP8 kernel, where it serves: whole 128-blocks, a GPU with FP8
+/// tensor cores, the FP8 GEMMs and the experts' kernels on. `None` where it does not (the
+/// experts are then loaded as they would be without it); FP8 experts whose projections are not
+/// all kept in e4m3 run one chain per expert.
+#[cfg(feature = "cuda")]
+fn load_fp8_grouped(
+    w: &Weights,
+    prefix: &str,
+    m: &MoeConfig,
+    hidden: usize,
+    o: &EngineOptions,
+) -> Result<Option<Experts>, EngineError> {
+    use crate::engine::cuda::moe as cuda_moe;
+    let fp8 = w.is_fp8(&format!("{prefix}.experts.0.gate_proj.weight"))
+        || w.is_fp8(&format!("{prefix}.experts.gate_up_proj"));
+    let (i, e, k) = (m.expert_intermediate_size, m.num_experts, m.experts_per_token);
+    if !(fp8
+        && o.cuda_moe
+        && w.fp8_gemm
+        && cuda_moe::supported(&w.device, w.dtype, hidden, i, e, k)
+        && cuda_moe::fp8_supported(&w.device, w.dtype, hidden, i))
+    {
+        return Ok(None);
+    }
+    let experts = load_per_expert(w, prefix, m, hidden)?;
+    let parts: Option<Vec<_>> = experts.iter().map(GatedMlp::fp8_weights).collect();
+    let Some(parts) = parts else { return Ok(Some(Experts::PerExpert(experts))) };
+    let gate_up: Vec<_> = parts.iter().map(|p| p.0).collect();
+    let down: Vec<_> = parts.iter().map(|p| p.1).collect();
+    Ok(Some(Experts::StackedFp8 {
+        gate_up: cuda_moe::Fp8Experts::stack(&gate_up)?,
+        down: cuda_moe::Fp8Experts::stack(&down)?,
+    }))
 }
 
 fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Vec<GatedMlp>, EngineError> {
@@ -181,8 +228,44 @@ impl SparseMoe {
                 let _ = profile;
                 candle_core::bail!("stacked experts need the cuda feature")
             }
+            #[cfg(feature = "cuda")]
+            Experts::StackedFp8 { gate_up, down } => self.forward_stacked_fp8(x, gate_up, down, profile),
             Experts::PerExpert(experts) => self.forward_per_expert(x, experts),
         }
+    }
+
+    /// The grouped FP8 kernel's path: as [`SparseMoe::forward_stacked`], with the tokens
+    /// quantised once (per token, groups of 128, as every FP8 projection quantises its input),
+    /// both projections in e4m3 with their block scales, and `silu(gate) * up` rounded to the
+    /// compute dtype and quantised again for the down projection (as the per-expert chain does).
+    #[cfg(feature = "cuda")]
+    fn forward_stacked_fp8(
+        &self,
+        x: &Tensor,
+        gate_up: &crate::engine::cuda::moe::Fp8Experts,
+        down: &crate::engine::cuda::moe::Fp8Experts,
+        profile: &Profiler,
+    ) -> candle_core::Result<Tensor> {
+        use crate::engine::cuda::{fp8 as cuda_fp8, moe as cuda_moe};
+        use crate::engine::profile::Phase;
+        if x.dim(0)? == 0 {
+            return x.zeros_like();
+        }
+        let profile = profile.nested();
+        let (idx, weights) = cuda_moe::route(&self.router.forward(x)?, self.top_k, self.norm_topk_prob)?;
+        let plan = cuda_moe::plan(&idx, down.q.dim(0)?)?;
+        profile.mark(Phase::MoeRoute);
+        let (xq, xs) = cuda_fp8::quantise(x)?;
+        let h = cuda_moe::grouped_fp8_swiglu(&xq, &xs, gate_up, &plan, x.dtype())?;
+        let (hq, hs) = cuda_fp8::quantise(&h)?;
+        let ys = cuda_moe::grouped_fp8_matmul(&hq, &hs, down, &plan, x.dtype())?;
+        profile.mark(Phase::MoeExperts);
+        let out = match &self.shared {
+            Some((mlp, gate)) => cuda_moe::combine(&ys, &plan, &weights, Some((&mlp.forward(x)?, x, gate)))?,
+            None => cuda_moe::combine(&ys, &plan, &weights, None)?,
+        };
+        profile.mark(Phase::MoeCombine);
+        Ok(out)
     }
 
     /// The CUDA kernels' path (`cuda::moe`): routing, sorting by expert, both projections and

@@ -248,7 +248,11 @@ fn fp8_fixtures_on_the_gpu_match_transformers_at_every_index() {
             // per-expert chain (LAYERTAP_CUDA_MOE=0) must match transformers as closely.
             if dtype == DType::BF16 && name.contains("moe") {
                 let per_expert = layertap::engine::EngineOptions { cuda_moe: false, ..Default::default() };
+                let grouped = layertap::engine::layers::moe::FP8_GROUPED;
+                assert!(described.contains(grouped), "{name}: the experts' path is not named: {described}");
                 let mut p = files.load_with(&dev, dtype, &per_expert).unwrap();
+                let chain = p.info.quantization.clone().unwrap_or_default();
+                assert!(!chain.contains(grouped) && chain.contains("FP8 tensor cores"), "{chain}");
                 let (worst, _) = worst_per_index(&mut p.engine, &reference, p.info.num_layers, f64::INFINITY);
                 let per_index: Vec<String> = worst.iter().map(|e| format!("{e:.1e}")).collect();
                 println!("  per-expert chain: worst relative error per index {}", per_index.join(" "));

@@ -689,6 +689,20 @@ impl Weights {
         }
     }
 
+    /// Moves `n` of the FP8 projections counted under `from` to `to` (the experts' projections,
+    /// loaded one by one and then stacked for the grouped FP8 kernel).
+    pub fn recount_fp8(&self, from: &str, to: &str, n: usize) {
+        if let Ok(mut p) = self.fp8_paths.lock() {
+            let left = p.get(from).copied().unwrap_or(0).saturating_sub(n);
+            if left == 0 {
+                p.remove(from);
+            } else {
+                p.insert(from.to_string(), left);
+            }
+            *p.entry(to.to_string()).or_default() += n;
+        }
+    }
+
     /// How the FP8 projections loaded so far are multiplied ("196 on the FP8 tensor cores
     /// (...)"), and under `--quantize fp8` how many of the projections it names stayed in float
     /// ("…, 12 kept in float (input features not a multiple of 128)"); None where there are none.

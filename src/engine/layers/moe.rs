@@ -92,6 +92,11 @@ fn load_experts(
     Ok(Experts::PerExpert(load_per_expert(w, prefix, m, hidden)?))
 }
 
+/// How `/v1/info` and the start-up log name the grouped FP8 experts' path.
+#[cfg(feature = "cuda")]
+pub const FP8_GROUPED: &str =
+    "experts' projections on the FP8 tensor cores (e4m3 weights, one grouped mma.sync kernel per projection)";
+
 /// FP8 experts for the grouped FP8 kernel, where it serves: whole 128-blocks, a GPU with FP8
 /// tensor cores, the FP8 GEMMs and the experts' kernels on. `None` where it does not (the
 /// experts are then loaded as they would be without it); FP8 experts whose projections are not
@@ -121,6 +126,8 @@ fn load_fp8_grouped(
     let Some(parts) = parts else { return Ok(Some(Experts::PerExpert(experts))) };
     let gate_up: Vec<_> = parts.iter().map(|p| p.0).collect();
     let down: Vec<_> = parts.iter().map(|p| p.1).collect();
+    // Each expert's gate, up and down were counted as cuBLASLt GEMMs when loaded.
+    w.recount_fp8(super::linear::FP8_TENSOR_CORES, FP8_GROUPED, 3 * experts.len());
     Ok(Some(Experts::StackedFp8 {
         gate_up: cuda_moe::Fp8Experts::stack(&gate_up)?,
         down: cuda_moe::Fp8Experts::stack(&down)?,

@@ -201,6 +201,44 @@ fn quantize_fp8_quantises_the_projections_the_releases_quantise_and_nothing_else
         let m = load(dir.path(), Some(Quantize::Fp8));
         assert_eq!(projections(&m), format!("{fp8} dequantised to f32 at load (CPU)"), "{name}");
     }
+}
+
+#[test]
+fn quantize_fp8_quantises_qwen3_nexts_fused_in_proj_qkvz_in_stored_order_then_regroups_its_blocks() {
+    // The float copy of the Qwen3-Next FP8 fixture (one linear-attention layer, key heads of 128,
+    // 2 x 128 value rows per key head): in_proj_qkvz is quantised in its stored order, as the
+    // release's is, and its blocks regrouped into [q | k | v] and [z] (two projections), so every
+    // projection the fixture stores in FP8 is quantised, in_proj_qkvz counting twice.
+    let name = "fp8/qwen3_next_bf16_scales";
+    let fp8 = fp8_weights(&fixtures().join(name)).len() + 1;
+    let dir = float_copy(name);
+    let m = load(dir.path(), Some(Quantize::Fp8));
+    assert_eq!(projections(&m), format!("{fp8} dequantised to f32 at load (CPU)"));
+    // Quantising the dequantised rows in their stored order gives the fixture's blocks back, so
+    // the states are the W8A8 reference's (2.0e-7 measured), as for the other FP8 fixtures.
+    let reference = read_safetensors(&fixtures().join(name).join("reference.safetensors"));
+    let (mut engine, n) = (m.engine, m.info.num_layers);
+    let (worst, _) = worst_per_index(&mut engine, &reference, n, f64::INFINITY);
+    let deepest = worst.iter().copied().fold(0f64, f64::max);
+    println!("{name} float copy, --quantize fp8: worst relative error {deepest:.2e}");
+    assert!(deepest <= TOLERANCE, "{deepest:.3e}");
+    // The same weights read as 4 key heads of 64 (the same tensor shapes): q_g and k_g are half
+    // blocks, so in_proj_qkvz stays in float, counted as such (an FP8 checkpoint of that shape is
+    // refused: tests/fp8.rs), and every other projection is quantised.
+    let narrow = edited_fixture(&fixtures().join(name), to_float32, |c| {
+        without_quantization(c);
+        c["linear_num_key_heads"] = 4.into();
+        c["linear_key_head_dim"] = 64.into();
+    });
+    let m = load(narrow.path(), Some(Quantize::Fp8));
+    assert_eq!(
+        projections(&m),
+        format!(
+            "{} dequantised to f32 at load (CPU), 1 kept in float (Qwen3-Next in_proj_qkvz whose per-key-head parts \
+             are not whole 128-row blocks)",
+            fp8 - 2
+        )
+    );
     // Tiny float fixtures: hidden 64, intermediate 128, 4 heads of 32: per layer o_proj and
     // down_proj (128 input features) are quantised, q/k/v, gate and up (64) stay in float.
     let m = load(&fixtures().join("tiny/qwen3_qknorm"), Some(Quantize::Fp8));

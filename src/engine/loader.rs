@@ -7,8 +7,8 @@ use std::time::Duration;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 
-use super::config::quant::{Quantization, Quantize};
-use super::config::{GdnLayout, ModelConfig};
+use super::config::quant::Quantize;
+use super::config::ModelConfig;
 use super::decoder::Decoder;
 use super::gguf::{GgufFile, GgufTensors, GgufTokenizerData};
 use super::options::EngineOptions;
@@ -358,14 +358,6 @@ impl ModelFiles {
         if let Some(paths) = weights.fp8_summary() {
             tracing::info!(model = %self.id, device = ?device, "FP8 projections: {paths}");
             info.quantization = info.quantization.map(|q| format!("{q}; projections: {paths}"));
-        }
-        let fused_gdn = config.linear_attention.as_ref().is_some_and(|d| d.layout == GdnLayout::Fused);
-        if config.quantization == Some(Quantization::Fp8AtLoad) && fused_gdn {
-            tracing::info!(
-                model = %self.id,
-                "--quantize fp8 keeps the Gated DeltaNet's fused in_proj_qkvz (and in_proj_ba) in float: their rows \
-                 are regrouped per key head at load"
-            );
         }
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
     }

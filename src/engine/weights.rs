@@ -118,6 +118,9 @@ pub struct Weights {
     /// Under [`Quantization::Fp8AtLoad`]: how many projections it names stayed in float because
     /// their input features are not a multiple of 128.
     kept_float: std::sync::atomic::AtomicUsize,
+    /// Under [`Quantization::Fp8AtLoad`]: how many Qwen3-Next `in_proj_qkvz` stayed in float
+    /// because their per-key-head parts are not whole 128-row blocks.
+    kept_regrouped: std::sync::atomic::AtomicUsize,
 }
 
 /// The dtypes the loader reads a parameter from: floating-point weights, cast to the compute
@@ -269,6 +272,7 @@ impl Weights {
             fp8_fused: true,
             fp8_paths: Mutex::default(),
             kept_float: Default::default(),
+            kept_regrouped: Default::default(),
         }
     }
 
@@ -682,6 +686,17 @@ impl Weights {
         Ok(Some(Fp8Host { bytes: std::borrow::Cow::Borrowed(view.data), scale, n, k }))
     }
 
+    /// Whether the projections are quantised at load (`--quantize fp8`), not read as stored.
+    pub fn quantises_at_load(&self) -> bool {
+        self.quantization == Some(Quantization::Fp8AtLoad)
+    }
+
+    /// Records that `--quantize fp8` kept a Qwen3-Next `in_proj_qkvz` in float (its rows could
+    /// not be regrouped in whole blocks).
+    pub fn keep_regrouped_float(&self) {
+        self.kept_regrouped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Records that one FP8 projection was loaded to be multiplied by `path`.
     pub fn count_fp8(&self, path: String) {
         if let Ok(mut p) = self.fp8_paths.lock() {
@@ -712,6 +727,13 @@ impl Weights {
         let kept = self.kept_float.load(std::sync::atomic::Ordering::Relaxed);
         if kept > 0 {
             paths.push(format!("{kept} kept in float (input features not a multiple of {FP8_BLOCK})"));
+        }
+        let regrouped = self.kept_regrouped.load(std::sync::atomic::Ordering::Relaxed);
+        if regrouped > 0 {
+            paths.push(format!(
+                "{regrouped} kept in float (Qwen3-Next in_proj_qkvz whose per-key-head parts are not whole \
+                 {FP8_BLOCK}-row blocks)"
+            ));
         }
         (!paths.is_empty()).then(|| paths.join(", "))
     }

@@ -81,6 +81,7 @@ const QUANTISED_AT_LOAD: &[&str] = &[
     "gate_up_proj",
     "in_proj_qkv",
     "in_proj_z",
+    "in_proj_qkvz",
     "out_proj",
 ];
 

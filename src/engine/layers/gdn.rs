@@ -47,8 +47,8 @@ fn split_fused(w: &Weights, p: &str, d: &LinearAttentionConfig, hidden: usize) -
     let part = |t: &Tensor, at: usize, len: usize| t.narrow(1, at, len)?.reshape((nk * len, hidden));
     let float = |t: Tensor| Linear::from_weight(t, None).map_err(EngineError::from);
     let qkvz_name = format!("{p}.in_proj_qkvz.weight");
-    let [qkv, z] = if w.is_fp8(&qkvz_name) {
-        split_fused_fp8(w, &qkvz_name, d, hidden)?
+    let [qkv, z] = if let Some(pair) = split_fused_fp8(w, &qkvz_name, d, hidden)? {
+        pair
     } else {
         let qkvz = w.get(&qkvz_name, &[nk * group, hidden])?.reshape((nk, group, hidden))?;
         let qkv = Tensor::cat(&[part(&qkvz, 0, dk)?, part(&qkvz, dk, dk)?, part(&qkvz, 2 * dk, r * dv)?], 0)?;
@@ -59,23 +59,37 @@ fn split_fused(w: &Weights, p: &str, d: &LinearAttentionConfig, hidden: usize) -
     Ok(vec![qkv, z, float(part(&ba, 0, r)?)?, float(part(&ba, r, r)?)?])
 }
 
+/// Whether each part of a key head's group in Qwen3-Next's `in_proj_qkvz` (q_g and k_g, v_g and
+/// z_g) is a whole number of 128-row blocks, so FP8 rows regroup with their scales.
+fn blocks_whole(d: &LinearAttentionConfig) -> bool {
+    let r = d.num_value_heads / d.num_key_heads;
+    d.key_head_dim.is_multiple_of(super::fp8::FP8_BLOCK) && (r * d.value_head_dim).is_multiple_of(super::fp8::FP8_BLOCK)
+}
+
 /// The FP8 `in_proj_qkvz` (`name`) regrouped into `[q | k | v]` and `[z]` as
 /// [`split_fused`] regroups the float one, without dequantising: the e4m3 rows move in whole
 /// 128-row blocks with their rows of block scales, so each block keeps the scale it was
 /// quantised with and the product is the checkpoint's W8A8 exactly. That needs every part of a
 /// key head's group (q_g and k_g: `linear_key_head_dim` rows; v_g and z_g: value heads per key
 /// head x `linear_value_head_dim` rows) to be whole blocks, as in the releases (128 and 2 x 128);
-/// other dimensions would split a block between two parts, and are refused.
+/// other dimensions would split a block between two parts, and are refused. Under `--quantize
+/// fp8` the stored rows are quantised as a release quantises them, then regrouped the same way;
+/// where the parts are not whole blocks the projection stays in float (counted as such). `None`
+/// where `name` is read as floats.
 fn split_fused_fp8(
     w: &Weights,
     name: &str,
     d: &LinearAttentionConfig,
     hidden: usize,
-) -> Result<[Linear; 2], EngineError> {
+) -> Result<Option<[Linear; 2]>, EngineError> {
     use super::fp8::FP8_BLOCK;
     let (nk, dk, dv) = (d.num_key_heads, d.key_head_dim, d.value_head_dim);
     let r = d.num_value_heads / nk;
-    if !dk.is_multiple_of(FP8_BLOCK) || !(r * dv).is_multiple_of(FP8_BLOCK) {
+    if !blocks_whole(d) && w.is_fp8(name) {
+        if w.quantises_at_load() {
+            w.keep_regrouped_float();
+            return Ok(None);
+        }
         return Err(EngineError::Load(format!(
             "{:?} is FP8, whose rows are regrouped per key head at load in whole {FP8_BLOCK}-row blocks (each \
              block keeps its scale); that needs linear_key_head_dim ({dk}) and the value rows per key head \
@@ -87,15 +101,13 @@ fn split_fused_fp8(
         )));
     }
     let group = 2 * dk + 2 * r * dv;
-    let fp8 = w
-        .get_fp8(name, &[nk * group, hidden])?
-        .ok_or_else(|| EngineError::Load(format!("{:?}: not an FP8 projection", w.full_name(name))))?;
+    let Some(fp8) = w.get_fp8(name, &[nk * group, hidden])? else { return Ok(None) };
     // `rows(at, len)`: rows `at..at + len` of each key head's group, group after group.
     let span = |g: usize, at: usize, len: usize| g * group + at..g * group + at + len;
     let rows = |at: usize, len: usize| (0..nk).map(move |g| span(g, at, len));
     let qkv: Vec<_> = rows(0, dk).chain(rows(dk, dk)).chain(rows(2 * dk, r * dv)).collect();
     let z: Vec<_> = rows(2 * dk + r * dv, r * dv).collect();
-    Ok([Linear::from_fp8(w, fp8.gather_rows(&qkv)?)?, Linear::from_fp8(w, fp8.gather_rows(&z)?)?])
+    Ok(Some([Linear::from_fp8(w, fp8.gather_rows(&qkv)?)?, Linear::from_fp8(w, fp8.gather_rows(&z)?)?]))
 }
 
 /// `ln(1 + y)` accurate for small `y` (where `ln` of the rounded `1 + y` loses most digits):

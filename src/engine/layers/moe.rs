@@ -241,6 +241,23 @@ impl SparseMoe {
         }
     }
 
+    /// The CUDA kernels' path (`cuda::moe`): routing, sorting by expert, both projections and
+    /// the weighted sum (with the shared expert's gate) stay on the device. The weighted sum runs
+    /// over the slots, best first, in f32, as on the other path; the routing weights stay f32.
+    #[cfg(feature = "cuda")]
+    fn forward_stacked(
+        &self,
+        x: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        profile: &Profiler,
+    ) -> candle_core::Result<Tensor> {
+        use crate::engine::cuda::moe as cuda_moe;
+        self.forward_grouped(x, down.dim(0)?, profile, |plan| {
+            cuda_moe::grouped_matmul(&cuda_moe::grouped_swiglu(x, gate_up, plan)?, down, plan)
+        })
+    }
+
     /// The grouped FP8 kernel's path: as [`SparseMoe::forward_stacked`], with the tokens
     /// quantised once (per token, groups of 128, as every FP8 projection quantises its input),
     /// both projections in e4m3 with their block scales, and `silu(gate) * up` rounded to the
@@ -254,37 +271,24 @@ impl SparseMoe {
         profile: &Profiler,
     ) -> candle_core::Result<Tensor> {
         use crate::engine::cuda::{fp8 as cuda_fp8, moe as cuda_moe};
-        use crate::engine::profile::Phase;
-        if x.dim(0)? == 0 {
-            return x.zeros_like();
-        }
-        let profile = profile.nested();
-        let (idx, weights) = cuda_moe::route(&self.router.forward(x)?, self.top_k, self.norm_topk_prob)?;
-        let plan = cuda_moe::plan(&idx, down.q.dim(0)?)?;
-        profile.mark(Phase::MoeRoute);
-        let (xq, xs) = cuda_fp8::quantise(x)?;
-        let h = cuda_moe::grouped_fp8_swiglu(&xq, &xs, gate_up, &plan, x.dtype())?;
-        let (hq, hs) = cuda_fp8::quantise(&h)?;
-        let ys = cuda_moe::grouped_fp8_matmul(&hq, &hs, down, &plan, x.dtype())?;
-        profile.mark(Phase::MoeExperts);
-        let out = match &self.shared {
-            Some((mlp, gate)) => cuda_moe::combine(&ys, &plan, &weights, Some((&mlp.forward(x)?, x, gate)))?,
-            None => cuda_moe::combine(&ys, &plan, &weights, None)?,
-        };
-        profile.mark(Phase::MoeCombine);
-        Ok(out)
+        self.forward_grouped(x, down.q.dim(0)?, profile, |plan| {
+            let (xq, xs) = cuda_fp8::quantise(x)?;
+            let h = cuda_moe::grouped_fp8_swiglu(&xq, &xs, gate_up, plan, x.dtype())?;
+            let (hq, hs) = cuda_fp8::quantise(&h)?;
+            cuda_moe::grouped_fp8_matmul(&hq, &hs, down, plan, x.dtype())
+        })
     }
 
-    /// The CUDA kernels' path (`cuda::moe`): routing, sorting by expert, both projections and
-    /// the weighted sum (with the shared expert's gate) stay on the device. The weighted sum runs
-    /// over the slots, best first, in f32, as on the other path; the routing weights stay f32.
+    /// Routing and sorting of `x`'s tokens over `experts` experts, `experts_out` (the experts'
+    /// outputs `[T k, H]` in the plan's row order), then the weighted sum with the shared expert,
+    /// all on the device; the phases marked on a clock of their own.
     #[cfg(feature = "cuda")]
-    fn forward_stacked(
+    fn forward_grouped(
         &self,
         x: &Tensor,
-        gate_up: &Tensor,
-        down: &Tensor,
+        experts: usize,
         profile: &Profiler,
+        experts_out: impl FnOnce(&crate::engine::cuda::moe::Plan) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
         use crate::engine::cuda::moe as cuda_moe;
         use crate::engine::profile::Phase;
@@ -293,9 +297,9 @@ impl SparseMoe {
         }
         let profile = profile.nested();
         let (idx, weights) = cuda_moe::route(&self.router.forward(x)?, self.top_k, self.norm_topk_prob)?;
-        let plan = cuda_moe::plan(&idx, down.dim(0)?)?;
+        let plan = cuda_moe::plan(&idx, experts)?;
         profile.mark(Phase::MoeRoute);
-        let ys = cuda_moe::grouped_matmul(&cuda_moe::grouped_swiglu(x, gate_up, &plan)?, down, &plan)?;
+        let ys = experts_out(&plan)?;
         profile.mark(Phase::MoeExperts);
         let out = match &self.shared {
             Some((mlp, gate)) => cuda_moe::combine(&ys, &plan, &weights, Some((&mlp.forward(x)?, x, gate)))?,

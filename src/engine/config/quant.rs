@@ -321,6 +321,7 @@ mod tests {
             "layers.0.linear_attn.in_proj_qkv.weight",
             "layers.0.linear_attn.in_proj_z.weight",
             "layers.0.linear_attn.out_proj.weight",
+            "layers.0.linear_attn.in_proj_qkvz.weight",
         ] {
             assert!(quantised_at_load(yes), "{yes}");
         }
@@ -336,7 +337,6 @@ mod tests {
             "layers.0.linear_attn.in_proj_a.weight",
             "layers.0.linear_attn.in_proj_b.weight",
             "layers.0.linear_attn.in_proj_ba.weight",
-            "layers.0.linear_attn.in_proj_qkvz.weight",
             "layers.0.linear_attn.conv1d.weight",
             "layers.0.linear_attn.A_log",
             "layers.0.mlp.gate_up_proj.weight",

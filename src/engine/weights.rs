@@ -115,13 +115,15 @@ pub struct Weights {
     pub fp8_fused: bool,
     /// How many FP8 projections were loaded for each way of multiplying them.
     fp8_paths: Mutex<std::collections::BTreeMap<String, usize>>,
-    /// Under [`Quantization::Fp8AtLoad`]: how many projections it names stayed in float because
-    /// their input features are not a multiple of 128.
-    kept_float: std::sync::atomic::AtomicUsize,
-    /// Under [`Quantization::Fp8AtLoad`]: how many Qwen3-Next `in_proj_qkvz` stayed in float
-    /// because their per-key-head parts are not whole 128-row blocks.
-    kept_regrouped: std::sync::atomic::AtomicUsize,
+    /// Under [`Quantization::Fp8AtLoad`]: how many projections it names stayed in float, by
+    /// reason ([`NOT_WHOLE_GROUPS`], or a Qwen3-Next `in_proj_qkvz` not in whole blocks).
+    kept_float: Mutex<std::collections::BTreeMap<&'static str, usize>>,
 }
+
+/// Why `--quantize fp8` keeps a projection it names in float: its input cannot be quantised in
+/// whole groups of 128.
+const NOT_WHOLE_GROUPS: &str = "input features not a multiple of 128";
+const _: () = assert!(FP8_BLOCK == 128, "NOT_WHOLE_GROUPS names the block size");
 
 /// The dtypes the loader reads a parameter from: floating-point weights, cast to the compute
 /// dtype. Anything else (FP8, packed integers, scales) needs arithmetic the loader does not do.
@@ -271,8 +273,7 @@ impl Weights {
             fp8_gemm: true,
             fp8_fused: true,
             fp8_paths: Mutex::default(),
-            kept_float: Default::default(),
-            kept_regrouped: Default::default(),
+            kept_float: Mutex::default(),
         }
     }
 
@@ -569,7 +570,7 @@ impl Weights {
             return Err(EngineError::Load(format!("{full:?}: FP8 weights of 2-D projections only")));
         };
         if !k.is_multiple_of(FP8_BLOCK) {
-            self.kept_float.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.keep_float(NOT_WHOLE_GROUPS, 1);
             return Ok(None);
         }
         let (bytes, scale) = quantise_float(data, dtype, 0, n, k).ok_or_else(|| non_finite(&full))?;
@@ -588,7 +589,7 @@ impl Weights {
         parts: usize,
     ) -> Result<Option<Fp8Stacked<'_>>, EngineError> {
         let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(None) };
-        if self.quantization != Some(Quantization::Fp8AtLoad) {
+        if !self.quantises_at_load() {
             return Ok(None);
         }
         let Some(FloatTensor { full, data, dtype }) = self.float_to_quantise(tensors, name, shape)? else {
@@ -601,7 +602,7 @@ impl Weights {
             return Err(EngineError::Load(format!("{full:?}: {rows} rows do not split into {parts} projections")));
         }
         if !k.is_multiple_of(FP8_BLOCK) {
-            self.kept_float.fetch_add(e * parts, std::sync::atomic::Ordering::Relaxed);
+            self.keep_float(NOT_WHOLE_GROUPS, e * parts);
             return Ok(None);
         }
         self.mark_read(&full);
@@ -691,10 +692,11 @@ impl Weights {
         self.quantization == Some(Quantization::Fp8AtLoad)
     }
 
-    /// Records that `--quantize fp8` kept a Qwen3-Next `in_proj_qkvz` in float (its rows could
-    /// not be regrouped in whole blocks).
-    pub fn keep_regrouped_float(&self) {
-        self.kept_regrouped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// Records that `--quantize fp8` kept `n` projections it names in float, and why.
+    pub fn keep_float(&self, reason: &'static str, n: usize) {
+        if let Ok(mut k) = self.kept_float.lock() {
+            *k.entry(reason).or_default() += n;
+        }
     }
 
     /// Records that one FP8 projection was loaded to be multiplied by `path`.
@@ -724,17 +726,8 @@ impl Weights {
     pub fn fp8_summary(&self) -> Option<String> {
         let p = self.fp8_paths.lock().ok()?;
         let mut paths: Vec<String> = p.iter().map(|(path, n)| format!("{n} {path}")).collect();
-        let kept = self.kept_float.load(std::sync::atomic::Ordering::Relaxed);
-        if kept > 0 {
-            paths.push(format!("{kept} kept in float (input features not a multiple of {FP8_BLOCK})"));
-        }
-        let regrouped = self.kept_regrouped.load(std::sync::atomic::Ordering::Relaxed);
-        if regrouped > 0 {
-            paths.push(format!(
-                "{regrouped} kept in float (Qwen3-Next in_proj_qkvz whose per-key-head parts are not whole \
-                 {FP8_BLOCK}-row blocks)"
-            ));
-        }
+        let kept = self.kept_float.lock().ok()?;
+        paths.extend(kept.iter().map(|(reason, n)| format!("{n} kept in float ({reason})")));
         (!paths.is_empty()).then(|| paths.join(", "))
     }
 

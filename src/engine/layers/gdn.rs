@@ -87,7 +87,7 @@ fn split_fused_fp8(
     let r = d.num_value_heads / nk;
     if !blocks_whole(d) && w.is_fp8(name) {
         if w.quantises_at_load() {
-            w.keep_regrouped_float();
+            w.keep_float("Qwen3-Next in_proj_qkvz whose per-key-head parts are not whole 128-row blocks", 1);
             return Ok(None);
         }
         return Err(EngineError::Load(format!(

@@ -66,6 +66,14 @@ __device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
     for (int j = 0; j < 4; ++j) v[j] = to_f32(h[j]);
 }
 
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+    const float4 raw = *reinterpret_cast<const float4*>(p);
+    v[0] = raw.x;
+    v[1] = raw.y;
+    v[2] = raw.z;
+    v[3] = raw.w;
+}
+
 template <typename T>
 __device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
     uint2 raw;
@@ -83,14 +91,15 @@ __device__ __forceinline__ bool aligned(const void* p, int bytes) { return (uint
 // the thread's own writes, out of cache). One block per row. A row of a multiple of 4 columns
 // whose pointers allow it goes 4 columns at a time (thread t takes columns 4t.., 4(t + blockDim)..),
 // another one at a time (t, t + blockDim, ..); the sum of squares is taken in the same order
-// with or without ADD, so the fused kernel is bitwise add_f32 then this one.
-template <typename T, bool ADD>
-__device__ void norm_row(const float* __restrict__ x, const T* __restrict__ y, const T* __restrict__ w,
+// with or without ADD, so the fused kernel is bitwise add_f32 then this one. W, the weight's
+// type, is T or f32 (the hybrids' zero-centred norms keep 1 + w in f32).
+template <typename T, typename W, bool ADD>
+__device__ void norm_row(const float* __restrict__ x, const T* __restrict__ y, const W* __restrict__ w,
                          float* __restrict__ x_out, T* __restrict__ out, int cols, float eps) {
     const size_t base = (size_t)blockIdx.x * cols;
     const float* xr = x + base;
     T* orow = out + base;
-    const bool vec = cols % 4 == 0 && aligned(xr, 16) && aligned(orow, 8) && aligned(w, 8) &&
+    const bool vec = cols % 4 == 0 && aligned(xr, 16) && aligned(orow, 8) && aligned(w, 4 * sizeof(W)) &&
                      (!ADD || (aligned(x_out + base, 16) && aligned(y + base, 8)));
     float ss = 0.f;
     if (vec) {
@@ -137,21 +146,20 @@ __device__ void norm_row(const float* __restrict__ x, const T* __restrict__ y, c
     }
 }
 
-extern "C" __global__ void rms_norm_f32_bf16(const float* x, const __nv_bfloat16* w, __nv_bfloat16* out, int cols,
-                                             float eps) {
-    norm_row<__nv_bfloat16, false>(x, nullptr, w, nullptr, out, cols, eps);
-}
-extern "C" __global__ void rms_norm_f32_f16(const float* x, const __half* w, __half* out, int cols, float eps) {
-    norm_row<__half, false>(x, nullptr, w, nullptr, out, cols, eps);
-}
-extern "C" __global__ void add_rms_norm_f32_bf16(const float* x, const __nv_bfloat16* y, const __nv_bfloat16* w,
-                                                 float* x_out, __nv_bfloat16* normed, int cols, float eps) {
-    norm_row<__nv_bfloat16, true>(x, y, w, x_out, normed, cols, eps);
-}
-extern "C" __global__ void add_rms_norm_f32_f16(const float* x, const __half* y, const __half* w, float* x_out,
-                                                __half* normed, int cols, float eps) {
-    norm_row<__half, true>(x, y, w, x_out, normed, cols, eps);
-}
+#define NORM_KERNELS(SUFFIX, T, W)                                                                        \
+    extern "C" __global__ void rms_norm_##SUFFIX(const float* x, const W* w, T* out, int cols, float eps) {      \
+        norm_row<T, W, false>(x, nullptr, w, nullptr, out, cols, eps);                                         \
+    }                                                                                                          \
+    extern "C" __global__ void add_rms_norm_##SUFFIX(const float* x, const T* y, const W* w, float* x_out,      \
+                                                     T* normed, int cols, float eps) {                         \
+        norm_row<T, W, true>(x, y, w, x_out, normed, cols, eps);                                               \
+    }
+// f32 stream, weight and output in a 16-bit type.
+NORM_KERNELS(f32_bf16, __nv_bfloat16, __nv_bfloat16)
+NORM_KERNELS(f32_f16, __half, __half)
+// f32 stream, f32 weight (zero-centred norms: 1 + w), output in a 16-bit type.
+NORM_KERNELS(f32w_bf16, __nv_bfloat16, float)
+NORM_KERNELS(f32w_f16, __half, float)
 
 // f32 -> fp8 (E4M3, finite only): round to nearest even, saturating at +-448 (NaN stays NaN).
 // What answers in fp8 are written with, after each value is scaled by 448 / amax of its row.

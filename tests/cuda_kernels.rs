@@ -259,36 +259,55 @@ fn residual_kernels_match_f32_ops() {
 }
 
 /// The fused residual add + RMSNorm gives bitwise what the two kernels give (both outputs), for
-/// both 16-bit types, on the 8B's width (4096), on widths that do not fill the block evenly and
-/// on one that is not a multiple of 4 (the kernels' one-column path);
+/// both 16-bit types, with a weight of that type or an f32 one (the hybrids' zero-centred norms
+/// keep `1 + w` in f32), on the 8B's width (4096), on widths that do not fill the block evenly and
+/// on one that is not a multiple of 4 (the kernels' one-column path); the f32-weight norm is
+/// candle's f32 RMSNorm rounded once (to within one rounding of the output);
 /// `RmsNorm::add_forward` takes it and refuses nothing it should serve.
 #[test]
 fn fused_add_norm_is_bitwise_the_two_kernels() {
-    use layertap::engine::cuda::ops::{add_f32, add_rms_norm_f32, rms_norm_f32};
+    use layertap::engine::cuda::ops::{add_f32, add_rms_norm_f32, rms_norm_f32_to};
     let Some(dev) = device() else { return };
-    for (rows, cols) in [(33, 4096), (7, 576), (5, 1000), (3, 101)] {
+    for (rows, cols) in [(33, 4096), (7, 576), (5, 1000), (3, 101), (9, 5120)] {
         let x = (Tensor::randn(0f32, 2.0, (rows, cols), &dev).unwrap() * 10.0).unwrap();
         for dtype in [DType::BF16, DType::F16] {
             let y = Tensor::randn(0f32, 1.0, (rows, cols), &dev).unwrap().to_dtype(dtype).unwrap();
-            let w = Tensor::randn(1f32, 0.3, cols, &dev).unwrap().to_dtype(dtype).unwrap();
-            let x0 = x.copy().unwrap();
-            let (sum, normed) = add_rms_norm_f32(&x, &y, &w, 1e-6).unwrap();
-            assert_eq!((sum.dtype(), normed.dtype()), (DType::F32, dtype));
-            assert_eq!((sum.dims(), normed.dims()), (x.dims(), x.dims()));
-            let want_sum = add_f32(&x, &y).unwrap();
-            let want_norm = rms_norm_f32(&want_sum, &w, 1e-6).unwrap();
-            let (ds, dn) = (max_abs_diff(&sum, &want_sum), max_abs_diff(&normed, &want_norm));
-            assert_eq!((ds, dn), (0.0, 0.0), "{dtype:?} {rows}x{cols}: sum differs by {ds}, norm by {dn}");
-            // The stream it was given is left as it was.
-            assert_eq!(max_abs_diff(&x, &x0), 0.0);
+            let w32 = Tensor::randn(1f32, 0.3, cols, &dev).unwrap();
+            for w in [w32.to_dtype(dtype).unwrap(), w32.clone()] {
+                let x0 = x.copy().unwrap();
+                let (sum, normed) = add_rms_norm_f32(&x, &y, &w, 1e-6).unwrap();
+                assert_eq!((sum.dtype(), normed.dtype()), (DType::F32, dtype));
+                assert_eq!((sum.dims(), normed.dims()), (x.dims(), x.dims()));
+                let want_sum = add_f32(&x, &y).unwrap();
+                let want_norm = rms_norm_f32_to(&want_sum, &w, 1e-6, dtype).unwrap();
+                let (ds, dn) = (max_abs_diff(&sum, &want_sum), max_abs_diff(&normed, &want_norm));
+                let wt = w.dtype();
+                assert_eq!((ds, dn), (0.0, 0.0), "{dtype:?} ({wt:?} weight) {rows}x{cols}: sum by {ds}, norm by {dn}");
+                // The stream it was given is left as it was.
+                assert_eq!(max_abs_diff(&x, &x0), 0.0);
+                if wt == DType::F32 {
+                    // candle's f32 RMSNorm, rounded: at most one rounding step of the output apart.
+                    let reference = candle_nn::ops::rms_norm(&want_sum, &w, 1e-6).unwrap();
+                    let got = normed.to_dtype(DType::F32).unwrap();
+                    let step = (reference.abs().unwrap()
+                        * if dtype == DType::BF16 { 1.0 / 128.0 } else { 1.0 / 1024.0 })
+                    .unwrap();
+                    let over = ((got - &reference).unwrap().abs().unwrap() - step).unwrap().max_all().unwrap();
+                    let over = over.to_scalar::<f32>().unwrap();
+                    assert!(over <= 1e-6, "{dtype:?} {rows}x{cols}: the f32-weight norm is {over} past one rounding");
+                }
+            }
         }
     }
-    // Shapes that do not fit are refused.
+    // Shapes that do not fit are refused, and a weight of another 16-bit type.
     let x = Tensor::zeros((4, 64), DType::F32, &dev).unwrap();
     let y = Tensor::zeros((4, 32), DType::BF16, &dev).unwrap();
     let w = Tensor::zeros(64, DType::BF16, &dev).unwrap();
     assert!(add_rms_norm_f32(&x, &y, &w, 1e-6).is_err());
     assert!(add_rms_norm_f32(&x, &x, &w, 1e-6).is_err());
+    let y = Tensor::zeros((4, 64), DType::F16, &dev).unwrap();
+    assert!(add_rms_norm_f32(&x, &y, &w, 1e-6).is_err());
+    assert!(rms_norm_f32_to(&x, &w, 1e-6, DType::F16).is_err());
 }
 
 /// The device's f32 -> fp8 (E4M3) cast rounds as the host's does, over the whole finite range:

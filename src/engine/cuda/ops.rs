@@ -82,19 +82,30 @@ pub fn add_f32(x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
 
 /// RMSNorm of an f32 `[rows, cols]` tensor with a bf16/f16 weight `[cols]`, in the weight's type.
 pub fn rms_norm_f32(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    rms_norm_f32_to(x, w, eps, w.dtype())
+}
+
+/// RMSNorm of an f32 `[rows, cols]` tensor written in `out` (bf16 or f16), with a weight `[cols]`
+/// of that type or f32 (the hybrids' zero-centred norms keep `1 + w` in f32): `x / rms(x) * w`
+/// in f32, rounded once.
+pub fn rms_norm_f32_to(x: &Tensor, w: &Tensor, eps: f32, out: DType) -> candle_core::Result<Tensor> {
     let cols = x.dim(candle_core::D::Minus1)?;
     let rows = x.elem_count() / cols.max(1);
-    let y = x.contiguous()?.reshape((rows, cols))?.apply_op2_no_bwd(w, &RmsNormF32 { eps })?;
+    let y = x.contiguous()?.reshape((rows, cols))?.apply_op2_no_bwd(&w.contiguous()?, &RmsNormF32 { eps, out })?;
     y.reshape(x.dims())
 }
 
 /// The residual add and the RMSNorm after it in one kernel: for the f32 stream `x`, a 16-bit
-/// sublayer output `y` of its shape and a weight `w` of the same 16-bit type, returns `x + y`
-/// (f32) and its RMSNorm in `w`'s type, bitwise what [`add_f32`] then [`rms_norm_f32`] give,
+/// sublayer output `y` of its shape and a weight `w` of `y`'s type or f32, returns `x + y`
+/// (f32) and its RMSNorm in `y`'s type, bitwise what [`add_f32`] then [`rms_norm_f32_to`] give,
 /// with one pass over memory instead of two.
 pub fn add_rms_norm_f32(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<(Tensor, Tensor)> {
     let cols = x.dim(candle_core::D::Minus1)?;
-    if x.dims() != y.dims() || w.dims() != [cols] || x.dtype() != DType::F32 || y.dtype() != w.dtype() {
+    if x.dims() != y.dims()
+        || w.dims() != [cols]
+        || x.dtype() != DType::F32
+        || !(w.dtype() == y.dtype() || w.dtype() == DType::F32)
+    {
         candle_core::bail!(
             "add_rms_norm_f32: x {:?} {:?}, y {:?} {:?}, w {:?} {:?} do not fit",
             x.dims(),
@@ -106,21 +117,39 @@ pub fn add_rms_norm_f32(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> candle_
         );
     }
     let dev = cuda_device(x, "add_rms_norm_f32")?;
-    let (x, y) = (x.contiguous()?, y.contiguous()?);
+    let (x, y, w) = (x.contiguous()?, y.contiguous()?, w.contiguous()?);
     let rows = x.elem_count() / cols.max(1);
     // SAFETY: the kernel writes every element (one block per row, all of its columns).
     let x_out = unsafe { dev.alloc::<f32>(rows * cols)? };
-    let normed = match w.dtype() {
-        DType::BF16 => tensor(add_rms_norm_launch::<half::bf16>(dev, (&x, &y, w), &x_out, rows, eps)?, dev, x.shape()),
-        DType::F16 => tensor(add_rms_norm_launch::<half::f16>(dev, (&x, &y, w), &x_out, rows, eps)?, dev, x.shape()),
-        d => candle_core::bail!("add_rms_norm_f32: the weight must be bf16 or f16, got {d:?}"),
+    let f32w = w.dtype() == DType::F32;
+    let normed = match (y.dtype(), f32w) {
+        (DType::BF16, false) => {
+            tensor(add_rms_norm_launch::<half::bf16, half::bf16>(dev, (&x, &y, &w), &x_out, rows, eps)?, dev, x.shape())
+        }
+        (DType::F16, false) => {
+            tensor(add_rms_norm_launch::<half::f16, half::f16>(dev, (&x, &y, &w), &x_out, rows, eps)?, dev, x.shape())
+        }
+        (DType::BF16, true) => {
+            tensor(add_rms_norm_launch::<half::bf16, f32>(dev, (&x, &y, &w), &x_out, rows, eps)?, dev, x.shape())
+        }
+        (DType::F16, true) => {
+            tensor(add_rms_norm_launch::<half::f16, f32>(dev, (&x, &y, &w), &x_out, rows, eps)?, dev, x.shape())
+        }
+        (d, _) => candle_core::bail!("add_rms_norm_f32: the sublayer output must be bf16 or f16, got {d:?}"),
     };
     Ok((tensor(x_out, dev, x.shape()), normed))
 }
 
-/// Launches `add_rms_norm_f32_{bf16,f16}` on contiguous `x` (f32), `y` and `w` (`T`), writing
-/// `x_out` and returning the normed rows.
-fn add_rms_norm_launch<T: KernelType>(
+/// The norm kernels' name for output type `T` and weight type `W`: `{base}_f32_{T}` where the
+/// weight is `T`, `{base}_f32w_{T}` where it is f32.
+fn norm_kernel<T: KernelType, W: 'static>(base: &str) -> String {
+    let f32w = std::any::TypeId::of::<W>() == std::any::TypeId::of::<f32>();
+    kernel_name::<T>(&format!("{base}_{}", if f32w { "f32w" } else { "f32" }))
+}
+
+/// Launches `add_rms_norm_f32{,w}_{bf16,f16}` on contiguous `x` (f32), `y` (`T`) and `w`
+/// (`W`: `T` or f32), writing `x_out` and returning the normed rows.
+fn add_rms_norm_launch<T: KernelType, W: CudaDType + DeviceRepr + 'static>(
     dev: &CudaDevice,
     (x, y, w): (&Tensor, &Tensor, &Tensor),
     x_out: &CudaSlice<f32>,
@@ -133,10 +162,10 @@ fn add_rms_norm_launch<T: KernelType>(
     let (ws, wl) = w.storage_and_layout();
     let xv = cuda_view::<f32>(&xs, xl, "add_rms_norm_f32: x")?;
     let yv = cuda_view::<T>(&ys, yl, "add_rms_norm_f32: y")?;
-    let wv = cuda_view::<T>(&ws, wl, "add_rms_norm_f32: w")?;
+    let wv = cuda_view::<W>(&ws, wl, "add_rms_norm_f32: w")?;
     // SAFETY: the kernel writes every element.
     let normed = unsafe { dev.alloc::<T>(rows * cols)? };
-    let func = kernel(dev, OPS, &kernel_name::<T>("add_rms_norm_f32"))?;
+    let func = kernel(dev, OPS, &norm_kernel::<T, W>("add_rms_norm"))?;
     let mut b = func.builder();
     b.arg(&xv);
     b.arg(&yv);
@@ -211,15 +240,17 @@ impl candle_core::CustomOp2 for AddF32 {
 
 struct RmsNormF32 {
     eps: f32,
+    /// The output type (bf16 or f16); the weight is of this type or f32.
+    out: DType,
 }
 
 impl RmsNormF32 {
-    fn launch<T: KernelType>(
+    fn launch<T: KernelType, W: DeviceRepr + 'static>(
         &self,
         dev: &CudaDevice,
         x: &CudaSlice<f32>,
         xl: &Layout,
-        w: &CudaSlice<T>,
+        w: &CudaSlice<W>,
         wl: &Layout,
     ) -> candle_core::Result<CudaSlice<T>> {
         let (rows, cols) = xl.shape().dims2()?;
@@ -227,7 +258,7 @@ impl RmsNormF32 {
         let w = contiguous_view(w, wl, "rms_norm_f32: w")?;
         // SAFETY: the kernel writes every element.
         let out = unsafe { dev.alloc::<T>(rows * cols)? };
-        let func = kernel(dev, OPS, &kernel_name::<T>("rms_norm_f32"))?;
+        let func = kernel(dev, OPS, &norm_kernel::<T, W>("rms_norm"))?;
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (c, eps) = (cols as i32, self.eps);
         let mut b = func.builder();
@@ -264,10 +295,19 @@ impl candle_core::CustomOp2 for RmsNormF32 {
             candle_core::bail!("rms_norm_f32: weight {:?} for rows of {cols}", wl.shape());
         }
         let CudaStorageSlice::F32(x) = &xs.slice else { candle_core::bail!("rms_norm_f32: x must be f32") };
-        let slice = match &ws.slice {
-            CudaStorageSlice::BF16(w) => CudaStorageSlice::BF16(self.launch(dev, x, xl, w, wl)?),
-            CudaStorageSlice::F16(w) => CudaStorageSlice::F16(self.launch(dev, x, xl, w, wl)?),
-            _ => candle_core::bail!("rms_norm_f32: the weight must be bf16 or f16"),
+        let slice = match (&ws.slice, self.out) {
+            (CudaStorageSlice::BF16(w), DType::BF16) => CudaStorageSlice::BF16(self.launch(dev, x, xl, w, wl)?),
+            (CudaStorageSlice::F16(w), DType::F16) => CudaStorageSlice::F16(self.launch(dev, x, xl, w, wl)?),
+            (CudaStorageSlice::F32(w), DType::BF16) => {
+                CudaStorageSlice::BF16(self.launch::<half::bf16, f32>(dev, x, xl, w, wl)?)
+            }
+            (CudaStorageSlice::F32(w), DType::F16) => {
+                CudaStorageSlice::F16(self.launch::<half::f16, f32>(dev, x, xl, w, wl)?)
+            }
+            (_, out) => candle_core::bail!(
+                "rms_norm_f32: a {:?} weight with {out:?} output (the weight is the output's 16-bit type or f32)",
+                ws.dtype()
+            ),
         };
         Ok((CudaStorage { slice, device: dev.clone() }, xl.shape().clone()))
     }

@@ -228,37 +228,38 @@ impl GatedDeltaNet {
         let t = h.dim(0)?;
         let d = &self.dims;
         let (nv, dv) = (d.num_value_heads, d.value_head_dim);
-        let mut parts = self.proj.forward(h)?.into_iter();
-        let (Some(qkv), Some(z), Some(b), Some(a)) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
-            candle_core::bail!("gated deltanet: the projections returned fewer than four parts");
-        };
-        ctx.profile.mark(Phase::GdnProj);
+        // The CUDA kernels read the fused projection's parts in place (rows with a leading
+        // dimension); the portable path gets each part contiguous.
         #[cfg(feature = "cuda")]
-        let kernels = match (&self.conv, &plan.cuda) {
-            (Some(conv), Some(tables)) => {
-                let w = crate::engine::cuda::gdn::GdnWeights {
-                    conv,
-                    neg_a: &self.neg_a,
-                    dt_bias: &self.dt_bias,
-                    products: self.products,
-                };
-                let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, &ctx.profile)?;
-                ctx.profile.mark(Phase::GdnKernels);
-                let (weight, eps) = self.norm.parts();
-                Some(crate::engine::cuda::gdn::gated_norm(&core, &z, weight, eps)?)
-            }
-            _ => None,
-        };
-        #[cfg(not(feature = "cuda"))]
-        let kernels = None;
-        let normed = match kernels {
-            Some(normed) => normed,
-            None => {
-                let core = mix_portable(&qkv, &b, &a, &self.taps, &self.neg_a, &self.dt_bias, plan, d)?;
-                self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?
-            }
-        };
+        if let (Some(conv), Some(tables)) = (&self.conv, &plan.cuda) {
+            let [qkv, z, b, a] = four(self.proj.views(h)?)?;
+            ctx.profile.mark(Phase::GdnProj);
+            let w = crate::engine::cuda::gdn::GdnWeights {
+                conv,
+                neg_a: &self.neg_a,
+                dt_bias: &self.dt_bias,
+                products: self.products,
+            };
+            let core = crate::engine::cuda::gdn::forward(&qkv, &b, &a, &w, tables, d, &ctx.profile)?;
+            ctx.profile.mark(Phase::GdnKernels);
+            let (weight, eps) = self.norm.parts();
+            let normed = crate::engine::cuda::gdn::gated_norm(&core, &z, weight, eps)?;
+            ctx.profile.mark(Phase::GdnCore);
+            return self.out.forward(&normed.reshape((t, nv * dv))?);
+        }
+        let [qkv, z, b, a] = four(self.proj.forward(h)?)?;
+        ctx.profile.mark(Phase::GdnProj);
+        let core = mix_portable(&qkv, &b, &a, &self.taps, &self.neg_a, &self.dt_bias, plan, d)?;
+        let normed = self.norm.forward(&core, &z.reshape((t, nv, dv))?, h.dtype())?;
         ctx.profile.mark(Phase::GdnCore);
         self.out.forward(&normed.reshape((t, nv * dv))?)
     }
+}
+
+/// The four parts of the input projections: qkv, z, b, a.
+fn four(parts: Vec<Tensor>) -> candle_core::Result<[Tensor; 4]> {
+    let n = parts.len();
+    parts
+        .try_into()
+        .map_err(|_| candle_core::Error::Msg(format!("gated deltanet: the projections returned {n} parts, not 4")))
 }

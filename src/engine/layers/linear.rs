@@ -246,6 +246,27 @@ impl Projections {
         }
     }
 
+    /// Each part's output as a view of the fused output (columns of `[T, sum of widths]`, rows
+    /// spaced by its width), with no copy: for kernels that read rows with a leading dimension.
+    /// Separate projections give their own outputs.
+    pub fn views(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Projections::Fused { linear, widths } => {
+                let y = linear.forward(x)?;
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y.narrow(1, at, w);
+                        at += w;
+                        part
+                    })
+                    .collect()
+            }
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
         match self {
             Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
@@ -304,5 +325,35 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)?.to_dtype(DType::BF16)
     } else {
         a.matmul(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fused projection's views are its parts' outputs, the same values as `forward`'s copies,
+    /// read in place from the fused output (rows spaced by its whole width).
+    #[test]
+    fn views_are_the_fused_parts_in_place() {
+        let dev = candle_core::Device::Cpu;
+        let widths = [12usize, 8, 3, 3];
+        let x = Tensor::randn(0f32, 1.0, (5, 16), &dev).unwrap();
+        let parts: Vec<Linear> = widths
+            .iter()
+            .map(|&w| Linear::from_weight(Tensor::randn(0f32, 0.3, (w, 16), &dev).unwrap(), None).unwrap())
+            .collect();
+        let separate: Vec<Tensor> = parts.iter().map(|p| p.forward(&x).unwrap()).collect();
+        let fused = Projections::new(parts, true).unwrap();
+        assert!(matches!(fused, Projections::Fused { .. }));
+        let (views, copies) = (fused.views(&x).unwrap(), fused.forward(&x).unwrap());
+        for ((v, c), s) in views.iter().zip(&copies).zip(&separate) {
+            assert_eq!(v.dims(), s.dims());
+            assert!(!v.is_contiguous() && c.is_contiguous());
+            assert_eq!(v.stride(), &[widths.iter().sum::<usize>(), 1]);
+            assert_eq!(v.to_vec2::<f32>().unwrap(), c.to_vec2::<f32>().unwrap());
+            let d = (v - s).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-5, "{d}");
+        }
     }
 }

@@ -43,11 +43,15 @@ impl RmsNorm {
     /// In the weight's dtype; an f32 input with a 16-bit weight (the f32 residual stream on
     /// CUDA) is normalised in f32 and rounded once.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        // Candle's CUDA norm and casts index in 32 bits: long batches go in slices of rows
-        // (the f32 stream's own kernel needs none).
+        // The f32 stream on CUDA: one kernel of ours, for zero-centred norms too (their `1 + w`
+        // in f32, the result rounded once to their dtype).
         #[cfg(feature = "cuda")]
-        if x.rank() > 0 && (self.zero_centred.is_some() || x.dtype() != DType::F32 || self.weight.dtype() == DType::F32)
-        {
+        if let Some(out) = self.f32_stream_kernel(x) {
+            return crate::engine::cuda::ops::rms_norm_f32_to(x, &self.weight, self.eps, out);
+        }
+        // Candle's CUDA norm and casts index in 32 bits: long batches go in slices of rows.
+        #[cfg(feature = "cuda")]
+        if x.rank() > 0 {
             let slice = |r0, n| self.forward(&x.narrow(0, r0, n)?);
             if let Some(y) =
                 crate::engine::large::by_rows(x.device(), x.dim(0)?, crate::engine::large::row_extent(x), slice)?
@@ -58,15 +62,19 @@ impl RmsNorm {
         if let Some(out) = self.zero_centred {
             return candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?, &self.weight, self.eps)?.to_dtype(out);
         }
-        #[cfg(feature = "cuda")]
-        if x.dtype() == DType::F32 && self.weight.dtype() != DType::F32 {
-            return crate::engine::cuda::ops::rms_norm_f32(x, &self.weight, self.eps);
-        }
         candle_nn::ops::rms_norm(x, &self.weight, self.eps)
     }
 
-    /// `x + y` (the residual add) and this norm of it. On CUDA, for the f32 stream, a 16-bit
-    /// sublayer output and a 16-bit weight, one kernel does both, bitwise as the two ops (unless
+    /// The output dtype where the f32 stream's kernel normalises `x` (f32 on CUDA, with a
+    /// 16-bit weight or a zero-centred norm's f32 `1 + w` and a 16-bit output).
+    #[cfg(feature = "cuda")]
+    fn f32_stream_kernel(&self, x: &Tensor) -> Option<DType> {
+        let out = self.zero_centred.unwrap_or(self.weight.dtype());
+        (x.device().is_cuda() && x.dtype() == DType::F32 && matches!(out, DType::BF16 | DType::F16)).then_some(out)
+    }
+
+    /// `x + y` (the residual add) and this norm of it. On CUDA, for the f32 stream and a 16-bit
+    /// sublayer output of the norm's dtype, one kernel does both, bitwise as the two ops (unless
     /// [`RmsNorm::fusing_add`] turned it off, for comparison); elsewhere [`residual`] then
     /// [`RmsNorm::forward`].
     pub fn add_forward(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
@@ -83,12 +91,7 @@ impl RmsNorm {
     pub fn fuses_add(&self, x: &Tensor, y: &Tensor) -> bool {
         #[cfg(feature = "cuda")]
         {
-            self.zero_centred.is_none()
-                && x.device().is_cuda()
-                && x.dtype() == DType::F32
-                && matches!(self.weight.dtype(), DType::BF16 | DType::F16)
-                && y.dtype() == self.weight.dtype()
-                && self.fuse_add
+            self.f32_stream_kernel(x) == Some(y.dtype()) && x.dims() == y.dims() && self.fuse_add
         }
         #[cfg(not(feature = "cuda"))]
         {

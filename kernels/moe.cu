@@ -133,10 +133,11 @@ extern "C" __global__ void moe_count(const uint32_t* __restrict__ idx, uint32_t*
         if (hist[x]) atomicAdd(&counts[x], hist[x]);
 }
 
-// One block.
+// One block. `bm`: the rows of a tile (64 or 128: the grouped kernel's TM).
 extern "C" __global__ void moe_offsets(const uint32_t* __restrict__ counts, uint32_t* __restrict__ starts,
-                                       uint32_t* __restrict__ tiles, uint32_t* __restrict__ n_tiles, int e) {
+                                       uint32_t* __restrict__ tiles, uint32_t* __restrict__ n_tiles, int e, int bm) {
     __shared__ uint32_t count[MAX_EXPERTS], first_row[MAX_EXPERTS], first_tile[MAX_EXPERTS];
+    const uint32_t m = (uint32_t)bm;
     for (int x = threadIdx.x; x < e; x += blockDim.x) count[x] = counts[x];
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -145,7 +146,7 @@ extern "C" __global__ void moe_offsets(const uint32_t* __restrict__ counts, uint
             first_row[x] = r;
             first_tile[x] = t;
             r += count[x];
-            t += (count[x] + BM - 1) / BM;
+            t += (count[x] + m - 1) / m;
         }
         *n_tiles = t;
     }
@@ -153,11 +154,11 @@ extern "C" __global__ void moe_offsets(const uint32_t* __restrict__ counts, uint
     for (int x = threadIdx.x; x < e; x += blockDim.x) {
         const uint32_t c = count[x], r = first_row[x];
         starts[x] = r;
-        for (uint32_t i = 0; i * BM < c; ++i) {
+        for (uint32_t i = 0; i * m < c; ++i) {
             uint32_t* tl = tiles + 3 * (size_t)(first_tile[x] + i);
             tl[0] = x;
-            tl[1] = r + i * BM;
-            tl[2] = min((uint32_t)BM, c - i * BM);
+            tl[1] = r + i * m;
+            tl[2] = min(m, c - i * m);
         }
     }
 }
@@ -197,38 +198,54 @@ extern "C" __global__ void __launch_bounds__(PLACE_THREADS)
 // ---------------------------------------------------------------------------------------------
 // The grouped product.
 
-template <typename T, bool SWIGLU>
+template <int TM> struct Tile {
+    static constexpr int STAGES_ = TM == 128 ? 4 : STAGES;  // slices of K in flight
+    static constexpr int XCHUNKS = TM * BK / 8 / THREADS;   // 16-byte copies of x per thread
+    static constexpr int MI = TM / 32;                      // 16-row fragments per warp
+    template <typename T> static constexpr size_t shared_bytes() {
+        return (size_t)STAGES_ * (TM + BN) * (BK + PADK) * sizeof(T);
+    }
+};
+
+template <typename T, bool SWIGLU, int TM>
 __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__ gather, const T* __restrict__ w,
                            T* __restrict__ y, const uint32_t* __restrict__ tiles,
                            const uint32_t* __restrict__ n_tiles, int n, int k) {
-    // STAGES slices of K in flight: cp.async fills one while the tensor cores read another.
-    __shared__ __align__(16) T xs[STAGES][BM][BK + PADK];
-    __shared__ __align__(16) T ws[STAGES][BN][BK + PADK];
+    using C = Tile<TM>;
+    constexpr int STG = C::STAGES_, MI = C::MI, XC = C::XCHUNKS;
+    // STG slices of K in flight: cp.async fills one while the tensor cores read another.
+    extern __shared__ __align__(16) unsigned char smem[];
+    auto xs = reinterpret_cast<T(*)[TM][BK + PADK]>(smem);
+    auto ws = reinterpret_cast<T(*)[BN][BK + PADK]>(smem + (size_t)STG * TM * (BK + PADK) * sizeof(T));
 
-    const int tile = blockIdx.x;
+    // The blocks of one tile (its column blocks) are consecutive, so they run together and its
+    // rows of x are read from memory once, then from L2.
+    const int nb = SWIGLU ? BN / 2 : BN;
+    const int col_blocks = (n + nb - 1) / nb;
+    const int tile = blockIdx.x / col_blocks;
     if (n_tiles != nullptr && tile >= (int)*n_tiles) return;
     const int e = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];
     // SwiGLU: 64 output columns, whose gate rows fill ws[0..64) and up rows ws[64..128).
-    const int n0 = blockIdx.y * (SWIGLU ? BN / 2 : BN);
+    const int n0 = (blockIdx.x % col_blocks) * nb;
     const T* we = w + (size_t)e * (SWIGLU ? 2 : 1) * n * k;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int wm = (warp / 2) * 32;
+    const int wm = (warp / 2) * (TM / 2);
     const int g = lane / 4, t = lane % 4;
 
-    float acc[2][8][4];
+    float acc[MI][8][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
-    // Each thread copies 16-byte chunks: x tile 64 x 32 = 256 chunks (2 per thread), w tile
-    // 128 x 32 = 512 chunks (4 per thread), all at the same column of the slice. Rows past the
-    // tile (x) or past N (w), and columns past K, are zero.
+    // Each thread copies 16-byte chunks: x tile TM x 32 (XC per thread), w tile 128 x 32 = 512
+    // chunks (4 per thread), all at the same column of the slice. Rows past the tile (x) or past
+    // N (w), and columns past K, are zero.
     const int ccol = (threadIdx.x % 4) * 8;
-    const T* xrow[2];
+    const T* xrow[XC];
     const T* wrow[4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < XC; ++i) {
         const int row = (threadIdx.x + i * THREADS) / 4;
         xrow[i] = row < rows ? x + (size_t)(gather ? gather[r0 + row] : r0 + row) * k : nullptr;
     }
@@ -241,7 +258,7 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
     auto load = [&](int stage, int k0) {
         const int col = k0 + ccol;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < XC; ++i) {
             const bool ok = xrow[i] != nullptr && col < k;
             cp_async16(&xs[stage][(threadIdx.x + i * THREADS) / 4][ccol], ok ? xrow[i] + col : x, ok);
         }
@@ -260,23 +277,23 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
 
     const int steps = (k + BK - 1) / BK;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < STG - 1; ++s) {
         if (s < steps) load(s, s * BK);
         cp_async_commit();
     }
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();  // this step's slice has landed (for this thread's copies)
-        __syncthreads();              // ... for every thread's, and the slice of step - 1 is read
-        const int next = step + STAGES - 1;
-        if (next < steps) load(next % STAGES, next * BK);
+        cp_async_wait<STG - 2>();  // this step's slice has landed (for this thread's copies)
+        __syncthreads();           // ... for every thread's, and the slice of step - 1 is read
+        const int next = step + STG - 1;
+        if (next < steps) load(next % STG, next * BK);
         cp_async_commit();
-        const int st = step % STAGES;
+        const int st = step % STG;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             // A (rows of x): matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8).
-            uint32_t af[2][4];
+            uint32_t af[MI][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < MI; ++i)
                 ldmatrix_x4(af[i], &xs[st][wm + i * 16 + lr + (lm % 2) * 8][kk + (lm / 2) * 8]);
             // B (rows of w, [n][k]): fragments j and j + 1, each its k 0..7 and 8..15.
 #pragma unroll
@@ -284,7 +301,7 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
                 uint32_t bf[4];
                 ldmatrix_x4(bf, &ws[st][bbase(j + lm / 2) + lr][kk + (lm % 2) * 8]);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
+                for (int i = 0; i < MI; ++i) {
                     Mma<T>::mma(acc[i][j], af[i], bf[0], bf[1]);
                     Mma<T>::mma(acc[i][j + 1], af[i], bf[2], bf[3]);
                 }
@@ -294,7 +311,7 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
     // Store: c0, c1 at (g, 2t..2t+1), c2, c3 at (g + 8, 2t..2t+1) of each 16 x 8 piece.
     const T* as_t = nullptr;  // selects round_to's type
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < MI; ++i) {
         const int ra = wm + i * 16 + g, rb = ra + 8;
 #pragma unroll
         for (int j = 0; j < (SWIGLU ? 4 : 8); ++j) {
@@ -316,16 +333,23 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
     }
 }
 
-#define GROUPED(NAME, T, SWIGLU)                                                                                \
+// Tiles of 64 rows (3 slices in flight, 46 KiB of shared memory) for batches with few rows per
+// expert, of 128 (4 slices, 80 KiB; two blocks per SM) for the rest; dynamic shared memory of
+// Tile<TM>::shared_bytes<T>().
+#define GROUPED(NAME, T, SWIGLU, TM)                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
         NAME(const T* x, const uint32_t* gather, const T* w, T* y, const uint32_t* tiles, const uint32_t* n_tiles, \
              int n, int k) {                                                                                    \
-        grouped_mm<T, SWIGLU>(x, gather, w, y, tiles, n_tiles, n, k);                                           \
+        grouped_mm<T, SWIGLU, TM>(x, gather, w, y, tiles, n_tiles, n, k);                                       \
     }
-GROUPED(grouped_mm_bf16, __nv_bfloat16, false)
-GROUPED(grouped_mm_f16, __half, false)
-GROUPED(grouped_swiglu_bf16, __nv_bfloat16, true)
-GROUPED(grouped_swiglu_f16, __half, true)
+GROUPED(grouped_mm_bf16, __nv_bfloat16, false, 64)
+GROUPED(grouped_mm_f16, __half, false, 64)
+GROUPED(grouped_swiglu_bf16, __nv_bfloat16, true, 64)
+GROUPED(grouped_swiglu_f16, __half, true, 64)
+GROUPED(grouped_mm128_bf16, __nv_bfloat16, false, 128)
+GROUPED(grouped_mm128_f16, __half, false, 128)
+GROUPED(grouped_swiglu128_bf16, __nv_bfloat16, true, 128)
+GROUPED(grouped_swiglu128_f16, __half, true, 128)
 
 // ---------------------------------------------------------------------------------------------
 // The grouped product of FP8 experts (e4m3, W8A8 with block scales, as Qwen's FP8 releases
@@ -360,10 +384,13 @@ __device__ void grouped_fp8(const uint8_t* __restrict__ x, const float* __restri
     __shared__ __align__(16) uint16_t xsm[STAGES][BM][BK + PADK];
     __shared__ __align__(16) uint16_t wsm[STAGES][BN][BK + PADK];
 
-    const int tile = blockIdx.x;
+    // The blocks of one tile are consecutive (as in grouped_mm).
+    const int nb = SWIGLU ? BN / 2 : BN;
+    const int col_blocks = (n + nb - 1) / nb;
+    const int tile = blockIdx.x / col_blocks;
     if (n_tiles != nullptr && tile >= (int)*n_tiles) return;
     const int e = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];
-    const int n0 = blockIdx.y * (SWIGLU ? BN / 2 : BN);
+    const int n0 = (blockIdx.x % col_blocks) * nb;
     const int wn = SWIGLU ? 2 * n : n;
     const int kh = k / 2;  // K in byte pairs
     const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);

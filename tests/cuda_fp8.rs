@@ -354,9 +354,12 @@ fn grouped_fp8_experts_give_the_w8a8_products_whatever_the_batch() {
     // Runs the tokens `from..from + m`: each (token, slot) row's SwiGLU output and down output.
     let run = |from: usize, m: usize| -> Vec<(usize, u32, Vec<f32>, Vec<f32>)> {
         let idx = candle_core::Tensor::from_vec(choices[from * k..(from + m) * k].to_vec(), (m, k), &dev).unwrap();
-        let plan = cuda_moe::plan(&idx, e).unwrap();
+        let plan = cuda_moe::plan(&idx, e, 64).unwrap();
         let (xq, xs) =
             fp8::quantise(&on(&dev, &x[from * hidden..(from + m) * hidden], m, hidden, DType::BF16)).unwrap();
+        // The FP8 kernel's tiles are 64 rows: a plan in tiles of 128 is refused.
+        let wide = cuda_moe::plan(&idx, e, 128).unwrap();
+        assert!(cuda_moe::grouped_fp8_swiglu(&xq, &xs, &gu_stack, &wide, DType::BF16).is_err());
         let h = cuda_moe::grouped_fp8_swiglu(&xq, &xs, &gu_stack, &plan, DType::BF16).unwrap();
         let (hq, hs) = fp8::quantise(&h).unwrap();
         let y = cuda_moe::grouped_fp8_matmul(&hq, &hs, &d_stack, &plan, DType::BF16).unwrap();

@@ -561,47 +561,55 @@ const COUNTS: [usize; 9] = [0, 1, 64, 65, 0, 200, 7, 130, 13];
 
 /// The device-side sort by expert: every (token, slot) pair gets its own row, inside its
 /// expert's block (the blocks in expert order), the row's token is the pair's, and the tiles
-/// cover each expert's rows exactly once in blocks of at most 64.
+/// cover each expert's rows exactly once in blocks of at most 64 or 128 rows (as asked); other
+/// tile sizes are refused.
 #[test]
 fn moe_plan_sorts_pairs_by_expert() {
-    use layertap::engine::cuda::moe::plan;
+    use layertap::engine::cuda::moe::{plan, TILE_ROWS};
     let Some(dev) = device() else { return };
     let k = 4;
     let (idx, t) = choices_with_counts(&COUNTS, k);
-    let p = plan(&Tensor::from_vec(idx.clone(), (t, k), &dev).unwrap(), COUNTS.len()).unwrap();
-    let (tokens, row_of, tiles, n_tiles) = (u32s(&p.tokens), u32s(&p.row_of), u32s(&p.tiles), u32s(&p.n_tiles)[0]);
-    let starts: Vec<usize> = COUNTS.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
-    let mut seen = vec![false; t * k];
-    for tok in 0..t {
-        for j in 0..k {
-            let r = row_of[j * t + tok] as usize;
-            let e = idx[tok * k + j] as usize;
-            assert!(!seen[r], "row {r} given twice");
-            seen[r] = true;
-            assert_eq!(tokens[r] as usize, tok, "row {r}");
-            assert!((starts[e]..starts[e] + COUNTS[e]).contains(&r), "pair ({tok}, {j}) of expert {e} at row {r}");
+    let idx_t = Tensor::from_vec(idx.clone(), (t, k), &dev).unwrap();
+    for bm in TILE_ROWS {
+        let p = plan(&idx_t, COUNTS.len(), bm).unwrap();
+        assert_eq!(p.tile_rows, bm);
+        let (tokens, row_of, tiles, n_tiles) = (u32s(&p.tokens), u32s(&p.row_of), u32s(&p.tiles), u32s(&p.n_tiles)[0]);
+        let starts: Vec<usize> = COUNTS.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+        let mut seen = vec![false; t * k];
+        for tok in 0..t {
+            for j in 0..k {
+                let r = row_of[j * t + tok] as usize;
+                let e = idx[tok * k + j] as usize;
+                assert!(!seen[r], "row {r} given twice");
+                seen[r] = true;
+                assert_eq!(tokens[r] as usize, tok, "row {r}");
+                assert!((starts[e]..starts[e] + COUNTS[e]).contains(&r), "pair ({tok}, {j}) of expert {e} at row {r}");
+            }
         }
+        let want_tiles: usize = COUNTS.iter().map(|c| c.div_ceil(bm)).sum();
+        assert_eq!(n_tiles as usize, want_tiles, "tiles of {bm}");
+        let mut covered = vec![0u32; t * k];
+        for tile in tiles.chunks(3).take(n_tiles as usize) {
+            let (e, r0, n) = (tile[0] as usize, tile[1] as usize, tile[2] as usize);
+            assert!((1..=bm).contains(&n), "tile {tile:?} of at most {bm}");
+            assert!(r0 >= starts[e] && r0 + n <= starts[e] + COUNTS[e], "tile {tile:?} outside expert {e}");
+            covered[r0..r0 + n].iter_mut().for_each(|c| *c += 1);
+        }
+        assert!(covered.iter().all(|&c| c == 1), "{covered:?}");
     }
-    let want_tiles: usize = COUNTS.iter().map(|c| c.div_ceil(64)).sum();
-    assert_eq!(n_tiles as usize, want_tiles);
-    let mut covered = vec![0u32; t * k];
-    for tile in tiles.chunks(3).take(n_tiles as usize) {
-        let (e, r0, n) = (tile[0] as usize, tile[1] as usize, tile[2] as usize);
-        assert!((1..=64).contains(&n), "tile {tile:?}");
-        assert!(r0 >= starts[e] && r0 + n <= starts[e] + COUNTS[e], "tile {tile:?} outside expert {e}");
-        covered[r0..r0 + n].iter_mut().for_each(|c| *c += 1);
-    }
-    assert!(covered.iter().all(|&c| c == 1), "{covered:?}");
+    assert!(plan(&idx_t, COUNTS.len(), 32).is_err());
+    assert!(plan(&idx_t, COUNTS.len(), 256).is_err());
 }
 
-/// The experts' grouped products on the device's plan: the SwiGLU form (rows gathered from the
-/// tokens) gives the bits of the plain grouped matmul over the sorted rows followed by
-/// `silu_mul`; both products equal one f32 matmul per expert over its rows, in bf16 and f16,
-/// with reductions that are and are not multiples of the kernel's 32-wide step; and a row's
-/// result is the same bits when its expert's rows are a batch of their own.
+/// The experts' grouped products on the device's plan, in tiles of 64 and of 128 rows: the SwiGLU
+/// form (rows gathered from the tokens) gives the bits of the plain grouped matmul over the
+/// sorted rows followed by `silu_mul`; both products equal one f32 matmul per expert over its
+/// rows, in bf16 and f16, with reductions that are and are not multiples of the kernel's 32-wide
+/// step; a row's result is the same bits when its expert's rows are a batch of their own, and
+/// the same bits in tiles of 64 as in tiles of 128.
 #[test]
 fn grouped_matmul_matches_a_matmul_per_expert() {
-    use layertap::engine::cuda::moe::{grouped_matmul, grouped_swiglu, plan};
+    use layertap::engine::cuda::moe::{grouped_matmul, grouped_swiglu, plan, TILE_ROWS};
     let Some(dev) = device() else { return };
     let k = 4;
     let (idx, t) = choices_with_counts(&COUNTS, k);
@@ -609,42 +617,52 @@ fn grouped_matmul_matches_a_matmul_per_expert() {
     let e = COUNTS.len();
     for (hidden, inter) in [(256, 384), (40, 24)] {
         for dtype in [DType::BF16, DType::F16] {
-            let p = plan(&Tensor::from_vec(idx.clone(), (t, k), &dev).unwrap(), e).unwrap();
             let x = Tensor::randn(0f32, 1.0, (t, hidden), &dev).unwrap().to_dtype(dtype).unwrap();
             let scale = 1.0 / (hidden as f64).sqrt();
             let gate_up = (Tensor::randn(0f32, 1.0, (e, 2 * inter, hidden), &dev).unwrap() * scale).unwrap();
             let gate_up = gate_up.to_dtype(dtype).unwrap();
             let down =
                 (Tensor::randn(0f32, 1.0, (e, hidden, inter), &dev).unwrap() * 0.1).unwrap().to_dtype(dtype).unwrap();
-            let act = grouped_swiglu(&x, &gate_up, &p).unwrap();
-            assert_eq!(act.dims(), &[t * k, inter]);
-            let sorted = x.index_select(&p.tokens, 0).unwrap();
-            let gu = grouped_matmul(&sorted, &gate_up, &p).unwrap();
-            let d = max_abs_diff(&act, &layertap::engine::cuda::ops::silu_mul(&gu).unwrap());
-            assert_eq!(d, 0.0, "{dtype:?} {hidden}x{inter}: the fused SwiGLU differs from grouped_mm + silu_mul");
-            let y = grouped_matmul(&act, &down, &p).unwrap();
-            assert_eq!(y.dims(), &[t * k, hidden]);
-            let f = |a: &Tensor| a.to_dtype(DType::F32).unwrap();
-            for (ex, (&s, &c)) in starts.iter().zip(&COUNTS).enumerate().filter(|(_, (_, &c))| c > 0) {
-                let want =
-                    f(&sorted.narrow(0, s, c).unwrap()).matmul(&f(&gate_up.get(ex).unwrap()).t().unwrap()).unwrap();
-                let err = rel(&gu.narrow(0, s, c).unwrap(), &want);
-                assert!(err < 4e-3, "{dtype:?} gate_up, expert {ex} ({c} rows): rel err {err}");
-                let want = f(&act.narrow(0, s, c).unwrap()).matmul(&f(&down.get(ex).unwrap()).t().unwrap()).unwrap();
-                let err = rel(&y.narrow(0, s, c).unwrap(), &want);
-                assert!(err < 4e-3, "{dtype:?} down, expert {ex} ({c} rows): rel err {err}");
+            // Each tile size's SwiGLU and down outputs by (slot, token), to compare across plans.
+            let mut by_pair: Vec<(Tensor, Tensor)> = Vec::new();
+            for bm in TILE_ROWS {
+                let p = plan(&Tensor::from_vec(idx.clone(), (t, k), &dev).unwrap(), e, bm).unwrap();
+                let what = format!("{dtype:?} {hidden}x{inter}, tiles of {bm}");
+                let act = grouped_swiglu(&x, &gate_up, &p).unwrap();
+                assert_eq!(act.dims(), &[t * k, inter]);
+                let sorted = x.index_select(&p.tokens, 0).unwrap();
+                let gu = grouped_matmul(&sorted, &gate_up, &p).unwrap();
+                let d = max_abs_diff(&act, &layertap::engine::cuda::ops::silu_mul(&gu).unwrap());
+                assert_eq!(d, 0.0, "{what}: the fused SwiGLU differs from grouped_mm + silu_mul");
+                let y = grouped_matmul(&act, &down, &p).unwrap();
+                assert_eq!(y.dims(), &[t * k, hidden]);
+                let f = |a: &Tensor| a.to_dtype(DType::F32).unwrap();
+                for (ex, (&s, &c)) in starts.iter().zip(&COUNTS).enumerate().filter(|(_, (_, &c))| c > 0) {
+                    let want =
+                        f(&sorted.narrow(0, s, c).unwrap()).matmul(&f(&gate_up.get(ex).unwrap()).t().unwrap()).unwrap();
+                    let err = rel(&gu.narrow(0, s, c).unwrap(), &want);
+                    assert!(err < 4e-3, "{what} gate_up, expert {ex} ({c} rows): rel err {err}");
+                    let want =
+                        f(&act.narrow(0, s, c).unwrap()).matmul(&f(&down.get(ex).unwrap()).t().unwrap()).unwrap();
+                    let err = rel(&y.narrow(0, s, c).unwrap(), &want);
+                    assert!(err < 4e-3, "{what} down, expert {ex} ({c} rows): rel err {err}");
+                }
+                // Expert 5's rows alone, one slot per token: the same bits.
+                let (s5, c5) = (starts[5], COUNTS[5]);
+                let alone = plan(&Tensor::zeros((c5, 1), DType::U32, &dev).unwrap(), 1, bm).unwrap();
+                let xa = sorted.narrow(0, s5, c5).unwrap();
+                let act_a = grouped_swiglu(&xa, &gate_up.narrow(0, 5, 1).unwrap(), &alone).unwrap();
+                let y_a = grouped_matmul(&act_a, &down.narrow(0, 5, 1).unwrap(), &alone).unwrap();
+                let by_token = |m: &Tensor| m.index_select(&alone.row_of, 0).unwrap();
+                let d = max_abs_diff(&by_token(&act_a), &act.narrow(0, s5, c5).unwrap());
+                assert_eq!(d, 0.0, "{what}: a row's SwiGLU depends on its batch mates ({d})");
+                let d = max_abs_diff(&by_token(&y_a), &y.narrow(0, s5, c5).unwrap());
+                assert_eq!(d, 0.0, "{what}: a row's down projection depends on its batch mates ({d})");
+                by_pair.push((act.index_select(&p.row_of, 0).unwrap(), y.index_select(&p.row_of, 0).unwrap()));
             }
-            // Expert 5's rows alone, one slot per token: the same bits.
-            let (s5, c5) = (starts[5], COUNTS[5]);
-            let alone = plan(&Tensor::zeros((c5, 1), DType::U32, &dev).unwrap(), 1).unwrap();
-            let xa = sorted.narrow(0, s5, c5).unwrap();
-            let act_a = grouped_swiglu(&xa, &gate_up.narrow(0, 5, 1).unwrap(), &alone).unwrap();
-            let y_a = grouped_matmul(&act_a, &down.narrow(0, 5, 1).unwrap(), &alone).unwrap();
-            let by_token = |m: &Tensor| m.index_select(&alone.row_of, 0).unwrap();
-            let d = max_abs_diff(&by_token(&act_a), &act.narrow(0, s5, c5).unwrap());
-            assert_eq!(d, 0.0, "{dtype:?}: a row's SwiGLU depends on its batch mates ({d})");
-            let d = max_abs_diff(&by_token(&y_a), &y.narrow(0, s5, c5).unwrap());
-            assert_eq!(d, 0.0, "{dtype:?}: a row's down projection depends on its batch mates ({d})");
+            let ((act64, y64), (act128, y128)) = (&by_pair[0], &by_pair[1]);
+            let (da, dy) = (max_abs_diff(act64, act128), max_abs_diff(y64, y128));
+            assert_eq!((da, dy), (0.0, 0.0), "{dtype:?} {hidden}x{inter}: tiles of 64 and 128 differ");
         }
     }
 }
@@ -691,7 +709,7 @@ fn moe_combine_matches_the_weighted_sum() {
     let k = 4;
     let (idx, t) = choices_with_counts(&COUNTS, k);
     let h = 2112; // past one pass of the block's 256 threads x 8 columns
-    let p = plan(&Tensor::from_vec(idx, (t, k), &dev).unwrap(), COUNTS.len()).unwrap();
+    let p = plan(&Tensor::from_vec(idx, (t, k), &dev).unwrap(), COUNTS.len(), 64).unwrap();
     let row_of = u32s(&p.row_of);
     for (dtype, tol) in [(DType::BF16, 5e-3), (DType::F16, 7e-4)] {
         let ys = Tensor::randn(0f32, 1.0, (t * k, h), &dev).unwrap().to_dtype(dtype).unwrap();

@@ -15,8 +15,9 @@ use super::{cuda_device, cuda_view, kernel_name, tensor as wrap};
 /// `kernels/moe.cu`.
 const MOE: Module = fatbin!("moe");
 
-/// Rows of the grouped kernel's tiles (`BM` in the kernel).
-const BM: usize = 64;
+/// The rows of the grouped kernels' tiles: 64 (`BM` in the kernel) or 128 (`TM`), chosen per
+/// batch by [`tile_rows`]. The FP8 kernel takes 64.
+pub const TILE_ROWS: [usize; 2] = [64, 128];
 /// Output columns of one grouped block, and of one SwiGLU block.
 const BN: usize = 128;
 const BN_SWIGLU: usize = 64;
@@ -39,7 +40,11 @@ pub fn supported(device: &Device, dtype: DType, hidden: usize, inter: usize, exp
 }
 
 fn launch(b: &mut LaunchArgs<'_>, grid: (u32, u32), block: u32) -> candle_core::Result<()> {
-    let cfg = LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+    launch_shared(b, grid, block, 0)
+}
+
+fn launch_shared(b: &mut LaunchArgs<'_>, grid: (u32, u32), block: u32, shared: usize) -> candle_core::Result<()> {
+    let cfg = LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared as u32 };
     // SAFETY: every caller pushes the arguments of its kernel's signature in order, and sizes
     // the buffers it passes for the indices that kernel forms (documented at each call).
     unsafe { b.launch(cfg) }.w()?;
@@ -99,25 +104,43 @@ pub struct Plan {
     pub tokens: Tensor,
     /// `[k T]` u32: the row of (slot j, token t) at `j T + t`.
     pub row_of: Tensor,
-    /// `[bound, 3]` u32: (expert, first row, rows ≤ 64) per tile; the first `n_tiles` are set.
+    /// `[bound, 3]` u32: (expert, first row, rows ≤ `tile_rows`) per tile; the first `n_tiles`
+    /// are set.
     pub tiles: Tensor,
     /// `[1]` u32: how many tiles there are.
     pub n_tiles: Tensor,
+    /// The most rows of a tile (one of [`TILE_ROWS`]).
+    pub tile_rows: usize,
     bound: usize,
     t: usize,
     k: usize,
 }
 
-/// Sorts the pairs of `idx` (`[T, k]` u32 experts below `experts`) by expert.
-pub fn plan(idx: &Tensor, experts: usize) -> candle_core::Result<Plan> {
+/// The tile rows for `pairs` (token, slot) pairs over `experts` experts: 128 where an expert
+/// has 64 rows or more on average (a larger tile keeps the tensor cores busier), 64 below (less
+/// of a part-full tile computed for nothing). A row's result is the same bits either way.
+pub fn tile_rows(pairs: usize, experts: usize) -> usize {
+    if pairs >= TILE_ROWS[0] * experts {
+        TILE_ROWS[1]
+    } else {
+        TILE_ROWS[0]
+    }
+}
+
+/// Sorts the pairs of `idx` (`[T, k]` u32 experts below `experts`) by expert, in tiles of at
+/// most `tile_rows` rows (one of [`TILE_ROWS`]).
+pub fn plan(idx: &Tensor, experts: usize, tile_rows: usize) -> candle_core::Result<Plan> {
     let idx = idx.contiguous()?;
     let (t, k) = idx.dims2()?;
     let pairs = t * k;
     if experts == 0 || experts > MAX_EXPERTS {
         candle_core::bail!("sorting by expert: {experts} experts (1 to {MAX_EXPERTS} are served)");
     }
+    if !TILE_ROWS.contains(&tile_rows) {
+        candle_core::bail!("sorting by expert: tiles of {tile_rows} rows (the kernels take {TILE_ROWS:?})");
+    }
     let dev = cuda_device(&idx, "moe sorting")?;
-    let bound = pairs.div_ceil(BM) + experts.min(pairs);
+    let bound = pairs.div_ceil(tile_rows) + experts.min(pairs);
     let counts = dev.alloc_zeros::<u32>(experts)?;
     let cursor = dev.alloc_zeros::<u32>(experts)?;
     // SAFETY: moe_offsets writes every expert's start, the first n_tiles tiles (never more than
@@ -137,7 +160,8 @@ pub fn plan(idx: &Tensor, experts: usize) -> candle_core::Result<Plan> {
         launch(&mut b, (pairs.div_ceil(PLACE_PAIRS).min(1024) as u32, 1), 256)?;
         let f = kernel(dev, MOE, "moe_offsets")?;
         let mut b = f.builder();
-        b.arg(&counts).arg(&starts).arg(&tiles).arg(&n_tiles).arg(&e_i);
+        let bm = tile_rows as i32;
+        b.arg(&counts).arg(&starts).arg(&tiles).arg(&n_tiles).arg(&e_i).arg(&bm);
         launch(&mut b, (1, 1), 256)?;
         let f = kernel(dev, MOE, "moe_place")?;
         let mut b = f.builder();
@@ -149,6 +173,7 @@ pub fn plan(idx: &Tensor, experts: usize) -> candle_core::Result<Plan> {
         row_of: wrap(row_of, dev, pairs),
         tiles: wrap(tiles, dev, (bound.max(1), 3)),
         n_tiles: wrap(n_tiles, dev, 1),
+        tile_rows,
         bound,
         t,
         k,
@@ -200,8 +225,18 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
         // its rows.
         let y = unsafe { dev.alloc::<H>(rows * n)? };
         if rows > 0 {
-            let name = kernel_name::<H>(if swiglu { "grouped_swiglu" } else { "grouped_mm" });
-            let f = kernel(dev, MOE, &name)?;
+            let base = match (swiglu, plan.tile_rows) {
+                (true, 128) => "grouped_swiglu128",
+                (true, _) => "grouped_swiglu",
+                (false, 128) => "grouped_mm128",
+                (false, _) => "grouped_mm",
+            };
+            let f = kernel(dev, MOE, &kernel_name::<H>(base))?;
+            // `Tile<TM>::shared_bytes` in the kernel: 3 (TM 64) or 4 (TM 128) slices of K, each
+            // TM rows of x and BN of w, 32 + 8 elements of 2 bytes a row.
+            let stages = if plan.tile_rows == 128 { 4 } else { 3 };
+            let shared = stages * (plan.tile_rows + BN) * 40 * 2;
+            f.max_dynamic_shared(shared)?;
             let mut b = f.builder();
             let null = 0u64;
             b.arg(&xv);
@@ -211,10 +246,20 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
                 b.arg(&null);
             }
             b.arg(&wv).arg(&y).arg(&tiles).arg(&n_tiles).arg(&n_i).arg(&k_i);
-            launch(&mut b, (plan.bound as u32, n.div_ceil(block_cols) as u32), 128)?;
+            launch_shared(&mut b, (blocks(plan.bound, n.div_ceil(block_cols))?, 1), 128, shared)?;
         }
         Ok(wrap(y, dev, (rows, n)))
     })
+}
+
+/// The grouped kernels' blocks: every column block of every tile bound, a tile's column blocks
+/// consecutive (one grid dimension, which takes up to 2^31 - 1 blocks).
+fn blocks(tiles: usize, col_blocks: usize) -> candle_core::Result<u32> {
+    tiles
+        .checked_mul(col_blocks)
+        .and_then(|b| u32::try_from(b).ok())
+        .filter(|&b| b < i32::MAX as u32)
+        .ok_or_else(|| candle_core::Error::Msg(format!("grouped matmul: {tiles} tiles x {col_blocks} column blocks")))
 }
 
 /// FP8 experts stacked for the grouped FP8 kernel: e4m3 bytes `q` `[E, N', K]` (U8; N' = 2N,
@@ -281,6 +326,13 @@ fn grouped_fp8(
     let rows = plan.t * plan.k;
     let n = if swiglu { wn / 2 } else { wn };
     let want_rows = if swiglu { plan.t } else { rows };
+    if plan.tile_rows != TILE_ROWS[0] {
+        candle_core::bail!(
+            "grouped fp8 matmul: a plan in tiles of {} rows (it takes {})",
+            plan.tile_rows,
+            TILE_ROWS[0]
+        );
+    }
     if kw != k
         || !k.is_multiple_of(128)
         || !n.is_multiple_of(128)
@@ -341,7 +393,7 @@ fn grouped_fp8(
                 b.arg(&null);
             }
             b.arg(&wqv).arg(&wsv).arg(&ws_ld_i).arg(&y).arg(&tiles).arg(&n_tiles).arg(&n_i).arg(&k_i);
-            launch(&mut b, (plan.bound as u32, n.div_ceil(block_cols) as u32), 128)?;
+            launch(&mut b, (blocks(plan.bound, n.div_ceil(block_cols))?, 1), 128)?;
         }
         Ok(wrap(y, dev, (rows, n)))
     })

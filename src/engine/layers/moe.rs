@@ -253,7 +253,9 @@ impl SparseMoe {
         profile: &Profiler,
     ) -> candle_core::Result<Tensor> {
         use crate::engine::cuda::moe as cuda_moe;
-        self.forward_grouped(x, down.dim(0)?, profile, |plan| {
+        let experts = down.dim(0)?;
+        let tile_rows = cuda_moe::tile_rows(x.dim(0)? * self.top_k, experts);
+        self.forward_grouped(x, experts, tile_rows, profile, |plan| {
             cuda_moe::grouped_matmul(&cuda_moe::grouped_swiglu(x, gate_up, plan)?, down, plan)
         })
     }
@@ -271,7 +273,7 @@ impl SparseMoe {
         profile: &Profiler,
     ) -> candle_core::Result<Tensor> {
         use crate::engine::cuda::{fp8 as cuda_fp8, moe as cuda_moe};
-        self.forward_grouped(x, down.q.dim(0)?, profile, |plan| {
+        self.forward_grouped(x, down.q.dim(0)?, cuda_moe::TILE_ROWS[0], profile, |plan| {
             let (xq, xs) = cuda_fp8::quantise(x)?;
             let h = cuda_moe::grouped_fp8_swiglu(&xq, &xs, gate_up, plan, x.dtype())?;
             let (hq, hs) = cuda_fp8::quantise(&h)?;
@@ -279,7 +281,8 @@ impl SparseMoe {
         })
     }
 
-    /// Routing and sorting of `x`'s tokens over `experts` experts, `experts_out` (the experts'
+    /// Routing and sorting of `x`'s tokens over `experts` experts (in tiles of `tile_rows`
+    /// rows), `experts_out` (the experts'
     /// outputs `[T k, H]` in the plan's row order), then the weighted sum with the shared expert,
     /// all on the device; the phases marked on a clock of their own.
     #[cfg(feature = "cuda")]
@@ -287,6 +290,7 @@ impl SparseMoe {
         &self,
         x: &Tensor,
         experts: usize,
+        tile_rows: usize,
         profile: &Profiler,
         experts_out: impl FnOnce(&crate::engine::cuda::moe::Plan) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
@@ -297,7 +301,7 @@ impl SparseMoe {
         }
         let profile = profile.nested();
         let (idx, weights) = cuda_moe::route(&self.router.forward(x)?, self.top_k, self.norm_topk_prob)?;
-        let plan = cuda_moe::plan(&idx, experts)?;
+        let plan = cuda_moe::plan(&idx, experts, tile_rows)?;
         profile.mark(Phase::MoeRoute);
         let ys = experts_out(&plan)?;
         profile.mark(Phase::MoeExperts);

@@ -80,6 +80,9 @@ def main():
     ap.add_argument("--count", type=int, default=100000)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the engine")
+    ap.add_argument("--detail", action="append", default=[],
+                    help="for kernels whose name holds this: launches by grid size and by the kernels "
+                         "launched just before and after (where in the forward pass they run)")
     ap.add_argument("--synthetic-weights", action="store_true",
                     help="the model folder holds a synthetic-weights.json (bench/gpu/synthetic_manifest.py)")
     a = ap.parse_args()
@@ -96,6 +99,7 @@ def main():
     lines = r.stdout.splitlines()
     start = next(i for i, x in enumerate(lines) if x.startswith('"ID"'))
     per_name = collections.defaultdict(lambda: [0, 0.0])
+    order = []  # (name, grid, ns) in launch order
     for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
@@ -105,6 +109,20 @@ def main():
         p = per_name[row["Kernel Name"]]
         p[0] += 1
         p[1] += ns
+        order.append((row["Kernel Name"], row.get("Grid Size", "?"), ns))
+    detail = {}
+    for frag in a.detail:
+        where = collections.defaultdict(lambda: [0, 0.0])
+        for i, (name, grid, ns) in enumerate(order):
+            if frag not in name:
+                continue
+            before = order[i - 1][0][:40] if i > 0 else "-"
+            after = order[i + 1][0][:40] if i + 1 < len(order) else "-"
+            w = where[f"grid {grid} after {before} before {after}"]
+            w[0] += 1
+            w[1] += ns
+        detail[frag] = [{"where": k, "launches": c, "s": round(ns / 1e9, 4)}
+                        for k, (c, ns) in sorted(where.items(), key=lambda kv: -kv[1][1])[:15]]
     total = sum(v[1] for v in per_name.values())
     per_class = collections.defaultdict(float)
     for name, (_, ns) in per_name.items():
@@ -117,6 +135,7 @@ def main():
         "classes_s": {k: round(v / 1e9, 4) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])},
         "top": [{"name": n[:160], "launches": c, "s": round(ns / 1e9, 4), "share": round(ns / total, 4)}
                 for n, (c, ns) in top],
+        "detail": detail,
         "bench": json.loads(bench[-1]) if bench else None,
     }), flush=True)
 

@@ -18,6 +18,13 @@
 #   moe               Qwen3.5/3.6-35B-A3B (40 layers, taps 2,11,20,29,38): layertap engine bf16 and FP8
 #   122b              Qwen3.5-122B-A10B in FP8 (48 layers, DFlash's taps 2,13,25,36,47): layertap
 #                     engine and server; peak GPU memory from nvidia-smi, sampled every 0.5 s
+#   27b-bf16          the 27B shape in bf16, every contender in one command: transformers + hooks
+#                     (+ fla), its cold and warm passes; layertap's engine built before the change
+#                     under test (BIN_BEFORE, when set) and after; the server after (zstd, 64 in
+#                     flight), with its time to /ready and to a first answer
+#   moe-bf16          the same for the 35B-A3B shape (transformers with grouped_mm experts)
+#   kernels           kernel by kernel (bench/gpu/kernel_times.py, ncu) on 8 layers of the 27B and
+#                     35B-A3B shapes (40 sequences), BIN_BEFORE (when set) and BIN
 #
 # SEQUENCES (200), WORK (/tmp/layertap-synthetic), OUT_DIR (bench/out/gpu). One JSON line per
 # contender in $OUT_DIR/synthetic.jsonl.
@@ -40,22 +47,29 @@ manifest() {  # manifest NAME SHAPE [FLAGS...]: the model folder NAME, its bench
   local name="$1" shape="$2"
   shift 2
   [[ -f "$work/$name/bench.json" ]] && return
-  python3 bench/gpu/synthetic_manifest.py --shape "$shape" --out "$work/$name" --sequences "$seqs" "$@" \
+  python3 bench/gpu/synthetic_manifest.py --shape "$shape" --out "$work/$name" --sequences "${MANIFEST_SEQUENCES:-$seqs}" "$@" \
     | sed "s/^{/{\"step\":\"manifest\",\"model\":\"$name\",/" | tee -a "$results"
 }
 
-engine() {  # engine LABEL MODEL
-  "$BIN" bench --workload "$work/$2/workload.json" --model "$work/$2" --device cuda:0 --dtype bf16 \
+engine() {  # engine LABEL MODEL [BINARY]
+  "${3:-$BIN}" bench --workload "$work/$2/workload.json" --model "$work/$2" --device cuda:0 --dtype bf16 \
     --max-batch-tokens "$MAX_BATCH_TOKENS" --synthetic-weights 2>"$out/engine-$1.log" \
     | sed "s/^{/{\"contender\":\"layertap $1\",/" | tee -a "$results"
 }
 
-server() {  # server LABEL MODEL: the server's startup (process start to /ready) and its HTTP run
-  local t0 t1
+server() {  # server LABEL MODEL: the server's startup (process start to /ready, to a first answer) and its HTTP run
+  local t0 t1 t2
   t0=$(date +%s.%N)
   start_server "$work/$2" cuda:0 "$out/server-$1.log" --synthetic-weights
   t1=$(date +%s.%N)
-  echo "{\"contender\":\"layertap $1 server start\",\"seconds_to_ready\":$(python3 -c "print(round($t1 - $t0, 2))")}" | tee -a "$results"
+  # The first answer: the workload's first sequence, every tap, once the server is ready.
+  python3 -c 'import json, sys; w = json.load(open(sys.argv[1])); seq = json.loads(open(sys.argv[2]).readline())
+print(json.dumps({"inputs": [{"input_ids": seq["input_ids"]}], "layers": w["layers"]}))' \
+    "$work/$2/workload.json" "$work/$2/workload.jsonl" >"$work/first.json"
+  curl -sf "http://127.0.0.1:$PORT/v1/hidden-states" -H 'content-type: application/json' \
+    --data-binary "@$work/first.json" -o /dev/null
+  t2=$(date +%s.%N)
+  echo "{\"contender\":\"layertap $1 server start\",\"seconds_to_ready\":$(python3 -c "print(round($t1 - $t0, 2))"),\"seconds_to_first_answer\":$(python3 -c "print(round($t2 - $t0, 2))"),\"first_answer_tokens\":$(python3 -c "import json; print(len(json.load(open('$work/first.json'))['inputs'][0]['input_ids']))")}" | tee -a "$results"
   clients "$work/$2/workload.json" 64 zstd | sed "s/^{/{\"contender\":\"layertap $1 http\",/" | tee -a "$results"
   grep -i "self-check" "$out/server-$1.log" | tail -2 | cut -c1-400 || true
   kill -TERM "$server"
@@ -99,6 +113,36 @@ print(json.dumps({"step": "matmul_rates", "tokens": 8192, "shapes": f.matmul_rat
     manifest 122b-fp8 122b-a10b --fp8
     peak_memory engine-122b engine 122b-fp8 122b-fp8
     peak_memory server-122b server 122b-fp8 122b-fp8
+    ;;
+  27b-bf16)
+    manifest 27b 27b --taps 2,17,32,47,62
+    python3 bench/gpu/hf_baseline.py --model-dir "$work/27b" --workload "$work/27b/workload.json" \
+      --max-batch-tokens 16384 --from-config | sed "s/^{/{\"contender\":\"transformers\",/" | tee -a "$results"
+    [[ -n "${BIN_BEFORE:-}" ]] && engine 27b-bf16-before 27b "$BIN_BEFORE"
+    engine 27b-bf16 27b
+    server 27b-bf16 27b
+    ;;
+  moe-bf16)
+    manifest moe 35b-a3b --taps 2,11,20,29,38
+    python3 bench/gpu/hf_baseline.py --model-dir "$work/moe" --workload "$work/moe/workload.json" \
+      --max-batch-tokens 16384 --from-config --experts-implementation grouped_mm \
+      | sed "s/^{/{\"contender\":\"transformers\",/" | tee -a "$results"
+    [[ -n "${BIN_BEFORE:-}" ]] && engine moe-bf16-before moe "$BIN_BEFORE"
+    engine moe-bf16 moe
+    server moe-bf16 moe
+    ;;
+  kernels)
+    # 8 layers (6 Gated DeltaNet, 2 attention), 40 sequences (33,893 tokens, two batches).
+    MANIFEST_SEQUENCES=40 manifest 27b-8 27b --layers 8 --taps 2,3,5,6,7
+    MANIFEST_SEQUENCES=40 manifest moe-8 35b-a3b --layers 8 --taps 2,7
+    for m in 27b-8 moe-8; do
+      for b in ${BIN_BEFORE:+before} after; do
+        bin=$BIN
+        [[ $b == before ]] && bin=$BIN_BEFORE
+        python3 bench/gpu/kernel_times.py --bin "$bin" --model "$work/$m" --workload "$work/$m/workload.json" \
+          --label "$m-$b" --synthetic-weights --detail ucopy --detail cast_f32 | tee -a "$results"
+      done
+    done
     ;;
   *)
     echo "unknown step $step" >&2

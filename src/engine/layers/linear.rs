@@ -267,33 +267,25 @@ impl Projections {
         }
     }
 
+    /// Each part's output, contiguous.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
         match self {
             Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
-            Projections::Fused { linear, widths } => {
-                let y = linear.forward(x)?;
-                let mut at = 0;
-                widths
-                    .iter()
-                    .map(|&w| {
-                        let part = split_part(&y, at, w);
-                        at += w;
-                        part
-                    })
-                    .collect()
-            }
+            Projections::Fused { .. } => self.views(x)?.iter().map(contiguous_part).collect(),
         }
     }
 }
 
-/// Columns `at..at + w` of the fused output `y` `[T, W]`, contiguous. Candle's copy indexes the
-/// source in 32 bits, which wraps once `T * W` passes 2^32 (the Gated DeltaNet's four
-/// projections of a 27B hybrid at 262,144 tokens); on CUDA past 2^31, a kernel of ours copies.
-fn split_part(y: &Tensor, at: usize, w: usize) -> candle_core::Result<Tensor> {
-    let part = y.narrow(1, at, w)?;
+/// A part of a fused output (a view of its columns), contiguous. Candle's copy indexes the
+/// source in 32 bits, which wraps once the fused output passes 2^32 elements (the Gated
+/// DeltaNet's four projections of a 27B hybrid at 262,144 tokens); on CUDA past 2^31, a kernel
+/// of ours copies.
+fn contiguous_part(part: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if y.device().is_cuda() && y.elem_count() > crate::engine::large::MAX_ELEMS {
-        return crate::engine::cuda::ops::copy_rows(&part, None);
+    if part.device().is_cuda()
+        && part.dim(0)?.saturating_mul(crate::engine::large::row_extent(part)) > crate::engine::large::MAX_ELEMS
+    {
+        return crate::engine::cuda::ops::copy_rows(part, None);
     }
     part.contiguous()
 }

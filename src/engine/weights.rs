@@ -353,17 +353,26 @@ impl Weights {
         self.get_as(name, shape, DType::F32)
     }
 
-    fn get_as(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor, EngineError> {
+    fn get_as(&self, name: &str, shape: &[usize], want: DType) -> Result<Tensor, EngineError> {
         let full = self.full_name(name);
         let t = match &self.source {
             TensorSource::Safetensors { tensors, .. } => {
                 let Some((dtype, dtype_name)) = tensors.dtype(&full) else {
                     return Err(self.missing(&full));
                 };
-                if !dtype.is_some_and(|d| FLOAT_DTYPES.contains(&d)) {
+                let Some(stored) = dtype.filter(|d| FLOAT_DTYPES.contains(d)) else {
                     return Err(self.unreadable(&full, &dtype_name));
-                }
+                };
                 self.mark_read(&full);
+                if stored == want && !self.device.is_cpu() {
+                    // Stored as computed: the bytes go to the device in one copy, straight from
+                    // the file's mapping (or the drawn values), with no tensor on the host.
+                    let v = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
+                    if v.shape != shape {
+                        return Err(self.shape_mismatch(&full, &v.shape, shape));
+                    }
+                    return Ok(Tensor::from_raw_buffer(v.data, stored, &v.shape, &self.device)?);
+                }
                 tensors.load_cpu(&full)?
             }
             TensorSource::Gguf(g) => g.load(name)?.ok_or_else(|| self.missing(&full))?,
@@ -371,12 +380,12 @@ impl Weights {
         if t.dims() != shape {
             return Err(self.shape_mismatch(&full, t.dims(), shape));
         }
-        if dtype == DType::F32 && self.device.is_cpu() {
+        if want == DType::F32 && self.device.is_cpu() {
             if let Some(wide) = crate::engine::layers::cpu_ops::widened(&t)? {
                 return Ok(wide);
             }
         }
-        Ok(t.to_dtype(dtype)?.to_device(&self.device)?)
+        Ok(t.to_dtype(want)?.to_device(&self.device)?)
     }
 
     /// On the CPU in f32, the `[in, out]` transpose of the `[out, in]` safetensors weight `name`

@@ -21,7 +21,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 model="$1" workload="$2"
 shift 2
-CLIENT="${CLIENT:-.gpu/bench_http}"
 OUT_DIR="${OUT_DIR:-bench/out/gpu}"
 PORT="${PORT:-18082}"
 mkdir -p "$OUT_DIR"

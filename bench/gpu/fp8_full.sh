@@ -13,10 +13,6 @@
 # live in memory), OUT_DIR (bench/out/gpu), ENGINE (1; 0 skips the in-process engine runs). One JSON line per contender in $OUT_DIR/fp8-full.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-BIN="${BIN:-.gpu/layertap}"
-CLIENT="${CLIENT:-.gpu/bench_http}"
-PORT="${PORT:-18080}"
-MAX_BATCH_TOKENS="${MAX_BATCH_TOKENS:-32768}"
 work="${WORK:-/dev/shm/layertap-fp8}"
 out="${OUT_DIR:-bench/out/gpu}"
 mkdir -p "$out" "$work"

@@ -1,6 +1,11 @@
-# Sourced by bench/gpu/run.sh and bench/gpu/compare_servers.sh: one way to start a benchmark
-# server and to run the client against it. Reads BIN, CLIENT, PORT, MAX_BATCH_TOKENS, DTYPE
-# (server compute dtype, default bf16) and ANSWER_DTYPE (default bfloat16).
+# Sourced by the benchmark scripts of bench/gpu: one way to start a benchmark server and to run
+# the client against it. Reads BIN, CLIENT, PORT, MAX_BATCH_TOKENS (their defaults below, where
+# the script sourcing this set none), DTYPE (server compute dtype, default bf16) and ANSWER_DTYPE
+# (default bfloat16).
+BIN="${BIN:-.gpu/layertap}"
+CLIENT="${CLIENT:-.gpu/bench_http}"
+PORT="${PORT:-18080}"
+MAX_BATCH_TOKENS="${MAX_BATCH_TOKENS:-32768}"
 
 # start_server MODEL DEVICES LOG [FLAGS...]: serves MODEL in the background ($server is its pid,
 # killed on exit) and waits until it is ready.

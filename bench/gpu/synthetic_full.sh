@@ -30,10 +30,6 @@
 # contender in $OUT_DIR/synthetic.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-BIN="${BIN:-.gpu/layertap}"
-CLIENT="${CLIENT:-.gpu/bench_http}"
-PORT="${PORT:-18080}"
-MAX_BATCH_TOKENS="${MAX_BATCH_TOKENS:-32768}"
 work="${WORK:-/tmp/layertap-synthetic}"
 out="${OUT_DIR:-bench/out/gpu}"
 seqs="${SEQUENCES:-200}"
@@ -41,7 +37,7 @@ mkdir -p "$out" "$work"
 results="$out/synthetic.jsonl"
 # shellcheck source=bench/gpu/serve.sh
 source bench/gpu/serve.sh
-step="${1:?STEP: 27b-layertap, 27b-transformers, moe or 122b}"
+step="${1:?STEP: 27b-layertap, 27b-transformers, moe, 122b, 27b-bf16, moe-bf16 or kernels}"
 
 manifest() {  # manifest NAME SHAPE [FLAGS...]: the model folder NAME, its bench.json line tagged
   local name="$1" shape="$2"

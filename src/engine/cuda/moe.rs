@@ -232,10 +232,7 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
                 (false, _) => "grouped_mm",
             };
             let f = kernel(dev, MOE, &kernel_name::<H>(base))?;
-            // `Tile<TM>::shared_bytes` in the kernel: 3 (TM 64) or 4 (TM 128) slices of K, each
-            // TM rows of x and BN of w, 32 + 8 elements of 2 bytes a row.
-            let stages = if plan.tile_rows == 128 { 4 } else { 3 };
-            let shared = stages * (plan.tile_rows + BN) * 40 * 2;
+            let shared = grouped_shared_bytes(plan.tile_rows);
             f.max_dynamic_shared(shared)?;
             let mut b = f.builder();
             let null = 0u64;
@@ -250,6 +247,14 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
         }
         Ok(wrap(y, dev, (rows, n)))
     })
+}
+
+/// The grouped bf16/f16 kernel's dynamic shared memory (`Tile<TM>::shared_bytes` in the kernel):
+/// 3 (64-row tiles) or 4 (128-row tiles) slices of K in flight, each `tile_rows` rows of x and
+/// `BN` rows of w, of 32 + 8 (padding) 16-bit elements.
+fn grouped_shared_bytes(tile_rows: usize) -> usize {
+    let stages = if tile_rows == TILE_ROWS[1] { 4 } else { 3 };
+    stages * (tile_rows + BN) * (32 + 8) * 2
 }
 
 /// The grouped kernels' blocks: every column block of every tile bound, a tile's column blocks

@@ -33,17 +33,24 @@
 
 
 // ---------------------------------------------------------------------------------------------
-// 1. conv + SiLU + l2norm + gates. Grid (tokens, 2 * nk + nv); block of `hd` threads (>= dk, dv).
+// 1. conv + SiLU + l2norm + gates. Grid (ceil(T / CONV_TOKENS), 2 * nk + nv); block of `hd`
+// threads (>= dk, dv, a multiple of 32): thread `lane` owns one channel of the block's head over
+// CONV_TOKENS consecutive tokens, the conv's window sliding along in registers, so each input is
+// read once; the l2norm's per-token sums go through one shared-memory exchange per block.
 // x: [T, ldx] (q | k | v channels first), w: [conv_dim, K] f32 (w[c][K - 1] multiplies the token
-// itself), pos: [T] position in its sequence, b/a: [T, ldb] / [T, lda] (value heads first).
-// out: [T, conv_dim] f32, beta/g: [T, nv] f32.
+// itself; K <= CONV_MAX), pos: [T] position in its sequence, b/a: [T, ldb] / [T, lda] (value
+// heads first). out: [T, conv_dim] f32, beta/g: [T, nv] f32. Each token's values depend on its
+// own window alone, whatever tokens share its block.
+#define CONV_TOKENS 16
+#define CONV_MAX 8
 template <typename T>
 __device__ void conv_norm_gates(const T* __restrict__ x, int ldx, const float* __restrict__ w, int kernel,
                                 const uint32_t* __restrict__ pos, const T* __restrict__ b, int ldb,
                                 const T* __restrict__ a, int lda, const float* __restrict__ neg_a,
                                 const float* __restrict__ dt_bias, float* __restrict__ out, float* __restrict__ beta,
-                                float* __restrict__ g, int nk, int nv, int dk, int dv, float q_scale) {
-    const int t = blockIdx.x;
+                                float* __restrict__ g, int tokens, int nk, int nv, int dk, int dv, float q_scale) {
+    __shared__ float red[32][CONV_TOKENS];
+    const int t0 = blockIdx.x * CONV_TOKENS;
     const int slot = blockIdx.y;
     const int conv_dim = 2 * nk * dk + nv * dv;
     int c0, width;
@@ -57,22 +64,59 @@ __device__ void conv_norm_gates(const T* __restrict__ x, int ldx, const float* _
         norm = false;
     }
     const int lane = threadIdx.x;
-    const int p = (int)pos[t];
-    float y = 0.f;
-    if (lane < width) {
-        const int c = c0 + lane;
-        const float* wc = w + (size_t)c * kernel;
-        // Same order as the portable path: the token itself, then 1, 2, ... positions back.
-        y = to_f32(x[(size_t)t * ldx + c]) * wc[kernel - 1];
-        for (int s = 1; s < kernel && s <= p; ++s) y += to_f32(x[(size_t)(t - s) * ldx + c]) * wc[kernel - 1 - s];
-        y = y / (1.f + expf(-y));
+    const bool mine = lane < width;
+    const int c = c0 + (mine ? lane : 0);
+    // wr[s] multiplies the token s positions back; win[s] holds that token's input.
+    float wr[CONV_MAX], win[CONV_MAX];
+#pragma unroll
+    for (int s = 0; s < CONV_MAX; ++s) {
+        wr[s] = s < kernel ? w[(size_t)c * kernel + kernel - 1 - s] : 0.f;
+        // The window shifts by one before each token: it starts one token back.
+        const int ts = t0 - 1 - s;
+        win[s] = (s + 1 < kernel && ts >= 0 && mine) ? to_f32(x[(size_t)ts * ldx + c]) : 0.f;
+    }
+    float y[CONV_TOKENS];
+#pragma unroll
+    for (int i = 0; i < CONV_TOKENS; ++i) {
+        const int t = t0 + i;
+#pragma unroll
+        for (int s = CONV_MAX - 1; s > 0; --s) win[s] = win[s - 1];
+        y[i] = 0.f;
+        if (t < tokens) {
+            win[0] = mine ? to_f32(x[(size_t)t * ldx + c]) : 0.f;
+            const int p = (int)pos[t];
+            // Same order as the portable path: the token itself, then 1, 2, ... positions back.
+            float v = win[0] * wr[0];
+#pragma unroll
+            for (int s = 1; s < CONV_MAX; ++s)
+                if (s < kernel && s <= p) v += win[s] * wr[s];
+            y[i] = mine ? v / (1.f + expf(-v)) : 0.f;
+        }
     }
     if (norm) {
-        y = y / sqrtf(block_sum(lane < width ? y * y : 0.f) + 1e-6f);
-        if (slot < nk) y *= q_scale;
+#pragma unroll
+        for (int i = 0; i < CONV_TOKENS; ++i) {
+            float v = y[i] * y[i];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+            if (lane % 32 == 0) red[lane / 32][i] = v;
+        }
+        __syncthreads();
+        const int warps = blockDim.x / 32;
+#pragma unroll
+        for (int i = 0; i < CONV_TOKENS; ++i) {
+            float total = 0.f;
+            for (int j = 0; j < warps; ++j) total += red[j][i];
+            y[i] = y[i] / sqrtf(total + 1e-6f);
+            if (slot < nk) y[i] *= q_scale;
+        }
     }
-    if (lane < width) out[(size_t)t * conv_dim + c0 + lane] = y;
-    if (!norm && lane == 0) {
+    if (mine) {
+#pragma unroll
+        for (int i = 0; i < CONV_TOKENS; ++i)
+            if (t0 + i < tokens) out[(size_t)(t0 + i) * conv_dim + c0 + lane] = y[i];
+    }
+    if (!norm && lane < CONV_TOKENS && t0 + lane < tokens) {
+        const int t = t0 + lane;
         const int h = slot - 2 * nk;
         const float bv = to_f32(b[(size_t)t * ldb + h]);
         beta[(size_t)t * nv + h] = round_to(1.f / (1.f + expf(-bv)), b);
@@ -85,10 +129,10 @@ __device__ void conv_norm_gates(const T* __restrict__ x, int ldx, const float* _
 #define CONV_KERNEL(NAME, T)                                                                                 \
     extern "C" __global__ void NAME(const T* x, int ldx, const float* w, int kernel, const uint32_t* pos,     \
                                     const T* b, int ldb, const T* a, int lda, const float* neg_a,             \
-                                    const float* dt_bias, float* out, float* beta, float* g, int nk, int nv,  \
-                                    int dk, int dv, float q_scale) {                                          \
-        conv_norm_gates<T>(x, ldx, w, kernel, pos, b, ldb, a, lda, neg_a, dt_bias, out, beta, g, nk, nv, dk,  \
-                           dv, q_scale);                                                                      \
+                                    const float* dt_bias, float* out, float* beta, float* g, int tokens,      \
+                                    int nk, int nv, int dk, int dv, float q_scale) {                          \
+        conv_norm_gates<T>(x, ldx, w, kernel, pos, b, ldb, a, lda, neg_a, dt_bias, out, beta, g, tokens, nk,  \
+                           nv, dk, dv, q_scale);                                                              \
     }
 
 CONV_KERNEL(gdn_conv_f32, float)
@@ -499,8 +543,10 @@ extern "C" __global__ void __launch_bounds__(LOCAL_THREADS)
 // 3b. Per (slice of BVT value columns, value head, sequence), 8 warps, the chunks in order; the
 // state slice S [dk][BVT] stays f32 in shared memory and enters the products as TF32; exp(G)
 // and exp(G_last - G) scale q and k as they enter the products. Warp w takes rows 16 (w / 2)..
-// and value columns 32 (w % 2).. of V' and O, and every eighth 16 x 8 tile of S. Dynamic shared
-// memory: (2 * 64 (dk + 4) + 64 (dk + 8) + 64 * 68 + (64 + dk) (BVT + 8) + 128) floats.
+// and value columns 32 (w % 2).. of V' and O, and every eighth 16 x 8 tile of S. The next chunk's
+// tiles come in while this one computes (two cp.async groups, one per half of the products), its
+// U into registers. Dynamic shared memory: (2 * 64 (dk + 4) + 64 (dk + 8) + 64 * 68 +
+// (64 + dk) (BVT + 8) + 128) floats.
 #define BVT 64
 #define VST (BVT + 8)
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
@@ -528,24 +574,29 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 
     for (int e = tid; e < dk * VST; e += SCAN_THREADS) ss[e] = 0.f;
 
-    for (int cc = 0; cc < nchunks; ++cc) {
+    // Two groups of copies per chunk, each issued as soon as its buffers are free, so they land
+    // while the previous chunk computes: W and q (read by V' = U - W S and O = q S) once those
+    // products are done, k and P (read by the rest) once the state update is done.
+    const float* qkv_q = qkv + kh * dk;
+    const float* qkv_k = qkv + nk * dk + kh * dk;
+    auto load_wq = [&](int cc) {
         const size_t ch = (size_t)(c0 + cc) * nv + h;
-        const int tc = t0 + cc * CHUNK;
-        const int rows = min(CHUNK, len - cc * CHUNK);
-        const float* gc = gcum + ch * CHUNK;
-        __syncthreads();  // the previous chunk's readers are done
-        const float* rows0 = qkv + (size_t)tc * conv_dim;
+        const int tc = t0 + cc * CHUNK, rows = min(CHUNK, len - cc * CHUNK);
         tile_async(ws, st, wk + ch * CHUNK * dk, dk, dk, CHUNK);
-        tile_async(qs, st, rows0 + kh * dk, conv_dim, dk, rows);
-        tile_async(ks, kst, rows0 + nk * dk + kh * dk, conv_dim, dk, rows);
+        tile_async(qs, st, qkv_q + (size_t)tc * conv_dim, conv_dim, dk, rows);
+        if (tid < CHUNK) fq[tid] = expf(gcum[ch * CHUNK + tid]);
+    };
+    auto load_kp = [&](int cc) {
+        const size_t ch = (size_t)(c0 + cc) * nv + h;
+        const int tc = t0 + cc * CHUNK, rows = min(CHUNK, len - cc * CHUNK);
+        tile_async(ks, kst, qkv_k + (size_t)tc * conv_dim, conv_dim, dk, rows);
         tile_async(ps, TS, p + ch * CHUNK * CHUNK, CHUNK, CHUNK, CHUNK);
-        if (tid < CHUNK) {
-            const float gl = gc[CHUNK - 1], gt = gc[tid];
-            fq[tid] = expf(gt);
-            fk[tid] = expf(gl - gt);
-        }
-        // V' starts as U (in the accumulators' layout), O as zero.
-        float vacc[4][4], oacc[4][4];
+        if (tid < CHUNK) fk[tid] = expf(gcum[ch * CHUNK + CHUNK - 1] - gcum[ch * CHUNK + tid]);
+    };
+    // U of a chunk, in the accumulators' layout (loaded a chunk ahead, into registers).
+    float un[4][4];
+    auto load_u = [&](int cc) {
+        const size_t ch = (size_t)(c0 + cc) * nv + h;
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
@@ -553,13 +604,35 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
                 const int i = m0 + gi + 4 * q, col = v0 + n0 + 8 * n + 2 * ti;
                 const float2 uv = col < dv ? *reinterpret_cast<const float2*>(u + (ch * CHUNK + i) * dv + col)
                                            : make_float2(0.f, 0.f);
-                vacc[n][q] = uv.x;
-                vacc[n][q + 1] = uv.y;
-                oacc[n][q] = oacc[n][q + 1] = 0.f;
+                un[n][q] = uv.x;
+                un[n][q + 1] = uv.y;
+            }
+    };
+    if (nchunks > 0) {
+        load_wq(0);
+        cp_async_commit();
+        load_kp(0);
+        cp_async_commit();
+        load_u(0);
+    }
+
+    for (int cc = 0; cc < nchunks; ++cc) {
+        const size_t ch = (size_t)(c0 + cc) * nv + h;
+        const int tc = t0 + cc * CHUNK;
+        const int rows = min(CHUNK, len - cc * CHUNK);
+        const float* gc = gcum + ch * CHUNK;
+        // V' starts as U, O as zero.
+        float vacc[4][4], oacc[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                vacc[n][q] = un[n][q];
+                oacc[n][q] = 0.f;
             }
         const float decay = expf(gc[CHUNK - 1]);
-        cp_async_wait_all();
-        __syncthreads();
+        cp_async_wait<1>();  // this chunk's W and q (its k and P may still be on the way)
+        __syncthreads();     // ... for every thread, with exp(G); the previous state update done
         // V' = U - W S and O = (q exp(G)) S.
         const float fq0 = fq[m0 + gi], fq1 = fq[m0 + gi + 8];
         for (int k0 = 0; k0 < dk; k0 += 8) {
@@ -588,6 +661,13 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
             for (int q = 0; q < 4; q += 2)
                 *reinterpret_cast<float2*>(vs + (m0 + gi + 4 * q) * VST + n0 + 8 * n + 2 * ti) =
                     make_float2(vacc[n][q], vacc[n][q + 1]);
+        __syncthreads();  // W, q and exp(G) read: the next chunk's come in
+        if (cc + 1 < nchunks) {
+            load_wq(cc + 1);
+            load_u(cc + 1);
+        }
+        cp_async_commit();   // (an empty group past the last chunk keeps the count)
+        cp_async_wait<1>();  // this chunk's k and P
         __syncthreads();
         // O += P V' (P is zero right of the diagonal: rows 16 m.. need 16 (m + 1) columns); store.
         for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
@@ -627,34 +707,52 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
                 *sp = *sp * decay + acc[q];
             }
         }
+        __syncthreads();  // k, P, V' and exp(G_last - G) read: the next chunk's k and P come in
+        if (cc + 1 < nchunks) load_kp(cc + 1);
+        cp_async_commit();
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // 4. The gated RMSNorm of the delta rule's output, in f32, rounded once:
-// y = x * rsqrt(mean(x^2) + eps) * w * silu(z). Grid (tokens * nv); block dv rounded up to 32.
+// y = x * rsqrt(mean(x^2) + eps) * w * silu(z). One warp per (token, head) row, NORM_ROWS rows
+// per block (grid ceil(T * nv / NORM_ROWS)); lane l owns columns l, l + 32, ... (dv <= 1024).
 // x: [T * nv, dv] f32; z: token t, head h at z[t * ldz + h * dv ..]; w: [dv] f32; out [T * nv, dv].
+#define NORM_ROWS 8
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
 template <typename T>
 __device__ void gated_norm(const float* __restrict__ x, const T* __restrict__ z, int ldz, const float* __restrict__ w,
-                           T* __restrict__ out, int nv, int dv, float eps) {
-    const int row = blockIdx.x, t = row / nv, h = row % nv, d = threadIdx.x;
-    const float v = d < dv ? x[(size_t)row * dv + d] : 0.f;
-    const float total = block_sum(v * v);
-    if (d < dv) {
-        const float scale = 1.f / sqrtf(total / dv + eps);
-        const float zf = to_f32(z[(size_t)t * ldz + h * dv + d]);
-        store(out + (size_t)row * dv + d, v * scale * w[d] * (zf / (1.f + expf(-zf))));
+                           T* __restrict__ out, int rows, int nv, int dv, float eps) {
+    const int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;  // a whole warp leaves together
+    const int t = row / nv, h = row % nv;
+    float v[32];
+    float total = 0.f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const int d = lane + 32 * j;
+        v[j] = d < dv ? x[(size_t)row * dv + d] : 0.f;
+        total += v[j] * v[j];
+    }
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+    const float scale = 1.f / sqrtf(total / dv + eps);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const int d = lane + 32 * j;
+        if (d < dv) {
+            const float zf = to_f32(z[(size_t)t * ldz + h * dv + d]);
+            store(out + (size_t)row * dv + d, v[j] * scale * w[d] * (zf / (1.f + expf(-zf))));
+        }
     }
 }
 
 #define GATED_NORM_KERNEL(NAME, T)                                                                           \
-    extern "C" __global__ void NAME(const float* x, const T* z, int ldz, const float* w, T* out, int nv, int dv, \
-                                    float eps) {                                                             \
-        gated_norm<T>(x, z, ldz, w, out, nv, dv, eps);                                                       \
+    extern "C" __global__ void NAME(const float* x, const T* z, int ldz, const float* w, T* out, int rows,      \
+                                    int nv, int dv, float eps) {                                             \
+        gated_norm<T>(x, z, ldz, w, out, rows, nv, dv, eps);                                                 \
     }
 
 GATED_NORM_KERNEL(gdn_gated_norm_f32, float)

@@ -334,3 +334,50 @@ __device__ void copy_rows(const E* __restrict__ src, const uint32_t* __restrict_
 COPY_ROWS(copy_rows_b1, uint8_t)
 COPY_ROWS(copy_rows_b2, uint16_t)
 COPY_ROWS(copy_rows_b4, uint32_t)
+
+// The non-finite screen: out[r] = 1 where row r of x ([rows, cols], contiguous) holds an
+// infinity or a NaN (exponent bits all ones), else 0. A warp per row, 8 rows per block; `vec`
+// (cols and the rows' starts multiples of 16 bytes) reads 16 bytes per lane at a time.
+template <typename T> __device__ __forceinline__ bool bad_bits(uint32_t w);
+// Two 16-bit values per word.
+template <> __device__ __forceinline__ bool bad_bits<__nv_bfloat16>(uint32_t w) {
+    return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+}
+template <> __device__ __forceinline__ bool bad_bits<__half>(uint32_t w) {
+    return (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
+}
+template <> __device__ __forceinline__ bool bad_bits<float>(uint32_t w) { return (w & 0x7f800000u) == 0x7f800000u; }
+
+template <typename T>
+__device__ void nonfinite_rows(const T* __restrict__ x, uint8_t* __restrict__ out, size_t rows, size_t cols, int vec) {
+    const size_t r = blockIdx.x * (size_t)8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (r >= rows) return;  // a whole warp leaves together
+    bool bad = false;
+    if (vec) {
+        const uint4* p = reinterpret_cast<const uint4*>(x + r * cols);
+        const size_t n = cols * sizeof(T) / 16;
+        for (size_t i = lane; i < n; i += 32) {
+            const uint4 v = p[i];
+            bad |= bad_bits<T>(v.x) || bad_bits<T>(v.y) || bad_bits<T>(v.z) || bad_bits<T>(v.w);
+        }
+    } else {
+        const T* p = x + r * cols;
+        for (size_t c = lane; c < cols; c += 32) {
+            uint32_t w = 0;
+            if (sizeof(T) == 2) w = *reinterpret_cast<const uint16_t*>(p + c);
+            else w = *reinterpret_cast<const uint32_t*>(p + c);
+            bad |= bad_bits<T>(w);
+        }
+    }
+    bad = __any_sync(0xffffffff, bad);
+    if (lane == 0) out[r] = bad ? 1 : 0;
+}
+
+#define NONFINITE_ROWS(NAME, T)                                                                               \
+    extern "C" __global__ void NAME(const T* x, uint8_t* out, size_t rows, size_t cols, int vec) {             \
+        nonfinite_rows<T>(x, out, rows, cols, vec);                                                          \
+    }
+NONFINITE_ROWS(nonfinite_rows_bf16, __nv_bfloat16)
+NONFINITE_ROWS(nonfinite_rows_f16, __half)
+NONFINITE_ROWS(nonfinite_rows_f32, float)

@@ -538,6 +538,41 @@ fn gdn_gated_norm_matches_separate_ops() {
     }
 }
 
+/// The non-finite screen on the GPU flags exactly the (row, layer) pairs the portable ops flag
+/// on the CPU: +inf, -inf and NaN placed at a row's first, middle and last column, in bf16, f16
+/// and f32, with hidden sizes that take the 16-byte loads (64) and that do not (37, 5), whole and
+/// as a view that starts one row in.
+#[test]
+fn nonfinite_screen_matches_the_portable_ops() {
+    use layertap::engine::output::nonfinite;
+    let Some(dev) = device() else { return };
+    let cpu = candle_core::Device::Cpu;
+    for hidden in [64usize, 37, 5] {
+        let (rows, layers) = (23usize, 3usize);
+        let mut v = noise(rows * layers * hidden, 7 + hidden as u64, 3.0);
+        let bad = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+        for (i, &(r, l, c)) in
+            [(0, 0, 0), (4, 1, hidden / 2), (9, 2, hidden - 1), (22, 2, 0), (13, 0, hidden - 1)].iter().enumerate()
+        {
+            v[(r * layers + l) * hidden + c] = bad[i % 3];
+        }
+        // Large finite values stay finite in every dtype (f16's largest is 65504).
+        v[(17 * layers + 1) * hidden] = 6.0e4;
+        let x = Tensor::from_vec(v, (rows, layers, hidden), &cpu).unwrap();
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let xc = x.to_dtype(dtype).unwrap();
+            let want = nonfinite(&xc).unwrap().to_vec2::<u8>().unwrap();
+            assert_eq!(want.iter().flatten().map(|&f| f as usize).sum::<usize>(), 5, "{dtype:?} {hidden}");
+            let got = nonfinite(&xc.to_device(&dev).unwrap()).unwrap().to_vec2::<u8>().unwrap();
+            assert_eq!(got, want, "{dtype:?}, hidden {hidden}");
+            // Rows 1.. of a view that starts one row in: an offset of `hidden` values.
+            let tail = xc.to_device(&dev).unwrap().narrow(0, 1, rows - 1).unwrap();
+            let got = nonfinite(&tail).unwrap().to_vec2::<u8>().unwrap();
+            assert_eq!(got, want[1..].to_vec(), "{dtype:?}, hidden {hidden}, a view");
+        }
+    }
+}
+
 /// Experts for a batch in which expert e has `counts[e]` of the `[T, k]` (token, slot) pairs
 /// (`T = sum / k`), spread over the tokens; flattened token-major.
 fn choices_with_counts(counts: &[usize], k: usize) -> (Vec<u32>, usize) {

@@ -21,7 +21,8 @@
 #   27b-bf16          the 27B shape in bf16, every contender in one command: transformers + hooks
 #                     (+ fla), its cold and warm passes; layertap's engine built before the change
 #                     under test (BIN_BEFORE, when set) and after; the server after (zstd, 64 in
-#                     flight), with its time to /ready and to a first answer
+#                     flight), with its time to /ready and to a first answer; the matmul rates
+#                     of the 27B projection shapes (for MFU)
 #   moe-bf16          the same for the 35B-A3B shape (transformers with grouped_mm experts)
 #   kernels           kernel by kernel (bench/gpu/kernel_times.py, ncu) on 8 layers of the 27B and
 #                     35B-A3B shapes (40 sequences), BIN_BEFORE (when set) and BIN
@@ -73,6 +74,11 @@ print(json.dumps({"inputs": [{"input_ids": seq["input_ids"]}], "layers": w["laye
   trap - EXIT
 }
 
+rates() {  # the bf16 and FP8 matmul rates of the 27B shape's projections, for MFU in the same command
+  python3 -c 'import json, sys; sys.path.insert(0, "bench/gpu"); import fp8_bench as f
+print(json.dumps({"step": "matmul_rates", "tokens": 8192, "shapes": f.matmul_rates(f.SHAPES_27B)}))' | tee -a "$results"
+}
+
 peak_memory() {  # runs "$@" while sampling the GPU's used memory; prints the peak (MiB) as JSON
   local log="$out/nvidia-smi-$1.log"
   shift
@@ -87,8 +93,7 @@ case "$step" in
   27b-layertap)
     manifest 27b 27b --taps 2,17,32,47,62
     manifest 27b-fp8 27b --fp8 --taps 2,17,32,47,62
-    python3 -c 'import json, sys; sys.path.insert(0, "bench/gpu"); import fp8_bench as f
-print(json.dumps({"step": "matmul_rates", "tokens": 8192, "shapes": f.matmul_rates(f.SHAPES_27B)}))' | tee -a "$results"
+    rates
     engine bf16 27b
     engine fp8 27b-fp8
     server bf16 27b
@@ -114,6 +119,7 @@ print(json.dumps({"step": "matmul_rates", "tokens": 8192, "shapes": f.matmul_rat
     manifest 27b 27b --taps 2,17,32,47,62
     python3 bench/gpu/hf_baseline.py --model-dir "$work/27b" --workload "$work/27b/workload.json" \
       --max-batch-tokens 16384 --from-config | sed "s/^{/{\"contender\":\"transformers\",/" | tee -a "$results"
+    rates
     [[ -n "${BIN_BEFORE:-}" ]] && engine 27b-bf16-before 27b "$BIN_BEFORE"
     engine 27b-bf16 27b
     server 27b-bf16 27b
@@ -123,6 +129,7 @@ print(json.dumps({"step": "matmul_rates", "tokens": 8192, "shapes": f.matmul_rat
     python3 bench/gpu/hf_baseline.py --model-dir "$work/moe" --workload "$work/moe/workload.json" \
       --max-batch-tokens 16384 --from-config --experts-implementation grouped_mm \
       | sed "s/^{/{\"contender\":\"transformers\",/" | tee -a "$results"
+    rates
     [[ -n "${BIN_BEFORE:-}" ]] && engine moe-bf16-before moe "$BIN_BEFORE"
     engine moe-bf16 moe
     server moe-bf16 moe

@@ -130,6 +130,11 @@ fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> 
 /// stay a fraction of the taps.
 pub fn nonfinite(states: &Tensor) -> candle_core::Result<Tensor> {
     let (rows, layers, hidden) = states.dims3()?;
+    #[cfg(feature = "cuda")]
+    if states.device().is_cuda() && matches!(states.dtype(), DType::BF16 | DType::F16 | DType::F32) {
+        // One pass reading the exponent bits, flags equal to the ops' below.
+        return super::cuda::ops::nonfinite_rows(&states.reshape((rows * layers, hidden))?)?.reshape((rows, layers));
+    }
     // Candle's kernels index in 32 bits: long batches are screened in slices of rows.
     let slice = |r0, n| nonfinite(&states.narrow(0, r0, n)?);
     if let Some(flags) = super::large::by_rows(states.device(), rows, layers * hidden, slice)? {

@@ -23,6 +23,11 @@ const GDN: Module = fatbin!("gdn");
 const BV: usize = 32;
 const BVT: usize = 64;
 const THREADS: u32 = 256;
+/// Tokens per conv block (`CONV_TOKENS`), and the longest conv its registers hold (`CONV_MAX`).
+const CONV_TOKENS: usize = 16;
+const CONV_MAX: usize = 8;
+/// (token, head) rows per gated-norm block, a warp each (`NORM_ROWS`).
+const NORM_ROWS: usize = 8;
 /// The most sequences one scan launch takes (its grid z dimension, capped at 65,535 by the
 /// device); a batch of more launches the scan over slices of its sequence table.
 const SEQS_PER_SCAN: usize = 65535;
@@ -89,6 +94,7 @@ pub fn supported(device: &Device, d: &LinearAttentionConfig) -> bool {
         && d.num_key_heads > 0
         && d.num_value_heads.is_multiple_of(d.num_key_heads)
         && dk.max(dv) <= 1024
+        && (1..=CONV_MAX).contains(&d.conv_kernel)
         && dk % 4 == 0
         && local_shared(dk, dv) <= MAX_SHARED
         && scan_shared(dk) <= MAX_SHARED
@@ -254,6 +260,9 @@ impl GdnOp {
         let (conv_s, conv_l) = self.conv.storage_and_layout();
         let conv = cuda_view::<f32>(&conv_s, conv_l, "the conv weight")?;
         let kernel_size = self.conv.dim(1)?;
+        if !(1..=CONV_MAX).contains(&kernel_size) {
+            candle_core::bail!("gated deltanet kernels: a conv of {kernel_size} taps (1 to {CONV_MAX} fit)");
+        }
         let (a_s, a_l) = self.neg_a.storage_and_layout();
         let neg_a = cuda_view::<f32>(&a_s, a_l, "A")?;
         let (dt_s, dt_l) = self.dt_bias.storage_and_layout();
@@ -299,6 +308,8 @@ impl GdnOp {
         l.arg(&mixed);
         l.arg(&beta);
         l.arg(&g);
+        let t_i = t as i32;
+        l.arg(&t_i);
         l.arg(&nk_i);
         l.arg(&nv_i);
         l.arg(&dk_i);
@@ -306,7 +317,7 @@ impl GdnOp {
         l.arg(&q_scale);
         let hd = dk.max(dv).div_ceil(32) * 32;
         let cfg = LaunchConfig {
-            grid_dim: (t as u32, (2 * nk + nv) as u32, 1),
+            grid_dim: (t.div_ceil(CONV_TOKENS) as u32, (2 * nk + nv) as u32, 1),
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -453,25 +464,26 @@ impl GatedNorm {
         }
         let (w_s, w_l) = self.w.storage_and_layout();
         let w = cuda_view::<f32>(&w_s, w_l, "the gated norm weight")?;
-        // SAFETY: the kernel writes every element (one block per row, a thread per column).
+        // SAFETY: the kernel writes every element (a warp per row, its lanes over the columns).
         let out = unsafe { dev.alloc::<T>(t * nv * dv)? };
         if t * nv == 0 {
             return Ok(out);
         }
         let f = kernel(dev, GDN, &kernel_name::<T>("gdn_gated_norm"))?;
         let mut l = f.builder();
-        let (ldz_i, nv_i, dv_i) = (ldz as i32, nv as i32, dv as i32);
+        let (ldz_i, rows_i, nv_i, dv_i) = (ldz as i32, (t * nv) as i32, nv as i32, dv as i32);
         l.arg(&xv);
         l.arg(&zv);
         l.arg(&ldz_i);
         l.arg(&w);
         l.arg(&out);
+        l.arg(&rows_i);
         l.arg(&nv_i);
         l.arg(&dv_i);
         l.arg(&self.eps);
         let cfg = LaunchConfig {
-            grid_dim: ((t * nv) as u32, 1, 1),
-            block_dim: (dv.div_ceil(32) as u32 * 32, 1, 1),
+            grid_dim: ((t * nv).div_ceil(NORM_ROWS) as u32, 1, 1),
+            block_dim: (32 * NORM_ROWS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: arguments match the kernel's signature; indices stay below t rows of z and x.

@@ -355,6 +355,64 @@ impl candle_core::CustomOp1 for F32ToFp8 {
     }
 }
 
+/// `[rows]` u8, 1 where a row of `x` (`[rows, cols]` bf16, f16 or f32) holds an infinity or a
+/// NaN, else 0: the exponent bits read directly, one pass over the values, a warp per row (64-bit
+/// indices, so no slicing of long batches).
+pub fn nonfinite_rows(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&NonfiniteRows)
+}
+
+struct NonfiniteRows;
+
+impl NonfiniteRows {
+    fn launch<T: KernelType>(dev: &CudaDevice, x: &CudaSlice<T>, l: &Layout) -> candle_core::Result<CudaSlice<u8>> {
+        let (rows, cols) = l.shape().dims2()?;
+        let xv = contiguous_view(x, l, "nonfinite_rows: x")?;
+        // SAFETY: the kernel writes every element (a warp per row).
+        let out = unsafe { dev.alloc::<u8>(rows)? };
+        if rows == 0 {
+            return Ok(out);
+        }
+        let size = std::mem::size_of::<T>();
+        // 16-byte loads when every row starts on a 16-byte boundary (allocations are aligned).
+        let vec = i32::from((cols * size).is_multiple_of(16) && (l.start_offset() * size).is_multiple_of(16));
+        let blocks = rows.div_ceil(8);
+        if blocks > u32::MAX as usize / 2 {
+            candle_core::bail!("nonfinite_rows: {rows} rows are more than one launch takes");
+        }
+        let func = kernel(dev, OPS, &kernel_name::<T>("nonfinite_rows"))?;
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&out);
+        b.arg(&rows);
+        b.arg(&cols);
+        b.arg(&vec);
+        // SAFETY: argument types and order match the kernel (two pointers, two size_t, an int).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}
+
+impl candle_core::CustomOp1 for NonfiniteRows {
+    fn name(&self) -> &'static str {
+        "nonfinite-rows"
+    }
+
+    cpu_fwd_cuda_only!(1);
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = s.device();
+        let out = match &s.slice {
+            CudaStorageSlice::BF16(x) => Self::launch(dev, x, l)?,
+            CudaStorageSlice::F16(x) => Self::launch(dev, x, l)?,
+            CudaStorageSlice::F32(x) => Self::launch(dev, x, l)?,
+            _ => candle_core::bail!("nonfinite_rows: unsupported dtype {:?}", s.dtype()),
+        };
+        Ok((CudaStorage { slice: CudaStorageSlice::U8(out), device: dev.clone() }, Shape::from(l.shape().dims2()?.0)))
+    }
+}
+
 /// Rows of a 2-D tensor copied by a kernel that indexes in 64 bits (candle's copy and gather
 /// kernels index in 32, and wrap past 2^32 elements): `src` `[R, C]` with unit stride along its
 /// rows and any row stride (a column slice of a wider tensor is fine). With `idx` (`[n]` u32 on

@@ -715,44 +715,29 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 
 // ---------------------------------------------------------------------------------------------
 // 4. The gated RMSNorm of the delta rule's output, in f32, rounded once:
-// y = x * rsqrt(mean(x^2) + eps) * w * silu(z). One warp per (token, head) row, NORM_ROWS rows
-// per block (grid ceil(T * nv / NORM_ROWS)); lane l owns columns l, l + 32, ... (dv <= 1024).
+// y = x * rsqrt(mean(x^2) + eps) * w * silu(z). Grid (tokens * nv); block dv rounded up to 32.
 // x: [T * nv, dv] f32; z: token t, head h at z[t * ldz + h * dv ..]; w: [dv] f32; out [T * nv, dv].
-#define NORM_ROWS 8
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
 template <typename T>
 __device__ void gated_norm(const float* __restrict__ x, const T* __restrict__ z, int ldz, const float* __restrict__ w,
-                           T* __restrict__ out, int rows, int nv, int dv, float eps) {
-    const int row = blockIdx.x * NORM_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= rows) return;  // a whole warp leaves together
-    const int t = row / nv, h = row % nv;
-    float v[32];
-    float total = 0.f;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const int d = lane + 32 * j;
-        v[j] = d < dv ? x[(size_t)row * dv + d] : 0.f;
-        total += v[j] * v[j];
-    }
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
-    const float scale = 1.f / sqrtf(total / dv + eps);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const int d = lane + 32 * j;
-        if (d < dv) {
-            const float zf = to_f32(z[(size_t)t * ldz + h * dv + d]);
-            store(out + (size_t)row * dv + d, v[j] * scale * w[d] * (zf / (1.f + expf(-zf))));
-        }
+                           T* __restrict__ out, int nv, int dv, float eps) {
+    const int row = blockIdx.x, t = row / nv, h = row % nv, d = threadIdx.x;
+    const float v = d < dv ? x[(size_t)row * dv + d] : 0.f;
+    const float total = block_sum(v * v);
+    if (d < dv) {
+        const float scale = 1.f / sqrtf(total / dv + eps);
+        const float zf = to_f32(z[(size_t)t * ldz + h * dv + d]);
+        store(out + (size_t)row * dv + d, v * scale * w[d] * (zf / (1.f + expf(-zf))));
     }
 }
 
 #define GATED_NORM_KERNEL(NAME, T)                                                                           \
-    extern "C" __global__ void NAME(const float* x, const T* z, int ldz, const float* w, T* out, int rows,      \
-                                    int nv, int dv, float eps) {                                             \
-        gated_norm<T>(x, z, ldz, w, out, rows, nv, dv, eps);                                                 \
+    extern "C" __global__ void NAME(const float* x, const T* z, int ldz, const float* w, T* out, int nv, int dv, \
+                                    float eps) {                                                             \
+        gated_norm<T>(x, z, ldz, w, out, nv, dv, eps);                                                       \
     }
 
 GATED_NORM_KERNEL(gdn_gated_norm_f32, float)

@@ -26,8 +26,6 @@ const THREADS: u32 = 256;
 /// Tokens per conv block (`CONV_TOKENS`), and the longest conv its registers hold (`CONV_MAX`).
 const CONV_TOKENS: usize = 16;
 const CONV_MAX: usize = 8;
-/// (token, head) rows per gated-norm block, a warp each (`NORM_ROWS`).
-const NORM_ROWS: usize = 8;
 /// The most sequences one scan launch takes (its grid z dimension, capped at 65,535 by the
 /// device); a batch of more launches the scan over slices of its sequence table.
 const SEQS_PER_SCAN: usize = 65535;
@@ -464,26 +462,25 @@ impl GatedNorm {
         }
         let (w_s, w_l) = self.w.storage_and_layout();
         let w = cuda_view::<f32>(&w_s, w_l, "the gated norm weight")?;
-        // SAFETY: the kernel writes every element (a warp per row, its lanes over the columns).
+        // SAFETY: the kernel writes every element (one block per row, a thread per column).
         let out = unsafe { dev.alloc::<T>(t * nv * dv)? };
         if t * nv == 0 {
             return Ok(out);
         }
         let f = kernel(dev, GDN, &kernel_name::<T>("gdn_gated_norm"))?;
         let mut l = f.builder();
-        let (ldz_i, rows_i, nv_i, dv_i) = (ldz as i32, (t * nv) as i32, nv as i32, dv as i32);
+        let (ldz_i, nv_i, dv_i) = (ldz as i32, nv as i32, dv as i32);
         l.arg(&xv);
         l.arg(&zv);
         l.arg(&ldz_i);
         l.arg(&w);
         l.arg(&out);
-        l.arg(&rows_i);
         l.arg(&nv_i);
         l.arg(&dv_i);
         l.arg(&self.eps);
         let cfg = LaunchConfig {
-            grid_dim: ((t * nv).div_ceil(NORM_ROWS) as u32, 1, 1),
-            block_dim: (32 * NORM_ROWS as u32, 1, 1),
+            grid_dim: ((t * nv) as u32, 1, 1),
+            block_dim: (dv.div_ceil(32) as u32 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: arguments match the kernel's signature; indices stay below t rows of z and x.

@@ -75,23 +75,27 @@ __device__ void conv_norm_gates(const T* __restrict__ x, int ldx, const float* _
         const int ts = t0 - 1 - s;
         win[s] = (s + 1 < kernel && ts >= 0 && mine) ? to_f32(x[(size_t)ts * ldx + c]) : 0.f;
     }
+    // Every load first (clamped to the last token, so none waits on a branch), then the math.
+    float xs[CONV_TOKENS];
+    int ps[CONV_TOKENS];
+#pragma unroll
+    for (int i = 0; i < CONV_TOKENS; ++i) {
+        const int t = min(t0 + i, tokens - 1);
+        xs[i] = to_f32(x[(size_t)t * ldx + c]);
+        ps[i] = (int)pos[t];
+    }
     float y[CONV_TOKENS];
 #pragma unroll
     for (int i = 0; i < CONV_TOKENS; ++i) {
-        const int t = t0 + i;
 #pragma unroll
         for (int s = CONV_MAX - 1; s > 0; --s) win[s] = win[s - 1];
-        y[i] = 0.f;
-        if (t < tokens) {
-            win[0] = mine ? to_f32(x[(size_t)t * ldx + c]) : 0.f;
-            const int p = (int)pos[t];
-            // Same order as the portable path: the token itself, then 1, 2, ... positions back.
-            float v = win[0] * wr[0];
+        win[0] = xs[i];
+        // Same order as the portable path: the token itself, then 1, 2, ... positions back.
+        float v = win[0] * wr[0];
 #pragma unroll
-            for (int s = 1; s < CONV_MAX; ++s)
-                if (s < kernel && s <= p) v += win[s] * wr[s];
-            y[i] = mine ? v / (1.f + expf(-v)) : 0.f;
-        }
+        for (int s = 1; s < CONV_MAX; ++s)
+            if (s < kernel && s <= ps[i]) v += win[s] * wr[s];
+        y[i] = mine && t0 + i < tokens ? v / (1.f + expf(-v)) : 0.f;
     }
     if (norm) {
 #pragma unroll
@@ -743,3 +747,69 @@ __device__ void gated_norm(const float* __restrict__ x, const T* __restrict__ z,
 GATED_NORM_KERNEL(gdn_gated_norm_f32, float)
 GATED_NORM_KERNEL(gdn_gated_norm_bf16, __nv_bfloat16)
 GATED_NORM_KERNEL(gdn_gated_norm_f16, __half)
+
+// 4b. The same, one warp per (token, head) row and 8 rows per block (grid ceil(T * nv / 8)), for
+// dv a multiple of 4 and at most 128 J: lane l owns the 4-column groups l, l + 32, ... (J of them
+// at most). Every load is issued before any math (groups past the row re-read its last one), so
+// a warp waits once per row. x, w and out start on 16-byte boundaries, z's rows on 4 elements.
+template <typename T> struct Quad;
+template <> struct Quad<float> { using type = float4; };
+template <> struct Quad<__nv_bfloat16> { using type = uint2; };
+template <> struct Quad<__half> { using type = uint2; };
+
+template <typename T, int J>
+__device__ void gated_norm4(const float* __restrict__ x, const T* __restrict__ z, int ldz, const float* __restrict__ w,
+                            T* __restrict__ out, int rows, int nv, int dv, float eps) {
+    using Q = typename Quad<T>::type;
+    const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;  // a whole warp leaves together
+    const int t = row / nv, h = row % nv, groups = dv / 4;
+    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)row * dv);
+    const Q* zr = reinterpret_cast<const Q*>(z + (size_t)t * ldz + (size_t)h * dv);
+    float4 xv[J], wv[J];
+    Q zv[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const int e = min(lane + 32 * j, groups - 1);
+        xv[j] = xr[e];
+        zv[j] = zr[e];
+        wv[j] = reinterpret_cast<const float4*>(w)[e];
+    }
+    float total = 0.f;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+        if (lane + 32 * j < groups)
+            total += xv[j].x * xv[j].x + xv[j].y * xv[j].y + xv[j].z * xv[j].z + xv[j].w * xv[j].w;
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+    const float scale = 1.f / sqrtf(total / dv + eps);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const int e = lane + 32 * j;
+        if (e < groups) {
+            const T* zq = reinterpret_cast<const T*>(&zv[j]);
+            const float xs[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w}, ws[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+            Q o;
+            T* oq = reinterpret_cast<T*>(&o);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float zf = to_f32(zq[q]);
+                store(oq + q, xs[q] * scale * ws[q] * (zf / (1.f + expf(-zf))));
+            }
+            reinterpret_cast<Q*>(out + (size_t)row * dv)[e] = o;
+        }
+    }
+}
+
+#define GATED_NORM4_KERNEL(NAME, T, J)                                                                       \
+    extern "C" __global__ void NAME(const float* x, const T* z, int ldz, const float* w, T* out, int rows,      \
+                                    int nv, int dv, float eps) {                                             \
+        gated_norm4<T, J>(x, z, ldz, w, out, rows, nv, dv, eps);                                             \
+    }
+#define GATED_NORM4_KERNELS(J)                                                                               \
+    GATED_NORM4_KERNEL(gdn_gated_norm4_##J##_f32, float, J)                                                  \
+    GATED_NORM4_KERNEL(gdn_gated_norm4_##J##_bf16, __nv_bfloat16, J)                                         \
+    GATED_NORM4_KERNEL(gdn_gated_norm4_##J##_f16, __half, J)
+GATED_NORM4_KERNELS(1)
+GATED_NORM4_KERNELS(2)
+GATED_NORM4_KERNELS(4)
+GATED_NORM4_KERNELS(8)

@@ -519,22 +519,40 @@ fn gdn_kernels_are_batch_invariant() {
 }
 
 /// The fused gated RMSNorm equals the separate f32 ops (`rms_norm(x) * w * silu(z)`), to the
-/// output's rounding, with `z` a view into a wider projection output.
+/// output's rounding, with `z` a view into a wider projection output: through the warp-per-row
+/// kernel (1, 2 and 8 groups of 4 columns a lane, a part-full warp at 48 columns) and through the
+/// block-per-row one (a row stride, a start or a width that is not a multiple of 4).
 #[test]
 fn gdn_gated_norm_matches_separate_ops() {
     let Some(dev) = device() else { return };
-    let (t, nv, dv) = (37, 6, 128);
-    let x = Tensor::randn(0f32, 1.5, (t, nv, dv), &dev).unwrap();
-    let w = Tensor::randn(1f32, 0.3, dv, &dev).unwrap();
-    for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3)] {
-        let wide = Tensor::randn(0f32, 2.0, (t, nv * dv + 24), &dev).unwrap().to_dtype(dtype).unwrap();
-        let z = wide.narrow(1, 0, nv * dv).unwrap();
-        let got = layertap::engine::cuda::gdn::gated_norm(&x, &z, &w, 1e-6).unwrap();
-        assert_eq!((got.dims(), got.dtype()), (&[t, nv, dv][..], dtype));
-        let zf = z.to_dtype(DType::F32).unwrap().reshape((t, nv, dv)).unwrap();
-        let want = (candle_nn::ops::rms_norm(&x, &w, 1e-6).unwrap() * candle_nn::ops::silu(&zf).unwrap()).unwrap();
-        let e = rel(&got, &want);
-        assert!(e < tol, "{dtype:?}: rel err {e}");
+    let t = 37;
+    // (value heads, dv, extra columns of the projection output, z's first column)
+    let cases = [
+        (6, 128, 24, 0),
+        (3, 48, 8, 4),
+        (2, 256, 4, 0),
+        (1, 1024, 0, 0),
+        (6, 128, 3, 0),
+        (4, 128, 8, 2),
+        (3, 50, 2, 0),
+    ];
+    for (nv, dv, extra, first) in cases {
+        let x = Tensor::randn(0f32, 1.5, (t, nv, dv), &dev).unwrap();
+        let w = Tensor::randn(1f32, 0.3, dv, &dev).unwrap();
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3)] {
+            let wide = Tensor::randn(0f32, 2.0, (t, nv * dv + extra), &dev).unwrap().to_dtype(dtype).unwrap();
+            let z = wide.narrow(1, first, nv * dv).unwrap();
+            let got = layertap::engine::cuda::gdn::gated_norm(&x, &z, &w, 1e-6).unwrap();
+            assert_eq!((got.dims(), got.dtype()), (&[t, nv, dv][..], dtype));
+            let zf = z.to_dtype(DType::F32).unwrap().reshape((t, nv, dv)).unwrap();
+            let want = (candle_nn::ops::rms_norm(&x, &w, 1e-6).unwrap() * candle_nn::ops::silu(&zf).unwrap()).unwrap();
+            let e = rel(&got, &want);
+            assert!(
+                e < tol,
+                "{dtype:?}, {nv} heads of {dv}, z from column {first} of {}: rel err {e}",
+                nv * dv + extra
+            );
+        }
     }
 }
 

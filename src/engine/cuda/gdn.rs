@@ -462,7 +462,7 @@ impl GatedNorm {
         }
         let (w_s, w_l) = self.w.storage_and_layout();
         let w = cuda_view::<f32>(&w_s, w_l, "the gated norm weight")?;
-        // SAFETY: the kernel writes every element (one block per row, a thread per column).
+        // SAFETY: either kernel below writes every element (every row, every column of it).
         let out = unsafe { dev.alloc::<T>(t * nv * dv)? };
         if t * nv == 0 {
             return Ok(out);

@@ -127,8 +127,8 @@ fn select(stacked: &Tensor, rows: &Rows) -> candle_core::Result<Option<Tensor>> 
 /// `[rows, layers]` u8, 1 where a row's values at a layer are not all finite. On a GPU, one
 /// kernel reads each value's exponent bits once (`cuda::ops::nonfinite_rows`). Elsewhere,
 /// multiplying by zero keeps finite values at exactly 0 and turns an infinity or a NaN into NaN,
-/// which the sum keeps; NaN is the only value not equal to itself. One layer at a time, so the temporaries
-/// stay a fraction of the taps.
+/// which the sum keeps; NaN is the only value not equal to itself. One layer at a time, so the
+/// temporaries stay a fraction of the taps.
 pub fn nonfinite(states: &Tensor) -> candle_core::Result<Tensor> {
     let (rows, layers, hidden) = states.dims3()?;
     #[cfg(feature = "cuda")]

@@ -7,7 +7,9 @@
 //! `LAYERTAP_CUDA_ARCHS` (default `80,86,89,90,100,120`: A100; A10 and RTX 30; L4, L40S and RTX 40;
 //! H100 and H200; B200; RTX PRO 6000 and RTX 50) is a comma-separated list of compute
 //! capabilities, 80 or newer (the attention kernel uses tensor-core instructions). CUDA 12.8 or
-//! newer compiles 100 and 120; with an older toolkit, leave them out.
+//! newer compiles 100 and 120; with an older toolkit, leave them out. Capability 90 is compiled
+//! as `sm_90a` (Hopper's machine code with its warpgroup MMA, which runs on 9.0 GPUs only; the
+//! kernels that use it are chosen only there).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -53,7 +55,16 @@ fn main() {
         panic!("LAYERTAP_CUDA_ARCHS={list}: layertap's CUDA kernels need compute capability 8.0 or newer");
     }
     let newest = *archs.last().expect("not empty");
-    let mut gencode: Vec<String> = archs.iter().map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}")).collect();
+    let mut gencode: Vec<String> = archs
+        .iter()
+        .map(|&a| {
+            if a == 90 {
+                "-gencode=arch=compute_90a,code=sm_90a".to_string()
+            } else {
+                format!("-gencode=arch=compute_{a},code=sm_{a}")
+            }
+        })
+        .collect();
     gencode.push(format!("-gencode=arch=compute_{newest},code=compute_{newest}"));
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     for source in &kernels {

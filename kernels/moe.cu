@@ -33,6 +33,7 @@
 #include "convert.cuh"
 #include "mma.cuh"
 #include "reduce.cuh"
+#include "wgmma.cuh"
 
 #define BM 64
 #define BN 128
@@ -350,6 +351,152 @@ GROUPED(grouped_mm128_bf16, __nv_bfloat16, false, 128)
 GROUPED(grouped_mm128_f16, __half, false, 128)
 GROUPED(grouped_swiglu128_bf16, __nv_bfloat16, true, 128)
 GROUPED(grouped_swiglu128_f16, __half, true, 128)
+
+// The same products on Hopper's warpgroup MMA (sm_90a; other GPUs run the kernels above). One
+// warpgroup (128 threads) per 64 rows of the tile (TM = 64 or 128), each multiplying its rows by
+// the block's 256 rows of w (256 output columns; for SwiGLU 128, whose gate rows fill w's tile rows
+// 0..128 and up rows 128..256) with wgmma.m64n256k16: slices of 64 along K, in 128-byte swizzled
+// tiles (wgmma.cuh), WG_STAGES of them in shared memory: copies (cp.async, every thread) run two
+// slices ahead of the tensor cores, and one slice's products are in flight while the next is
+// issued. Every row's reduction over K runs in the same order, 16 at a time, whatever its tile,
+// so a row's result does not depend on its batch mates; tiles of 64 and 128 rows give the same
+// bits.
+#define WG_BN 256
+#define WG_BK 64
+#define WG_STAGES 4
+
+template <int TM> struct WgTile {
+    static constexpr int THREADS_ = 2 * TM;                               // one warpgroup per 64 rows
+    static constexpr uint32_t STAGE = (uint32_t)(TM + WG_BN) * WG_BK * 2;  // bytes: x's rows, then w's
+    static constexpr size_t SHARED = (size_t)WG_STAGES * STAGE + 1024;    // + room to align to 1024
+};
+
+template <typename T, bool SWIGLU, int TM>
+__device__ void grouped_wg(const T* __restrict__ x, const uint32_t* __restrict__ gather, const T* __restrict__ w,
+                           T* __restrict__ y, const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ n_tiles,
+                           int n, int k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = WgTile<TM>;
+    constexpr int NT = C::THREADS_;
+    constexpr int RS = NT / 8;           // rows one pass of copies covers (8 chunks of 16 bytes a row)
+    constexpr int AR = TM / RS;          // passes over x's rows: 4
+    constexpr int BR = WG_BN / RS;       // passes over w's rows: 8 or 16
+    constexpr int NB = SWIGLU ? WG_BN / 2 : WG_BN;
+    extern __shared__ unsigned char wg_smem[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(wg_smem);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+
+    const int col_blocks = (n + NB - 1) / NB;
+    const int tile = blockIdx.x / col_blocks;
+    if (n_tiles != nullptr && tile >= (int)*n_tiles) return;
+    const int e = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];
+    const int n0 = (blockIdx.x % col_blocks) * NB;
+    const T* we = w + (size_t)e * (SWIGLU ? 2 : 1) * n * k;
+    const int tid = threadIdx.x;
+    // This thread copies chunk c (8 elements) of rows r, r + RS, ...; all in the same swizzle row
+    // class (RS is a multiple of 8), so at the same swizzled offset within their rows.
+    const int c = tid % 8, r = tid / 8;
+    const uint32_t sw = wg_swizzle(r, c);
+    const T* xrow[AR];
+#pragma unroll
+    for (int i = 0; i < AR; ++i) {
+        const int row = r + i * RS;
+        xrow[i] = row < rows ? x + (size_t)(gather ? gather[r0 + row] : r0 + row) * k : nullptr;
+    }
+    // w's tile row r + i RS: output column n0 + (r + i RS) % NB; for SwiGLU, rows NB.. are the up
+    // rows, n further on in the expert's weight.
+    const T* wfirst = we + (size_t)(n0 + r) * k;
+    auto wvalid = [&](int i) { return n0 + r + (i % (NB / RS)) * RS < n; };
+    auto woff = [&](int i) { return (size_t)(i * RS + (SWIGLU && i >= BR / 2 ? n - NB : 0)) * k; };
+
+    auto load = [&](int stage, int k0) {
+        const int col = k0 + c * 8;
+        const bool in_k = col < k;
+        const uint32_t sa = base + stage * C::STAGE, sb = sa + TM * WG_BK * 2;
+#pragma unroll
+        for (int i = 0; i < AR; ++i) {
+            const bool ok = xrow[i] != nullptr && in_k;
+            cp_async16_to(sa + (uint32_t)(i * RS * 128) + sw, ok ? xrow[i] + col : x, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < BR; ++i) {
+            const bool ok = in_k && wvalid(i);
+            cp_async16_to(sb + (uint32_t)(i * RS * 128) + sw, ok ? wfirst + woff(i) + col : w, ok);
+        }
+    };
+
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    const int wg = tid / 128;
+    const int steps = (k + WG_BK - 1) / WG_BK;
+#pragma unroll
+    for (int s = 0; s < WG_STAGES - 2; ++s) {
+        if (s < steps) load(s, s * WG_BK);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<WG_STAGES - 3>();  // this step's slice has landed (this thread's copies)
+        wg_fence_shared();
+        // Every thread's copies have landed, and every warpgroup has finished the products of
+        // step - 2 (the wait below), whose slice the copies below overwrite.
+        __syncthreads();
+        const int next = step + WG_STAGES - 2;
+        if (next < steps) load(next % WG_STAGES, next * WG_BK);
+        cp_async_commit();
+        const uint32_t sa = base + (step % WG_STAGES) * C::STAGE;
+        const uint32_t a = sa + wg * 64 * 128, b = sa + TM * WG_BK * 2;
+        wg_fence_acc(acc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; ++kk) Wgmma<T>::mma(acc, wg_desc(a + kk * 32), wg_desc(b + kk * 32));
+        wg_commit();
+        wg_wait<1>();
+        wg_fence_acc(acc);
+    }
+    wg_wait<0>();
+    wg_fence_acc(acc);
+
+    const int lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int ra = wg * 64 + (tid % 128) / 32 * 16 + g, rb = ra + 8;
+    const T* as_t = nullptr;  // selects round_to's type
+#pragma unroll
+    for (int j = 0; j < NB / 8; ++j) {
+        const int col = n0 + j * 8 + 2 * t;
+        if (col >= n) continue;
+        float o[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (SWIGLU) {
+                const float gate = round_to(acc[4 * j + q], as_t), up = round_to(acc[4 * (j + NB / 8) + q], as_t);
+                o[q] = gate / (1.f + __expf(-gate)) * up;
+            } else {
+                o[q] = acc[4 * j + q];
+            }
+        }
+        if (ra < rows) *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + ra) * n + col) = Mma<T>::pack(o[0], o[1]);
+        if (rb < rows) *reinterpret_cast<uint32_t*>(y + (size_t)(r0 + rb) * n + col) = Mma<T>::pack(o[2], o[3]);
+    }
+#else
+    __trap();  // launched only on sm_90 from the sm_90a build (engine/cuda/moe.rs)
+#endif
+}
+
+// Dynamic shared memory of WgTile<TM>::SHARED; 2 TM threads.
+#define GROUPED_WG(NAME, T, SWIGLU, TM)                                                                         \
+    extern "C" __global__ void __launch_bounds__(2 * TM)                                                        \
+        NAME(const T* x, const uint32_t* gather, const T* w, T* y, const uint32_t* tiles, const uint32_t* n_tiles, \
+             int n, int k) {                                                                                    \
+        grouped_wg<T, SWIGLU, TM>(x, gather, w, y, tiles, n_tiles, n, k);                                       \
+    }
+GROUPED_WG(grouped_wg_mm64_bf16, __nv_bfloat16, false, 64)
+GROUPED_WG(grouped_wg_mm64_f16, __half, false, 64)
+GROUPED_WG(grouped_wg_swiglu64_bf16, __nv_bfloat16, true, 64)
+GROUPED_WG(grouped_wg_swiglu64_f16, __half, true, 64)
+GROUPED_WG(grouped_wg_mm128_bf16, __nv_bfloat16, false, 128)
+GROUPED_WG(grouped_wg_mm128_f16, __half, false, 128)
+GROUPED_WG(grouped_wg_swiglu128_bf16, __nv_bfloat16, true, 128)
+GROUPED_WG(grouped_wg_swiglu128_f16, __half, true, 128)
 
 // ---------------------------------------------------------------------------------------------
 // The grouped product of FP8 experts (e4m3, W8A8 with block scales, as Qwen's FP8 releases

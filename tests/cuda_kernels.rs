@@ -659,16 +659,26 @@ fn moe_plan_sorts_pairs_by_expert() {
 /// sorted rows followed by `silu_mul`; both products equal one f32 matmul per expert over its
 /// rows, in bf16 and f16, with reductions that are and are not multiples of the kernel's 32-wide
 /// step; a row's result is the same bits when its expert's rows are a batch of their own, and
-/// the same bits in tiles of 64 as in tiles of 128.
+/// the same bits in tiles of 64 as in tiles of 128. On a 9.0 GPU (H100, H200) these are Hopper's
+/// warpgroup kernels (asserted), elsewhere the mma.sync ones; the widest shape is the 35B-A3B's
+/// (hidden 2,048, experts of 512: 32 and 8 slices of K).
 #[test]
 fn grouped_matmul_matches_a_matmul_per_expert() {
-    use layertap::engine::cuda::moe::{grouped_matmul, grouped_swiglu, plan, TILE_ROWS};
+    use layertap::engine::cuda::moe::{grouped_matmul, grouped_swiglu, hopper_kernels, plan, TILE_ROWS};
     let Some(dev) = device() else { return };
+    let cc = layertap::engine::cuda::fp8::compute_capability(&dev);
+    let built_90 = layertap::engine::cuda::module::ARCHS.split([',', ' ']).any(|a| a == "90");
+    assert_eq!(
+        hopper_kernels(&dev),
+        built_90 && cc == Some((9, 0)),
+        "capability {cc:?}, built for {}",
+        layertap::engine::cuda::module::ARCHS
+    );
     let k = 4;
     let (idx, t) = choices_with_counts(&COUNTS, k);
     let starts: Vec<usize> = COUNTS.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
     let e = COUNTS.len();
-    for (hidden, inter) in [(256, 384), (40, 24)] {
+    for (hidden, inter) in [(256, 384), (40, 24), (2048, 512)] {
         for dtype in [DType::BF16, DType::F16] {
             let x = Tensor::randn(0f32, 1.0, (t, hidden), &dev).unwrap().to_dtype(dtype).unwrap();
             let scale = 1.0 / (hidden as f64).sqrt();

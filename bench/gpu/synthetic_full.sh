@@ -25,7 +25,8 @@
 #                     of the 27B projection shapes (for MFU)
 #   moe-bf16          the same for the 35B-A3B shape (transformers with grouped_mm experts)
 #   kernels           kernel by kernel (bench/gpu/kernel_times.py, ncu) on 8 layers of the 27B and
-#                     35B-A3B shapes (40 sequences), BIN_BEFORE (when set) and BIN
+#                     35B-A3B shapes (40 sequences), BIN_BEFORE (when set) and BIN; KERNEL_MODELS
+#                     ("27b-8 moe-8") picks the shapes
 #
 # SEQUENCES (200), WORK (/tmp/layertap-synthetic), OUT_DIR (bench/out/gpu). One JSON line per
 # contender in $OUT_DIR/synthetic.jsonl.
@@ -138,7 +139,7 @@ case "$step" in
     # 8 layers (6 Gated DeltaNet, 2 attention), 40 sequences (33,893 tokens, two batches).
     MANIFEST_SEQUENCES=40 manifest 27b-8 27b --layers 8 --taps 2,3,5,6,7
     MANIFEST_SEQUENCES=40 manifest moe-8 35b-a3b --layers 8 --taps 2,7
-    for m in 27b-8 moe-8; do
+    for m in ${KERNEL_MODELS:-27b-8 moe-8}; do
       for b in ${BIN_BEFORE:+before} after; do
         bin=$BIN
         [[ $b == before ]] && bin=$BIN_BEFORE

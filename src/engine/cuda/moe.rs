@@ -21,6 +21,9 @@ pub const TILE_ROWS: [usize; 2] = [64, 128];
 /// Output columns of one grouped block, and of one SwiGLU block.
 const BN: usize = 128;
 const BN_SWIGLU: usize = 64;
+/// The same on Hopper's warpgroup kernels (`grouped_wg_*`), whose tiles are 256 rows of w.
+const WG_BN: usize = 256;
+const WG_BN_SWIGLU: usize = 128;
 /// The most experts the routing and sorting kernels hold in shared memory.
 pub const MAX_EXPERTS: usize = 1024;
 /// The most experts per token (one warp lane each).
@@ -218,6 +221,9 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
     let tiles = cuda_view::<u32>(&ts, tl, "the tile list")?;
     let n_tiles = cuda_view::<u32>(&cs, cl, "the tile count")?;
     let gather = cuda_view::<u32>(&gs, gl, "the rows' tokens")?;
+    // Hopper's warpgroup kernels where the build carries them and the GPU is a 9.0 one; the
+    // mma.sync kernels elsewhere. On one GPU every batch takes the same kind.
+    let hopper = hopper_kernels(x.device());
     half_type!(x.dtype(), H, {
         let xv = cuda_view::<H>(&xs, xl, "x")?;
         let wv = cuda_view::<H>(&ws, wl, "w")?;
@@ -225,14 +231,23 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
         // its rows.
         let y = unsafe { dev.alloc::<H>(rows * n)? };
         if rows > 0 {
-            let base = match (swiglu, plan.tile_rows) {
-                (true, 128) => "grouped_swiglu128",
-                (true, _) => "grouped_swiglu",
-                (false, 128) => "grouped_mm128",
-                (false, _) => "grouped_mm",
+            let (base, threads, shared, block_cols) = if hopper {
+                let base = if swiglu {
+                    format!("grouped_wg_swiglu{}", plan.tile_rows)
+                } else {
+                    format!("grouped_wg_mm{}", plan.tile_rows)
+                };
+                (base, 2 * plan.tile_rows, wg_shared_bytes(plan.tile_rows), if swiglu { WG_BN_SWIGLU } else { WG_BN })
+            } else {
+                let base = match (swiglu, plan.tile_rows) {
+                    (true, 128) => "grouped_swiglu128",
+                    (true, _) => "grouped_swiglu",
+                    (false, 128) => "grouped_mm128",
+                    (false, _) => "grouped_mm",
+                };
+                (base.to_string(), 128, grouped_shared_bytes(plan.tile_rows), block_cols)
             };
-            let f = kernel(dev, MOE, &kernel_name::<H>(base))?;
-            let shared = grouped_shared_bytes(plan.tile_rows);
+            let f = kernel(dev, MOE, &kernel_name::<H>(&base))?;
             f.max_dynamic_shared(shared)?;
             let mut b = f.builder();
             let null = 0u64;
@@ -243,7 +258,7 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
                 b.arg(&null);
             }
             b.arg(&wv).arg(&y).arg(&tiles).arg(&n_tiles).arg(&n_i).arg(&k_i);
-            launch_shared(&mut b, (blocks(plan.bound, n.div_ceil(block_cols))?, 1), 128, shared)?;
+            launch_shared(&mut b, (blocks(plan.bound, n.div_ceil(block_cols))?, 1), threads as u32, shared)?;
         }
         Ok(wrap(y, dev, (rows, n)))
     })
@@ -255,6 +270,21 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
 fn grouped_shared_bytes(tile_rows: usize) -> usize {
     let stages = if tile_rows == TILE_ROWS[1] { 4 } else { 3 };
     stages * (tile_rows + BN) * (32 + 8) * 2
+}
+
+/// Hopper's grouped kernels' dynamic shared memory (`WgTile<TM>::SHARED` in the kernel): 4 slices
+/// of K in flight, each `tile_rows` rows of x and 256 of w, of 64 16-bit elements, and 1 KiB to
+/// align the tiles to their swizzle.
+fn wg_shared_bytes(tile_rows: usize) -> usize {
+    4 * (tile_rows + WG_BN) * 64 * 2 + 1024
+}
+
+/// Whether the grouped bf16/f16 products run on Hopper's warpgroup kernels on `device`: the
+/// build carries machine code for capability 90 (compiled as `sm_90a`) and the GPU is a 9.0 one
+/// (H100, H200; the `sm_90a` code runs on no other).
+pub fn hopper_kernels(device: &Device) -> bool {
+    let built = super::module::ARCHS.split_whitespace().next().unwrap_or("").split(',').any(|a| a == "90");
+    built && super::fp8::compute_capability(device) == Some((9, 0))
 }
 
 /// The grouped kernels' blocks: every column block of every tile bound, a tile's column blocks

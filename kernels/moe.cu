@@ -24,7 +24,8 @@
 // each a 32 x 64 piece of the 64 x 128 block tile; three 32-wide slices of K in flight (cp.async),
 // fragments by ldmatrix, mma.sync.m16n8k16 with f32 accumulation. The
 // reduction over K runs in the same order for every row, so a row's result does not depend on
-// which rows share its tile or where in its expert's block it lands.
+// which rows share its tile or where in its expert's block it lands. On Hopper (sm_90a) the
+// grouped_wg_* kernels below compute the same products with warpgroup MMA instead.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

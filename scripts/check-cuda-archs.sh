@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles every CUDA kernel (kernels/*.cu) for every compute capability layertap ships machine
-# code for, and to PTX for the newest, as build.rs does for `--features cuda` — on a machine
+# code for (90 as sm_90a), and to PTX for the newest, as build.rs does for `--features cuda` — on a machine
 # without a GPU, with nvcc 13.0 from PyPI wheels (installed on first use under .cache/, about
 # 100 MB). Candle's own kernels are PTX for CUDA_COMPUTE_CAP and are not compiled here.
 #   scripts/check-cuda-archs.sh           archs: LAYERTAP_CUDA_ARCHS, default build.rs's list
@@ -31,10 +31,13 @@ fail=0
 for f in kernels/*.cu; do
   name=$(basename "$f" .cu)
   for a in "${list[@]}"; do
-    if "$NVCC" --cubin -O3 -std=c++17 --use_fast_math -arch="sm_$a" -o "$OUT/$name.sm_$a.cubin" "$f"; then
-      echo "ok   $f sm_$a ($(stat -c %s "$OUT/$name.sm_$a.cubin") bytes)"
+    # 90 as build.rs compiles it: sm_90a, Hopper's arch-specific target (warpgroup MMA).
+    t="$a"
+    [ "$a" = 90 ] && t=90a
+    if "$NVCC" --cubin -O3 -std=c++17 --use_fast_math -arch="sm_$t" -o "$OUT/$name.sm_$t.cubin" "$f"; then
+      echo "ok   $f sm_$t ($(stat -c %s "$OUT/$name.sm_$t.cubin") bytes)"
     else
-      echo "FAIL $f sm_$a"; fail=1
+      echo "FAIL $f sm_$t"; fail=1
     fi
   done
   if "$NVCC" --ptx -O3 -std=c++17 --use_fast_math -arch="compute_$newest" -o "$OUT/$name.ptx" "$f"; then

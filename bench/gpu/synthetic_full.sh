@@ -24,6 +24,8 @@
 #                     flight), with its time to /ready and to a first answer; the matmul rates
 #                     of the 27B projection shapes (for MFU)
 #   moe-bf16          the same for the 35B-A3B shape (transformers with grouped_mm experts)
+#                     (27b-bf16, moe-bf16: with SERVER_BEFORE set, the server built before too;
+#                     after each server's HTTP run, its batches and their tokens from /metrics)
 #   kernels           kernel by kernel (bench/gpu/kernel_times.py, ncu) on 8 layers of the 27B and
 #                     35B-A3B shapes (40 sequences), BIN_BEFORE (when set) and BIN; KERNEL_MODELS
 #                     ("27b-8 moe-8") picks the shapes
@@ -69,10 +71,17 @@ print(json.dumps({"inputs": [{"input_ids": seq["input_ids"]}], "layers": w["laye
   t2=$(date +%s.%N)
   echo "{\"contender\":\"layertap $1 server start\",\"seconds_to_ready\":$(python3 -c "print(round($t1 - $t0, 2))"),\"seconds_to_first_answer\":$(python3 -c "print(round($t2 - $t0, 2))"),\"first_answer_tokens\":$(python3 -c "import json; print(len(json.load(open('$work/first.json'))['inputs'][0]['input_ids']))")}" | tee -a "$results"
   clients "$work/$2/workload.json" 64 zstd | sed "s/^{/{\"contender\":\"layertap $1 http\",/" | tee -a "$results"
+  batches "layertap $1 http"
   grep -i "self-check" "$out/server-$1.log" | tail -2 | cut -c1-400 || true
   kill -TERM "$server"
   wait "$server" || true
   trap - EXIT
+}
+
+batches() {  # batches LABEL: the server's batches so far (count, tokens) from its /metrics, as JSON
+  curl -sf "http://127.0.0.1:$PORT/metrics" | python3 -c 'import json, sys
+m = {l.split()[0]: float(l.split()[1]) for l in sys.stdin if l.startswith("layertap_batch_tokens_")}
+print(json.dumps({"contender": sys.argv[1], "batches": int(m.get("layertap_batch_tokens_count", 0)), "batch_tokens": int(m.get("layertap_batch_tokens_sum", 0))}))' "$1" | tee -a "$results"
 }
 
 rates() {  # the bf16 and FP8 matmul rates of the 27B shape's projections, for MFU in the same command
@@ -123,6 +132,7 @@ case "$step" in
     rates
     [[ -n "${BIN_BEFORE:-}" ]] && engine 27b-bf16-before 27b "$BIN_BEFORE"
     engine 27b-bf16 27b
+    [[ -n "${BIN_BEFORE:-}" && -n "${SERVER_BEFORE:-}" ]] && BIN="$BIN_BEFORE" server 27b-bf16-before 27b
     server 27b-bf16 27b
     ;;
   moe-bf16)
@@ -133,6 +143,7 @@ case "$step" in
     rates
     [[ -n "${BIN_BEFORE:-}" ]] && engine moe-bf16-before moe "$BIN_BEFORE"
     engine moe-bf16 moe
+    [[ -n "${BIN_BEFORE:-}" && -n "${SERVER_BEFORE:-}" ]] && BIN="$BIN_BEFORE" server moe-bf16-before moe
     server moe-bf16 moe
     ;;
   kernels)

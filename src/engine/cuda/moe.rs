@@ -16,7 +16,8 @@ use super::{cuda_device, cuda_view, kernel_name, tensor as wrap};
 const MOE: Module = fatbin!("moe");
 
 /// The rows of the grouped kernels' tiles: 64 (`BM` in the kernel) or 128 (`TM`), chosen per
-/// batch by [`tile_rows`]. The FP8 kernel takes 64.
+/// batch by [`tile_rows`]; on Hopper ([`hopper_kernels`]) one warpgroup per 64 rows. The FP8
+/// kernel takes 64.
 pub const TILE_ROWS: [usize; 2] = [64, 128];
 /// Output columns of one grouped block, and of one SwiGLU block.
 const BN: usize = 128;

@@ -335,23 +335,25 @@ __device__ void grouped_mm(const T* __restrict__ x, const uint32_t* __restrict__
     }
 }
 
+// A grouped kernel's entry point: BODY<T, SWIGLU, TM> (grouped_mm or grouped_wg) on BOUND threads.
+#define GROUPED(NAME, BODY, BOUND, T, SWIGLU, TM)                                                               \
+    extern "C" __global__ void __launch_bounds__(BOUND)                                                         \
+        NAME(const T* x, const uint32_t* gather, const T* w, T* y, const uint32_t* tiles, const uint32_t* n_tiles, \
+             int n, int k) {                                                                                    \
+        BODY<T, SWIGLU, TM>(x, gather, w, y, tiles, n_tiles, n, k);                                             \
+    }
+
 // Tiles of 64 rows (3 slices in flight, 46 KiB of shared memory) for batches with few rows per
 // expert, of 128 (4 slices, 80 KiB; two blocks per SM) for the rest; dynamic shared memory of
 // Tile<TM>::shared_bytes<T>().
-#define GROUPED(NAME, T, SWIGLU, TM)                                                                            \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                                       \
-        NAME(const T* x, const uint32_t* gather, const T* w, T* y, const uint32_t* tiles, const uint32_t* n_tiles, \
-             int n, int k) {                                                                                    \
-        grouped_mm<T, SWIGLU, TM>(x, gather, w, y, tiles, n_tiles, n, k);                                       \
-    }
-GROUPED(grouped_mm_bf16, __nv_bfloat16, false, 64)
-GROUPED(grouped_mm_f16, __half, false, 64)
-GROUPED(grouped_swiglu_bf16, __nv_bfloat16, true, 64)
-GROUPED(grouped_swiglu_f16, __half, true, 64)
-GROUPED(grouped_mm128_bf16, __nv_bfloat16, false, 128)
-GROUPED(grouped_mm128_f16, __half, false, 128)
-GROUPED(grouped_swiglu128_bf16, __nv_bfloat16, true, 128)
-GROUPED(grouped_swiglu128_f16, __half, true, 128)
+GROUPED(grouped_mm_bf16, grouped_mm, THREADS, __nv_bfloat16, false, 64)
+GROUPED(grouped_mm_f16, grouped_mm, THREADS, __half, false, 64)
+GROUPED(grouped_swiglu_bf16, grouped_mm, THREADS, __nv_bfloat16, true, 64)
+GROUPED(grouped_swiglu_f16, grouped_mm, THREADS, __half, true, 64)
+GROUPED(grouped_mm128_bf16, grouped_mm, THREADS, __nv_bfloat16, false, 128)
+GROUPED(grouped_mm128_f16, grouped_mm, THREADS, __half, false, 128)
+GROUPED(grouped_swiglu128_bf16, grouped_mm, THREADS, __nv_bfloat16, true, 128)
+GROUPED(grouped_swiglu128_f16, grouped_mm, THREADS, __half, true, 128)
 
 // The same products on Hopper's warpgroup MMA (sm_90a; other GPUs run the kernels above). One
 // warpgroup (128 threads) per 64 rows of the tile (TM = 64 or 128), each multiplying its rows by
@@ -484,20 +486,14 @@ __device__ void grouped_wg(const T* __restrict__ x, const uint32_t* __restrict__
 }
 
 // Dynamic shared memory of WgTile<TM>::SHARED; 2 TM threads.
-#define GROUPED_WG(NAME, T, SWIGLU, TM)                                                                         \
-    extern "C" __global__ void __launch_bounds__(2 * TM)                                                        \
-        NAME(const T* x, const uint32_t* gather, const T* w, T* y, const uint32_t* tiles, const uint32_t* n_tiles, \
-             int n, int k) {                                                                                    \
-        grouped_wg<T, SWIGLU, TM>(x, gather, w, y, tiles, n_tiles, n, k);                                       \
-    }
-GROUPED_WG(grouped_wg_mm64_bf16, __nv_bfloat16, false, 64)
-GROUPED_WG(grouped_wg_mm64_f16, __half, false, 64)
-GROUPED_WG(grouped_wg_swiglu64_bf16, __nv_bfloat16, true, 64)
-GROUPED_WG(grouped_wg_swiglu64_f16, __half, true, 64)
-GROUPED_WG(grouped_wg_mm128_bf16, __nv_bfloat16, false, 128)
-GROUPED_WG(grouped_wg_mm128_f16, __half, false, 128)
-GROUPED_WG(grouped_wg_swiglu128_bf16, __nv_bfloat16, true, 128)
-GROUPED_WG(grouped_wg_swiglu128_f16, __half, true, 128)
+GROUPED(grouped_wg_mm64_bf16, grouped_wg, 128, __nv_bfloat16, false, 64)
+GROUPED(grouped_wg_mm64_f16, grouped_wg, 128, __half, false, 64)
+GROUPED(grouped_wg_swiglu64_bf16, grouped_wg, 128, __nv_bfloat16, true, 64)
+GROUPED(grouped_wg_swiglu64_f16, grouped_wg, 128, __half, true, 64)
+GROUPED(grouped_wg_mm128_bf16, grouped_wg, 256, __nv_bfloat16, false, 128)
+GROUPED(grouped_wg_mm128_f16, grouped_wg, 256, __half, false, 128)
+GROUPED(grouped_wg_swiglu128_bf16, grouped_wg, 256, __nv_bfloat16, true, 128)
+GROUPED(grouped_wg_swiglu128_f16, grouped_wg, 256, __half, true, 128)
 
 // ---------------------------------------------------------------------------------------------
 // The grouped product of FP8 experts (e4m3, W8A8 with block scales, as Qwen's FP8 releases

@@ -213,7 +213,6 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
     }
     let dev = cuda_device(&x, "grouped matmul")?;
     let (n_i, k_i) = (as_i32(n, "columns")?, as_i32(k, "the reduction")?);
-    let block_cols = if swiglu { BN_SWIGLU } else { BN };
     let (xs, xl) = x.storage_and_layout();
     let (ws, wl) = w.storage_and_layout();
     let (ts, tl) = plan.tiles.storage_and_layout();
@@ -246,7 +245,7 @@ fn grouped(x: &Tensor, w: &Tensor, plan: &Plan, swiglu: bool) -> candle_core::Re
                     (false, 128) => "grouped_mm128",
                     (false, _) => "grouped_mm",
                 };
-                (base.to_string(), 128, grouped_shared_bytes(plan.tile_rows), block_cols)
+                (base.to_string(), 128, grouped_shared_bytes(plan.tile_rows), if swiglu { BN_SWIGLU } else { BN })
             };
             let f = kernel(dev, MOE, &kernel_name::<H>(&base))?;
             f.max_dynamic_shared(shared)?;

@@ -47,7 +47,12 @@ __device__ __forceinline__ float fp8_group_of(const float v[4], uint8_t q[4]) {
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
     const float s = __fdiv_rn(fmaxf(amax, FP8_MIN_AMAX), FP8_MAX);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = fp8_encode(fminf(fmaxf(__fdiv_rn(v[j], s), -FP8_MAX), FP8_MAX));
+    for (int j = 0; j < 4; ++j) {
+        // fmaxf/fminf return the number where one operand is NaN: a NaN is encoded as NaN
+        // (0x7F), so it reaches the product instead of becoming -448.
+        const float x = __fdiv_rn(v[j], s);
+        q[j] = isnan(x) ? (uint8_t)0x7F : fp8_encode(fminf(fmaxf(x, -FP8_MAX), FP8_MAX));
+    }
     return s;
 }
 

@@ -34,6 +34,8 @@ pub enum ErrorKind {
     Overloaded,
     /// 503: not ready, draining, or timed out.
     Unavailable,
+    /// 503 without Retry-After: the start-up self-check refused readiness, for good.
+    SelfCheckFailed,
     /// 500: our fault.
     Internal,
 }
@@ -51,7 +53,7 @@ impl ErrorKind {
             ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::Invalid => StatusCode::UNPROCESSABLE_ENTITY,
             ErrorKind::Overloaded => StatusCode::TOO_MANY_REQUESTS,
-            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Unavailable | ErrorKind::SelfCheckFailed => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -69,6 +71,7 @@ impl ErrorKind {
             ErrorKind::Invalid => "invalid_request",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::Unavailable => "unavailable",
+            ErrorKind::SelfCheckFailed => "selfcheck_failed",
             ErrorKind::Internal => "internal",
         }
     }
@@ -87,7 +90,7 @@ pub struct ErrorBody {
     /// What went wrong and how to fix it.
     pub error: String,
     /// bad_request, unauthorized, not_found, method_not_allowed, not_acceptable, request_timeout, too_large,
-    /// unsupported_media_type, invalid_request, overloaded, unavailable or internal.
+    /// unsupported_media_type, invalid_request, overloaded, unavailable, selfcheck_failed or internal.
     #[serde(rename = "type")]
     pub kind: String,
 }

@@ -31,16 +31,25 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     let seqs = inputs.iter().map(|i| i.tokenize(tok.as_ref())).collect::<Result<Vec<_>, _>>()?;
     let out_dtype = a.out_dtype.unwrap_or(a.dtype.out());
     let engine: &mut ModelEngine = &mut model.engine;
-    let x = assemble::once(engine, &model.info, &seqs, &layers, out_dtype)?;
+    let (x, found) = assemble::once(engine, &model.info, &seqs, &layers, out_dtype)?;
+    if let (Some(why), false) = (found.refusal(&layers), a.allow_nonfinite) {
+        anyhow::bail!("{why}; nothing was written. Pass --allow-nonfinite to write such states anyway");
+    }
     let bytes = x.to_safetensors()?;
     std::fs::write(&a.out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", a.out.display()))?;
+    let counts = found.counts(&layers);
     eprintln!(
-        "wrote {} ({} tokens, layers {:?}, {}, {} bytes)",
+        "wrote {} ({} tokens, layers {}, {}, {} bytes{})",
         a.out.display(),
         x.input_ids.len(),
-        layers.indices(),
+        serde_json::Value::from(layers.labels()),
         out_dtype.name(),
-        bytes.len()
+        bytes.len(),
+        if counts.is_empty() {
+            String::new()
+        } else {
+            format!("; non-finite rows: {}", serde_json::Value::Object(counts))
+        }
     );
     Ok(())
 }

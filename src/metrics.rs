@@ -211,7 +211,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "layertap_nonfinite_total",
-                        "Returned token states holding a NaN or an infinity, per layer (index, or final_prenorm)",
+                        "Returned token states holding a NaN or an infinity as sent, per layer (index, or final_prenorm); layer=\"logprobs\": rows whose log-probabilities are not finite",
                     ),
                     &["layer"],
                 )

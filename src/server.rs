@@ -143,7 +143,8 @@ pub fn return_free_memory_periodically() {
 /// `LAYERTAP_MALLOC_DEFAULTS=1` leaves glibc's thresholds as they are, for comparison.
 pub fn reuse_large_allocations() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var("LAYERTAP_MALLOC_DEFAULTS").map_or(true, |v| v != "1") {
+    if std::env::var("LAYERTAP_MALLOC_DEFAULTS").ok().and_then(|v| crate::engine::options::parse_bool(&v)) != Some(true)
+    {
         // SAFETY: mallopt only changes glibc's allocation thresholds.
         unsafe {
             libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
@@ -326,16 +327,31 @@ fn selfcheck_allows_readiness(s: &SelfCheckState, num_layers: usize) -> bool {
         return true;
     }
     let why = failed.join("; ");
+    // Which is at fault: where the portable f32 reference is itself not finite, the checkpoint's
+    // values overflow (or hold NaN) whatever path runs them.
+    let checkpoint = reports.iter().find_map(|r| r.reference_nonfinite);
+    let finding = match checkpoint {
+        Some(index) => format!(
+            "self-check failed: the checkpoint's own values are not finite: the portable f32 path (the reference) \
+             gives NaN or infinity at index {} for the probe's tokens, so the model overflows or its weights are \
+             damaged; no serving path can be exact for it ({why})",
+            layer_name(index, num_layers)
+        ),
+        None => format!(
+            "self-check failed: the serving path does not compute what the portable f32 path computes for this \
+             checkpoint ({why}); its hidden states would be wrong. Report it with the model's config.json; \
+             --selfcheck warn serves anyway"
+        ),
+    };
+    if let Ok(mut f) = s.failed.lock() {
+        *f = Some(finding.clone());
+    }
     if s.mode == SelfCheckMode::Enforce {
         s.refused.store(true, Ordering::SeqCst);
-        tracing::error!(
-            "self-check failed, readiness refused: the serving path does not compute what the portable f32 path \
-             computes for this checkpoint ({why}); its hidden states would be wrong. Report it with the model's \
-             config.json; --selfcheck warn serves anyway"
-        );
+        tracing::error!("{finding}; readiness refused");
         false
     } else {
-        tracing::warn!("self-check failed ({why}); serving anyway because of --selfcheck warn");
+        tracing::warn!("{finding}; serving anyway because of --selfcheck warn");
         true
     }
 }

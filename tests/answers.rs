@@ -361,7 +361,10 @@ fn one_shot_extraction_writes_fp8_with_scales() {
     let layers = [3usize, FAKE_LAYERS + 1];
     let set = LayerSet::resolve(&[LayerRef::Index(3), LayerRef::Name("final_prenorm".into())], FAKE_LAYERS).unwrap();
     assert_eq!(set.indices(), layers);
-    let x = layertap::answer::assemble::once(&mut engine, &fake_info(), &seqs, &set, OutDType::Float8E4M3).unwrap();
+    let (x, found) =
+        layertap::answer::assemble::once(&mut engine, &fake_info(), &seqs, &set, OutDType::Float8E4M3).unwrap();
+    assert_eq!(found.refusal(&set), None);
+    assert_eq!(x.metadata["nonfinite"], "{}");
     assert_eq!(x.hidden_states.dtype, OutDType::Float8E4M3);
     let scale = x.hidden_states_scale.as_ref().expect("scales");
     for (r, &id) in seqs[0].ids.iter().enumerate() {

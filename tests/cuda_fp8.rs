@@ -117,6 +117,29 @@ fn the_gpu_quantiser_gives_the_cpu_bytes_and_scales() {
     }
 }
 
+/// A NaN activation is quantised to the e4m3 NaN (0x7F), as the CPU path keeps it NaN: never
+/// clamped to -448, a finite value that a NaN weight or state would otherwise turn into.
+#[test]
+fn a_nan_activation_stays_nan_through_the_gpu_quantiser() {
+    let Some(dev) = gpu() else { return };
+    let (m, k) = (3, 256);
+    let mut x = inputs(m, k, 7);
+    x[k + 130] = f32::NAN;
+    for dtype in [DType::F32, DType::BF16] {
+        let xt = candle_core::Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        let (bytes, _, _) = fp8::quantise_to_host(&xt.to_device(&dev).unwrap()).unwrap();
+        assert_eq!(bytes[k + 130], 0x7F, "{dtype:?}: the NaN's byte");
+        let mut want = xt.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        want.chunks_mut(k).for_each(quantise_row);
+        assert!(want[k + 130].is_nan(), "the CPU path keeps it NaN");
+        let qdq = fp8::qdq(&xt.to_device(&dev).unwrap()).unwrap();
+        let qdq = qdq.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(qdq[k + 130].is_nan(), "{dtype:?}");
+        let finite = qdq.iter().enumerate().filter(|&(i, v)| i != k + 130 && !v.is_finite()).count();
+        assert_eq!(finite, 0, "{dtype:?}: only the NaN is not finite");
+    }
+}
+
 /// SiLU · up quantised in one kernel gives the bytes and scales of `ops::silu_mul` followed by
 /// the quantiser, and its product the one of that pair followed by the GEMM, bit for bit.
 #[test]

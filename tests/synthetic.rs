@@ -131,3 +131,34 @@ fn synthetic_weights_are_served_only_when_asked_for_and_a_bad_manifest_is_refuse
         assert!(e.contains(want), "want {want:?} in: {e}");
     }
 }
+
+/// Sizes no machine serves are refused with a message before anything is drawn or allocated,
+/// never by an allocation failure or an overflow: a tensor past what a size can address, a
+/// manifest larger than the device's memory, a vocabulary larger than any model's.
+#[test]
+fn sizes_past_any_machine_are_refused_with_a_message() {
+    let src = fixtures().join("tiny/qwen3_qknorm");
+    let huge = manifest_of(&src, |m| {
+        m["model.embed_tokens.weight"]["shape"] = json!([1u64 << 41, 1u64 << 40]);
+    });
+    let e = refusal(huge.path(), true);
+    assert!(e.contains("model.embed_tokens.weight") && e.contains("larger than any tensor"), "{e}");
+    // Each tensor addressable, all of them together more than this host's memory.
+    let big = manifest_of(&src, |m| {
+        for i in 0..8 {
+            m.insert(format!("model.unused.{i}.weight"), json!({"dtype": "F32", "shape": [1u64 << 36, 2]}));
+        }
+    });
+    let e = refusal(big.path(), true);
+    assert!(e.contains("more than the host's") && e.contains("cannot load here"), "{e}");
+    // A vocabulary past any real model's, with a manifest to match.
+    let vocab = manifest_of(&src, |m| {
+        m["model.embed_tokens.weight"]["shape"] = json!([1u64 << 40, 64]);
+        m["lm_head.weight"]["shape"] = json!([1u64 << 40, 64]);
+    });
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(vocab.path().join("config.json")).unwrap()).unwrap();
+    cfg["vocab_size"] = json!(1u64 << 40);
+    std::fs::write(vocab.path().join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let e = refusal(vocab.path(), true);
+    assert!(e.contains("vocab_size") && e.contains("larger than layertap serves"), "{e}");
+}

@@ -181,11 +181,58 @@ impl From<Extraction> for HiddenStatesJson {
     }
 }
 
-/// What the non-finite screen found in the rows of an answer: per layer column, the rows holding
-/// a NaN or an infinity, and the first such row (input, position in it, layer column).
+/// What the non-finite screen found in an answer: per layer column, the rows holding a NaN or an
+/// infinity as sent (in the answer's dtype), and the first such row (input, position in it,
+/// layer column); and the rows whose log-probabilities are not all finite (a top-k entry, or the
+/// next token's where the answer carries it and the row has a next token), with the first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Screen {
     pub per_layer: Vec<u64>,
     pub first: Option<(usize, usize, usize)>,
+    pub logprobs: u64,
+    pub first_logprobs: Option<(usize, usize)>,
+}
+
+/// The key of the log-probabilities in the `nonfinite` metadata and the metric's `layer` label.
+pub const LOGPROBS_LABEL: &str = "logprobs";
+
+impl Screen {
+    /// The counts as the answer's `nonfinite` metadata: each layer's label (as `layers` names
+    /// it) and `"logprobs"` with the rows found, where any were.
+    pub fn counts(&self, layers: &LayerSet) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        for (col, &count) in self.per_layer.iter().enumerate() {
+            if count > 0 {
+                m.insert(layers.name(col), count.into());
+            }
+        }
+        if self.logprobs > 0 {
+            m.insert(LOGPROBS_LABEL.into(), self.logprobs.into());
+        }
+        m
+    }
+
+    /// Why an answer holding what was found must not go out unless the caller allows it; `None`
+    /// when everything is finite.
+    pub fn refusal(&self, layers: &LayerSet) -> Option<String> {
+        let counts = serde_json::Value::Object(self.counts(layers));
+        let states: u64 = self.per_layer.iter().sum();
+        if let Some((input, pos, col)) = self.first {
+            return Some(format!(
+                "the model produced a non-finite value (NaN or infinity, or a value past the largest of the \
+                 answer's dtype) at layer {} for inputs[{input}], position {pos} ({states} states in all; per layer \
+                 and for the log-probabilities: {counts})",
+                layers.name(col)
+            ));
+        }
+        self.first_logprobs.map(|(input, pos)| {
+            format!(
+                "the model's log-probabilities are not finite (NaN or infinity) for inputs[{input}], position {pos} \
+                 ({} rows in all: the final state or the head's logits overflow; {counts})",
+                self.logprobs
+            )
+        })
+    }
 }
 
 /// One answer's pieces before it is rendered: each input's rows in its batch, in input order.
@@ -223,24 +270,39 @@ impl Assembly {
         self.dtype == OutDType::Float8E4M3
     }
 
-    /// Counts the rows holding non-finite values, per layer column (run it off the async runtime).
+    /// Counts the rows holding non-finite values as sent, per layer column, and the rows whose
+    /// log-probabilities are not finite (run it off the async runtime).
     pub fn screen(&self) -> Result<Screen, EngineError> {
         let width = self.layers.len();
-        let mut per_layer = vec![0u64; width];
-        let mut first = None;
+        let mut found = Screen { per_layer: vec![0u64; width], ..Screen::default() };
+        let position = |i: usize, row: usize| self.positions.as_ref().map_or(row, |ps| ps[i][row] as usize);
         for (i, p) in self.parts.iter().enumerate() {
-            for (k, &f) in p.nonfinite()?.iter().enumerate() {
+            for (k, &f) in p.nonfinite(self.dtype)?.iter().enumerate() {
                 if f != 0 {
                     let (row, col) = (k / width, k % width);
-                    per_layer[col] += 1;
-                    if first.is_none() {
-                        let pos = self.positions.as_ref().map_or(row, |ps| ps[i][row] as usize);
-                        first = Some((i, pos, col));
+                    found.per_layer[col] += 1;
+                    if found.first.is_none() {
+                        found.first = Some((i, position(i, row), col));
+                    }
+                }
+            }
+            let Some(ask) = self.logprobs else { continue };
+            let (_, lps, target) = p.logprobs(ask.top_k)?;
+            let last = self.seqs[i].ids.len().saturating_sub(1);
+            for row in 0..p.rows {
+                let pos = position(i, row);
+                // The next token's log-probability is NaN by design on an input's last row.
+                let bad = lps[row * ask.top_k..(row + 1) * ask.top_k].iter().any(|v| !v.is_finite())
+                    || (ask.target && pos != last && !target[row].is_finite());
+                if bad {
+                    found.logprobs += 1;
+                    if found.first_logprobs.is_none() {
+                        found.first_logprobs = Some((i, pos));
                     }
                 }
             }
         }
-        Ok(Screen { per_layer, first })
+        Ok(found)
     }
 
     /// `[rows, layers]` scales of an fp8 answer.
@@ -316,15 +378,16 @@ impl Assembly {
     }
 }
 
-/// Runs all `seqs` as one batch and returns their answer (the one-shot path). fp8 is quantised
-/// on the device, as the service does.
+/// Runs all `seqs` as one batch and returns their answer (the one-shot path) with what the
+/// non-finite screen found, which the answer's `nonfinite` metadata also records (as the
+/// service's answers do). fp8 is quantised on the device, as the service does.
 pub fn once(
     engine: &mut dyn Engine,
     info: &ModelInfo,
     seqs: &[Tokenized],
     layers: &LayerSet,
     dtype: OutDType,
-) -> Result<Extraction, EngineError> {
+) -> Result<(Extraction, Screen), EngineError> {
     let mut batch = Batch::pack(seqs.iter().map(|s| &s.ids[..]), layers.indices().iter().copied());
     let fp8 = dtype == OutDType::Float8E4M3;
     if fp8 {
@@ -343,7 +406,7 @@ pub fn once(
             logprobs: None,
         })
         .collect();
-    let assembly = Assembly {
+    let mut assembly = Assembly {
         seqs: Arc::new(seqs.to_vec()),
         positions: None,
         parts,
@@ -353,5 +416,7 @@ pub fn once(
         logprobs: None,
         metadata: metadata(info, layers, dtype, &Selection::All),
     };
-    assembly.extraction()
+    let found = assembly.screen()?;
+    assembly.metadata.insert("nonfinite".into(), serde_json::Value::Object(found.counts(layers)).to_string());
+    Ok((assembly.extraction()?, found))
 }

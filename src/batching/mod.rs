@@ -84,9 +84,10 @@ impl Part {
         self.taps.fp8_scale(self.start, self.rows, &self.layers)
     }
 
-    /// `[rows, layers]`: 1 where a row holds a NaN or an infinity at that layer.
-    pub fn nonfinite(&self) -> Result<Vec<u8>, EngineError> {
-        self.taps.nonfinite(self.fp8, self.start, self.rows, &self.layers)
+    /// `[rows, layers]`: 1 where a row holds a NaN or an infinity at that layer as it is sent
+    /// in `dtype` (fp8 rows: before quantisation, whose scales keep finite values finite).
+    pub fn nonfinite(&self, dtype: OutDType) -> Result<Vec<u8>, EngineError> {
+        self.taps.nonfinite(self.fp8, self.start, self.rows, &self.layers, dtype)
     }
 
     /// The rows' top-`k` ids `[rows, k]`, their log-probabilities `[rows, k]` and the next

@@ -115,4 +115,8 @@ pub struct ExtractArgs {
     /// Where to write the safetensors file.
     #[arg(long)]
     pub out: PathBuf,
+    /// Write states holding NaN or infinity (as written, in the output dtype) instead of
+    /// refusing; the file's `nonfinite` metadata counts them per layer.
+    #[arg(long)]
+    pub allow_nonfinite: bool,
 }

@@ -60,7 +60,8 @@ pub struct ServeArgs {
     /// model folder's config.json and synthetic-weights.json (made by
     /// bench/gpu/synthetic_manifest.py). The hidden states mean nothing; /v1/info's model id says
     /// "(synthetic weights)".
-    #[arg(long, env = "LAYERTAP_SYNTHETIC_WEIGHTS")]
+    /// LAYERTAP_SYNTHETIC_WEIGHTS takes 1/0, true/false, yes/no, on/off.
+    #[arg(long, env = "LAYERTAP_SYNTHETIC_WEIGHTS", value_parser = clap::builder::BoolishValueParser::new())]
     pub synthetic_weights: bool,
     /// Most tokens in one forward pass (a longer input runs alone). Default: 1024 on CPU; on CUDA sized from free memory after loading.
     #[arg(long, env = "LAYERTAP_MAX_BATCH_TOKENS")]

@@ -194,15 +194,82 @@ impl Taps {
     }
 
     /// `[rows, layers.len()]`: 1 where the row (plain, or quantised when `fp8`) holds a NaN or an
-    /// infinity at that layer.
-    pub fn nonfinite(&self, fp8: bool, start: usize, rows: usize, layers: &[usize]) -> Result<Vec<u8>, EngineError> {
+    /// infinity at that layer as it is sent: plain rows in `dtype`, so a value finite in the
+    /// compute dtype that the cast to a narrower `dtype` turns into an infinity (past 65,504 in
+    /// float16) is flagged too.
+    pub fn nonfinite(
+        &self,
+        fp8: bool,
+        start: usize,
+        rows: usize,
+        layers: &[usize],
+        dtype: OutDType,
+    ) -> Result<Vec<u8>, EngineError> {
         let flags = if fp8 { &self.fp8_block()?.nonfinite } else { &self.nonfinite };
         let cols = columns(&self.layers, layers)?;
         if (start + rows) * self.layers.len() > flags.len() {
             return Err(EngineError::InvalidInput("rows past the end of the batch's screen".into()));
         }
-        Ok(pick(flags, self.layers.len(), start, rows, &cols))
+        let mut picked = pick(flags, self.layers.len(), start, rows, &cols);
+        if let (false, Some(limit)) = (fp8, cast_limit(self.host.dtype, dtype)) {
+            overflow_flags(&self.host, start, rows, &cols, limit, &mut picked)?;
+        }
+        Ok(picked)
     }
+}
+
+/// The smallest magnitude that becomes an infinity when a value of `from` is cast to `to`
+/// (rounded to nearest even, as [`HostTensor::to_dtype`] casts); `None` where every finite value
+/// of `from` stays finite in `to`. float16 ends at 65,504 and 65,520 is the midpoint to the next
+/// power of two, which rounds to even, the infinity; bfloat16's largest value is 0x7F7F, and
+/// f32 values from the midpoint 0x7F7F8000 on round to 0x7F80, the infinity.
+pub fn cast_limit(from: OutDType, to: OutDType) -> Option<f32> {
+    match (from, to) {
+        (OutDType::Float32 | OutDType::Bfloat16, OutDType::Float16) => Some(65_520.0),
+        (OutDType::Float32, OutDType::Bfloat16) => Some(f32::from_bits(0x7F7F_8000)),
+        _ => None,
+    }
+}
+
+/// Sets `flags[r * cols.len() + c]` where row `start + r` of `t` (`[total, width, hidden]`) holds
+/// a value of magnitude `limit` or more at column `cols[c]`.
+fn overflow_flags(
+    t: &HostTensor,
+    start: usize,
+    rows: usize,
+    cols: &[usize],
+    limit: f32,
+    flags: &mut [u8],
+) -> Result<(), EngineError> {
+    let [total, width, hidden] = t.shape[..] else {
+        return Err(EngineError::InvalidInput("taps must be [tokens, layers, hidden]".into()));
+    };
+    if start + rows > total || flags.len() != rows * cols.len() {
+        return Err(EngineError::InvalidInput(format!("rows {start}..{} past {total} tokens", start + rows)));
+    }
+    let size = t.dtype.size_in_bytes();
+    for r in 0..rows {
+        for (c, &col) in cols.iter().enumerate() {
+            let at = ((start + r) * width + col) * hidden * size;
+            let bytes = &t.data[at..at + hidden * size];
+            let over = match t.dtype {
+                OutDType::Float32 => {
+                    bytes.chunks_exact(4).any(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).abs() >= limit)
+                }
+                OutDType::Bfloat16 => {
+                    bytes.chunks_exact(2).any(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32().abs() >= limit)
+                }
+                OutDType::Float16 => {
+                    bytes.chunks_exact(2).any(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32().abs() >= limit)
+                }
+                OutDType::Float8E4M3 => false,
+            };
+            if over {
+                flags[r * cols.len() + c] = 1;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The bytes of 16-bit floats in memory order (one copy).
@@ -352,6 +419,44 @@ mod tests {
             .flat_map(|t| [3usize, 1].into_iter().flat_map(move |l| (0..2).map(move |h| (t * 100 + l * 10 + h) as f32)))
             .collect();
         Taps::from_host(vec![3, 1], HostTensor::from_f32(&v, vec![3, 2, 2]), &Default::default(), 3).unwrap()
+    }
+
+    /// The cast limits are exactly where the casts the answers use start giving infinities.
+    #[test]
+    fn cast_limits_are_where_the_casts_overflow() {
+        let f16_limit = cast_limit(OutDType::Float32, OutDType::Float16).unwrap();
+        assert!(half::f16::from_f32(f16_limit).is_infinite());
+        assert!(half::f16::from_f32(-f16_limit).is_infinite());
+        assert!(half::f16::from_f32(f32::from_bits(f16_limit.to_bits() - 1)).is_finite());
+        assert_eq!(cast_limit(OutDType::Bfloat16, OutDType::Float16), Some(f16_limit));
+        let bf16_limit = cast_limit(OutDType::Float32, OutDType::Bfloat16).unwrap();
+        assert!(half::bf16::from_f32(bf16_limit).is_infinite());
+        assert!(half::bf16::from_f32(f32::from_bits(bf16_limit.to_bits() - 1)).is_finite());
+        for (from, to) in [
+            (OutDType::Float16, OutDType::Float32),
+            (OutDType::Float16, OutDType::Bfloat16),
+            (OutDType::Bfloat16, OutDType::Float32),
+            (OutDType::Float32, OutDType::Float32),
+        ] {
+            assert_eq!(cast_limit(from, to), None, "{from:?} -> {to:?}");
+        }
+    }
+
+    /// A row finite in the compute dtype that overflows in the answer's dtype is flagged for
+    /// that dtype only, at its layer only.
+    #[test]
+    fn the_screen_flags_what_the_cast_to_the_answers_dtype_overflows() {
+        // 2 tokens, layers [3, 1], hidden 2; token 1's layer 1 holds 70,000.
+        let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 70_000.0, -1.0];
+        let t = Taps::from_host(vec![3, 1], HostTensor::from_f32(&v, vec![2, 2, 2]), &Default::default(), 3).unwrap();
+        assert_eq!(t.nonfinite(false, 0, 2, &[3, 1], OutDType::Float32).unwrap(), vec![0, 0, 0, 0]);
+        assert_eq!(t.nonfinite(false, 0, 2, &[3, 1], OutDType::Bfloat16).unwrap(), vec![0, 0, 0, 0]);
+        assert_eq!(t.nonfinite(false, 0, 2, &[3, 1], OutDType::Float16).unwrap(), vec![0, 0, 0, 1]);
+        assert_eq!(t.nonfinite(false, 1, 1, &[1], OutDType::Float16).unwrap(), vec![1]);
+        assert_eq!(t.nonfinite(false, 0, 1, &[3, 1], OutDType::Float16).unwrap(), vec![0, 0]);
+        // and the gathered float16 values are indeed infinite there
+        let sent = t.gather(1, 1, &[1], OutDType::Float16).unwrap().to_f32();
+        assert!(sent[0].is_infinite());
     }
 
     /// A view is offered exactly when the batch already holds the rows as asked, and then it

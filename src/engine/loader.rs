@@ -315,10 +315,27 @@ impl ModelFiles {
                     .map_err(|e| err(format!("cannot open safetensors shards: {e}")))?;
                 TensorSource::Safetensors { files: shards.clone(), tensors: Store::Files(tensors) }
             }
-            Files::Synthetic { tensors, .. } => TensorSource::Safetensors {
-                files: vec![tensors.path().to_path_buf()],
-                tensors: Store::Synthetic(tensors.clone()),
-            },
+            Files::Synthetic { tensors, .. } => {
+                // Before anything is drawn: a manifest larger than the device's memory cannot
+                // load, and is refused here rather than by an allocation failure.
+                let (what, memory) = match super::device_memory(device) {
+                    Some((_, total)) => ("the device's", total),
+                    None => ("the host's", crate::metrics::host_memory().1),
+                };
+                let need = tensors.total_bytes() as u64;
+                if memory > 0 && need > memory {
+                    return Err(err(format!(
+                        "{}: its tensors hold {:.1} GiB, more than {what} {:.1} GiB of memory: it cannot load here",
+                        tensors.path().display(),
+                        need as f64 / (1u64 << 30) as f64,
+                        memory as f64 / (1u64 << 30) as f64
+                    )));
+                }
+                TensorSource::Safetensors {
+                    files: vec![tensors.path().to_path_buf()],
+                    tensors: Store::Synthetic(tensors.clone()),
+                }
+            }
             Files::Gguf { file, config } => TensorSource::Gguf(GgufTensors::new(file.clone(), config)),
         };
         let quantization = self.config().quantization.clone();
@@ -353,6 +370,7 @@ impl ModelFiles {
         bar.finish_and_clear();
         let decoder = decoder?;
         weights.check_unread(config.num_hidden_layers)?;
+        weights.check_finite()?;
         let mut info =
             ModelInfo::new(&self.id, &config, ComputeDType::from_candle(dtype)).with_head(decoder.head().is_some());
         if let Some(paths) = weights.fp8_summary() {

@@ -146,15 +146,35 @@ impl Default for EngineOptions {
     }
 }
 
+/// A boolean as variables and flags spell it: 1, true, yes, on, y, t (true) and 0, false, no,
+/// off, n, f (false), in any case, spaces around ignored; `None` for anything else.
+pub fn parse_bool(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" | "y" | "t" => Some(true),
+        "0" | "false" | "no" | "off" | "n" | "f" => Some(false),
+        _ => None,
+    }
+}
+
 impl EngineOptions {
     /// The switches as the `LAYERTAP_*` variables set them (see the fields).
     pub fn from_env() -> Self {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
-    /// The switches as `var` reads the variables (`None`: unset).
+    /// The switches as `var` reads the variables (`None`: unset). A switch takes the usual
+    /// spellings ([`parse_bool`]); a value that is none of them leaves its default, with a warning.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
-        let is = |name: &str, value: &str| var(name).is_some_and(|v| v == value);
+        let is = |name: &str, value: &str| {
+            let want = value == "1";
+            var(name).is_some_and(|v| match parse_bool(&v) {
+                Some(b) => b == want,
+                None => {
+                    tracing::warn!(variable = name, value = %v, "not a boolean (1/0, true/false, yes/no, on/off): ignored");
+                    false
+                }
+            })
+        };
         EngineOptions {
             profile: is("LAYERTAP_PROFILE", "1"),
             f32_residual: !is("LAYERTAP_F32_RESIDUAL", "0"),
@@ -252,6 +272,14 @@ mod tests {
             assert_eq!(from(&[(name, other)]), EngineOptions::default(), "{name}={other}");
         }
         assert_eq!(from(&[("LAYERTAP_ATTENTION_KERNEL", "fast")]).attention_kernel, None);
+        // The usual boolean spellings, in any case; anything else leaves the default.
+        for on in ["true", "TRUE", "yes", "On", " 1 ", "y"] {
+            assert!(from(&[("LAYERTAP_PROFILE", on)]).profile, "{on:?}");
+        }
+        for off in ["false", "No", "off", "0"] {
+            assert!(!from(&[("LAYERTAP_CUDA_GDN", off)]).cuda_gdn, "{off:?}");
+        }
+        assert_eq!(from(&[("LAYERTAP_PROFILE", "maybe")]), EngineOptions::default());
         for k in AttentionKernel::ALL {
             assert_eq!(AttentionKernel::parse(k.name()), Some(k));
         }

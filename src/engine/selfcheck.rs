@@ -216,6 +216,9 @@ pub struct Report {
     /// How long this device, once loaded, waited for the reference: with the probe, what the
     /// check added to its start.
     pub waited_seconds: f64,
+    /// The first index where the reference itself (the portable f32 path) is not finite: then
+    /// the checkpoint's own values overflow or are damaged, whatever the serving path does.
+    pub reference_nonfinite: Option<usize>,
 }
 
 impl Report {
@@ -262,6 +265,12 @@ pub fn check(
         seconds: start.elapsed().as_secs_f64(),
         reference_seconds: reference.seconds,
         waited_seconds: 0.0,
+        reference_nonfinite: probe
+            .indices
+            .iter()
+            .zip(&reference.states)
+            .find(|(_, s)| s.iter().any(|v| !v.is_finite()))
+            .map(|(&i, _)| i),
     })
 }
 

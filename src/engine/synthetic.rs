@@ -71,7 +71,12 @@ pub struct SyntheticTensors {
     /// Per key: the draw and the seed of its values, and the values once generated.
     keys: Vec<(Init, u64)>,
     values: Vec<OnceLock<Vec<u8>>>,
+    total_bytes: usize,
 }
+
+/// The largest tensor a manifest may name (1 TiB): far past any real checkpoint's largest tensor,
+/// and far below what overflows a size on a 64-bit machine.
+const MAX_TENSOR_BYTES: usize = 1 << 40;
 
 /// A manifest dtype that synthetic values are drawn in (floats and e4m3); `None` for any other.
 fn parse_dtype(name: &str) -> Option<DType> {
@@ -174,6 +179,7 @@ impl SyntheticTensors {
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
         let map = v.as_object().ok_or_else(|| err("not a JSON object of tensors".into()))?;
         let (mut entries, mut keys, mut key_of) = (HashMap::new(), Vec::new(), HashMap::new());
+        let mut total = 0usize;
         for (name, t) in map.iter().filter(|(n, _)| n.as_str() != "__metadata__") {
             let dtype_name =
                 t.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| err(format!("{name:?}: no \"dtype\"")))?;
@@ -183,6 +189,21 @@ impl SyntheticTensors {
                 .and_then(|s| s.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>())
                 .ok_or_else(|| err(format!("{name:?}: \"shape\" is not a list of sizes")))?;
             let dtype = parse_dtype(dtype_name);
+            // Sizes are checked before anything is drawn: a count or a byte size past what this
+            // machine addresses is refused, never an allocation failure or an overflow.
+            let bytes = shape
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .and_then(|n| n.checked_mul(dtype.map_or(0, |d| d.size_in_bytes())))
+                .filter(|&b| b <= MAX_TENSOR_BYTES)
+                .ok_or_else(|| {
+                    err(format!(
+                        "{name:?}: shape {shape:?} of {dtype_name} is larger than any tensor layertap loads (at most \
+                         {} GiB a tensor)",
+                        MAX_TENSOR_BYTES >> 30
+                    ))
+                })?;
+            total = total.saturating_add(bytes);
             let canon = canonical(name);
             let next = keys.len();
             let key = *key_of.entry((canon.clone(), dtype_name.to_string(), shape.clone())).or_insert(next);
@@ -196,7 +217,13 @@ impl SyntheticTensors {
             return Err(err("names no tensors".into()));
         }
         let values = (0..keys.len()).map(|_| OnceLock::new()).collect();
-        Ok(SyntheticTensors { manifest, entries, keys, values })
+        Ok(SyntheticTensors { manifest, entries, keys, values, total_bytes: total })
+    }
+
+    /// The bytes of every tensor the manifest names, in its dtypes: what a checkpoint of these
+    /// tensors would hold.
+    pub fn total_bytes(&self) -> usize {
+        self.total_bytes
     }
 
     pub fn path(&self) -> &Path {
@@ -216,6 +243,12 @@ impl SyntheticTensors {
     /// The shape of `name`, if the manifest has it.
     pub fn shape(&self, name: &str) -> Option<&[usize]> {
         self.entries.get(name).map(|e| e.shape.as_slice())
+    }
+
+    /// Whether the values of `name` have been drawn (by a read of it or of a tensor sharing
+    /// them).
+    pub fn is_drawn(&self, name: &str) -> bool {
+        self.entries.get(name).is_some_and(|e| self.values[e.key].get().is_some())
     }
 
     /// The dtype, shape and bytes of `name` (generated on the first read of its key); for a

@@ -250,6 +250,48 @@ fn is_quant_data(full: &str) -> bool {
     full.rsplit('.').next().is_some_and(|last| QUANT_MARKERS.iter().any(|m| last.contains(m)))
 }
 
+/// The index of the first value of `data` (little-endian `dtype`) that is not finite: a float
+/// whose exponent bits are all ones (an infinity or a NaN; E4M3 has no infinities, and its NaNs
+/// are 0x7F and 0xFF). `None` where every value is finite, and for integer dtypes.
+pub fn first_nonfinite(data: &[u8], dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::F32 => {
+            data.chunks_exact(4).position(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7F80_0000 == 0x7F80_0000)
+        }
+        DType::F64 => data.chunks_exact(8).position(|b| {
+            u64::from_le_bytes(b.try_into().unwrap_or_default()) & 0x7FF0_0000_0000_0000 == 0x7FF0_0000_0000_0000
+        }),
+        DType::BF16 => data.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7F80 == 0x7F80),
+        DType::F16 => data.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7C00 == 0x7C00),
+        DType::F8E4M3 => data.iter().position(|&b| b & 0x7F == 0x7F),
+        _ => None,
+    }
+}
+
+/// [`first_nonfinite`] over every core: the first non-finite value's index.
+fn first_nonfinite_par(data: &[u8], dtype: DType) -> Option<usize> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 20;
+    let size = dtype.size_in_bytes();
+    if data.len() <= CHUNK {
+        return first_nonfinite(data, dtype);
+    }
+    let per = CHUNK / size * size;
+    data.par_chunks(per)
+        .enumerate()
+        .filter_map(|(i, c)| first_nonfinite(c, dtype).map(|at| i * (per / size) + at))
+        .min()
+}
+
+/// A checkpoint tensor holding a NaN or an infinity.
+fn nonfinite_weight(full: &str, at: usize, shape: &[usize], where_from: &str) -> EngineError {
+    EngineError::Load(format!(
+        "tensor {full:?} in {where_from} holds a value that is not finite (NaN or infinity) at element {at} of \
+         {shape:?}: the checkpoint is damaged (a bad download, a failed conversion or training run), and a model \
+         with such a weight gives NaN or meaningless states; layertap refuses it rather than serve them"
+    ))
+}
+
 impl Weights {
     pub fn new(source: TensorSource, device: Device, dtype: DType) -> Self {
         // Multimodal wrappers (`*ForConditionalGeneration`) keep the text decoder under
@@ -307,6 +349,7 @@ impl Weights {
                 if !dtype.is_some_and(|d| FLOAT_DTYPES.contains(&d)) {
                     return Err(self.unreadable(HEAD, &dtype_name));
                 }
+                self.check_shape(tensors, HEAD, shape)?;
                 self.mark_read(HEAD);
                 tensors.load_cpu(HEAD)?
             }
@@ -363,6 +406,7 @@ impl Weights {
                 let Some(stored) = dtype.filter(|d| FLOAT_DTYPES.contains(d)) else {
                     return Err(self.unreadable(&full, &dtype_name));
                 };
+                self.check_shape(tensors, &full, shape)?;
                 self.mark_read(&full);
                 if stored == want && !self.device.is_cpu() {
                     // Stored as computed: the bytes go to the device in one copy, straight from
@@ -375,7 +419,16 @@ impl Weights {
                 }
                 tensors.load_cpu(&full)?
             }
-            TensorSource::Gguf(g) => g.load(name)?.ok_or_else(|| self.missing(&full))?,
+            TensorSource::Gguf(g) => {
+                let t = g.load(name)?.ok_or_else(|| self.missing(&full))?;
+                // Dequantised on the host: its values are checked here (safetensors files are
+                // checked once loaded, by `check_finite`).
+                let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+                    return Err(nonfinite_weight(&full, at, t.dims(), &self.where_from()));
+                }
+                t
+            }
         };
         if t.dims() != shape {
             return Err(self.shape_mismatch(&full, t.dims(), shape));
@@ -420,6 +473,7 @@ impl Weights {
             let ids = Tensor::new(rows, &self.device)?;
             return Ok(self.get_as(name, shape, self.dtype)?.index_select(&ids, 0)?);
         };
+        self.check_shape(tensors, &full, shape)?;
         let view = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
         let Some(dtype) = view.dtype.filter(|d| FLOAT_DTYPES.contains(d)) else {
             return Err(self.unreadable(&full, &view.dtype_name));
@@ -433,6 +487,16 @@ impl Weights {
             rows.iter().flat_map(|&r| &view.data[r as usize * row..(r as usize + 1) * row]).copied().collect();
         let t = Tensor::from_raw_buffer(&bytes, dtype, &[rows.len(), cols], &Device::Cpu)?;
         Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+    }
+
+    /// The stored shape of `full` is `want`, checked before its values are read (or drawn: a
+    /// wrong shape in a synthetic manifest must not allocate anything).
+    fn check_shape(&self, tensors: &Store, full: &str, want: &[usize]) -> Result<(), EngineError> {
+        match tensors.shape(full) {
+            None => Err(self.missing(full)),
+            Some(have) if have != want => Err(self.shape_mismatch(full, &have, want)),
+            Some(_) => Ok(()),
+        }
     }
 
     fn shape_mismatch(&self, full: &str, have: &[usize], want: &[usize]) -> EngineError {
@@ -468,6 +532,23 @@ impl Weights {
         };
         let mut all = tensors.list();
         all.sort_by(|a, b| a.0.cmp(&b.0));
+        // Decoder layers past config.json's count: transformers refuses a checkpoint with
+        // weights its model does not have, and serving the fewer layers would answer for
+        // another model than the checkpoint holds.
+        let extra: std::collections::BTreeSet<usize> =
+            all.iter().filter_map(|(name, _, _)| self.layer_of(name)).filter(|&i| i >= layers).collect();
+        if let (Some(first), Some(last)) = (extra.first(), extra.last()) {
+            let example = all.iter().find(|(name, _, _)| self.layer_of(name) == Some(*first)).map(|t| t.0.clone());
+            return Err(EngineError::Load(format!(
+                "{} holds decoder layers {first}..={last} ({} layers, e.g. {:?}) past the {layers} that config.json's \
+                 num_hidden_layers says the model has (layers 0..={}); the checkpoint does not match its config, and \
+                 layertap refuses it rather than serve a model with layers left out",
+                self.where_from(),
+                extra.len(),
+                example.unwrap_or_default(),
+                layers.saturating_sub(1)
+            )));
+        }
         let mut fp8_weights = 0;
         for (name, dtype, dtype_name) in &all {
             if !self.must_be_read(name, layers) {
@@ -646,6 +727,7 @@ impl Weights {
         let Some(dtype) = dtype.filter(|d| FLOAT_DTYPES.contains(d)) else {
             return Err(self.unreadable(&full, &dtype_name));
         };
+        self.check_shape(tensors, &full, shape)?;
         let view = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
         if view.shape != shape {
             return Err(self.shape_mismatch(&full, &view.shape, shape));
@@ -665,6 +747,7 @@ impl Weights {
         if dtype != Some(DType::F8E4M3) {
             return Ok(None);
         }
+        self.check_shape(tensors, &full, shape)?;
         let view = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
         let &[n, k] = shape else {
             return Err(EngineError::Load(format!("{full:?}: FP8 weights of 2-D projections only")));
@@ -679,8 +762,9 @@ impl Weights {
             )));
         }
         let scale_name = format!("{full}_scale_inv");
-        let sview = tensors.get(&scale_name).ok_or_else(|| self.missing(&scale_name))?;
         let want = [n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK)];
+        self.check_shape(tensors, &scale_name, &want)?;
+        let sview = tensors.get(&scale_name).ok_or_else(|| self.missing(&scale_name))?;
         if sview.shape != want {
             return Err(self.shape_mismatch(&scale_name, &sview.shape, &want));
         }
@@ -759,6 +843,36 @@ impl Weights {
         }
     }
 
+    /// Once the decoder is loaded: refuses a checkpoint where a tensor the decoder read holds a
+    /// NaN or an infinity, naming the first (by name) and the element. One pass over the read
+    /// tensors' bytes on every core, from the files' mapping (the pages loading brought in).
+    /// Drawn tensors (`--synthetic-weights`) are finite by construction and GGUF tensors are
+    /// checked as they are dequantised; neither is read again here.
+    pub fn check_finite(&self) -> Result<(), EngineError> {
+        let TensorSource::Safetensors { tensors: store @ Store::Files(_), .. } = &self.source else {
+            return Ok(());
+        };
+        let mut names: Vec<String> = self.read.lock().map(|r| r.iter().cloned().collect()).unwrap_or_default();
+        names.sort();
+        let start = std::time::Instant::now();
+        let mut bytes = 0usize;
+        for name in &names {
+            let Some(v) = store.get(name) else { continue };
+            let Some(dtype) = v.dtype else { continue };
+            bytes += v.data.len();
+            if let Some(at) = first_nonfinite_par(v.data, dtype) {
+                return Err(nonfinite_weight(name, at, &v.shape, &self.where_from()));
+            }
+        }
+        tracing::debug!(
+            tensors = names.len(),
+            bytes,
+            seconds = start.elapsed().as_secs_f64(),
+            "every weight read is finite"
+        );
+        Ok(())
+    }
+
     /// Once the decoder is loaded: the checkpoint's tensors that nothing read are listed (debug),
     /// and refused when one belongs to the decoder (a layer, the embeddings or the final norm):
     /// the decoder would run without something its checkpoint says it needs. GGUF files are read
@@ -786,8 +900,30 @@ impl Weights {
         );
         match unread.iter().find(|(name, _)| self.must_be_read(name, layers)) {
             None => Ok(()),
+            Some((name, dtype)) if self.is_float_parameter(tensors, name) => Err(self.not_in_model(name, dtype)),
             Some((name, dtype)) => Err(self.unreadable(name, dtype)),
         }
+    }
+
+    /// Whether `full` is stored in a dtype the loader reads parameters from, and is no
+    /// quantisation data: a parameter it could read, had the model asked for it.
+    fn is_float_parameter(&self, tensors: &Store, full: &str) -> bool {
+        tensors.dtype(full).is_some_and(|(d, _)| d.is_some_and(|d| FLOAT_DTYPES.contains(&d))) && !is_quant_data(full)
+    }
+
+    /// A readable decoder tensor that the model built from config.json has no place for.
+    fn not_in_model(&self, name: &str, dtype: &str) -> EngineError {
+        let part = match self.layer_of(name) {
+            Some(i) => format!("of decoder layer {i} (which runs)"),
+            None => "of the decoder".to_string(),
+        };
+        EngineError::Load(format!(
+            "tensor {name:?} ({dtype}) {part} in {} is not a parameter of the model config.json describes: no \
+             layer of this architecture and configuration reads it (a config option the checkpoint was trained \
+             with may be missing or different, or the checkpoint belongs to another architecture), so layertap \
+             refuses the checkpoint rather than run the layer without it",
+            self.where_from(),
+        ))
     }
 
     fn unreadable(&self, name: &str, dtype: &str) -> EngineError {
@@ -840,6 +976,61 @@ impl Weights {
 
 #[cfg(test)]
 mod tests {
+
+    /// A tensor whose stored shape is not the one the model asks for is refused before its
+    /// values are read: a synthetic manifest's wrong shape draws nothing.
+    #[test]
+    fn a_wrong_shape_is_refused_before_anything_is_drawn() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(crate::engine::synthetic::MANIFEST),
+            r#"{"model.layers.0.mlp.up_proj.weight": {"dtype": "BF16", "shape": [4096, 4096]},
+                "model.embed_tokens.weight": {"dtype": "F32", "shape": [16, 8]},
+                "model.norm.weight": {"dtype": "F32", "shape": [8]}}"#,
+        )
+        .unwrap();
+        let s = std::sync::Arc::new(SyntheticTensors::open(dir.path()).unwrap());
+        let source = TensorSource::Safetensors { files: vec![], tensors: Store::Synthetic(s.clone()) };
+        let w = Weights::new(source, Device::Cpu, DType::F32);
+        for e in [
+            w.get("layers.0.mlp.up_proj.weight", &[8, 8]).err(),
+            w.get_rows("layers.0.mlp.up_proj.weight", &[0], &[8, 8]).err(),
+            w.get_transposed_f32("layers.0.mlp.up_proj.weight", &[8, 8]).err(),
+        ] {
+            let e = e.expect("refused").to_string();
+            assert!(e.contains("has shape [4096, 4096]"), "{e}");
+        }
+        assert!(!s.is_drawn("model.layers.0.mlp.up_proj.weight"), "nothing drawn for a refused tensor");
+        assert_eq!(w.get("norm.weight", &[8]).unwrap().dims(), &[8]);
+        assert!(s.is_drawn("model.norm.weight"));
+    }
+
+    /// The finite screen reads each dtype's exponent bits: infinities and NaNs found, the
+    /// largest finite values and zeros of either sign not.
+    #[test]
+    fn non_finite_values_are_found_in_every_stored_dtype() {
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        assert_eq!(first_nonfinite(&f32s(&[0.0, -0.0, f32::MAX, f32::MIN, 1e-45]), DType::F32), None);
+        assert_eq!(first_nonfinite(&f32s(&[1.0, 2.0, f32::NAN]), DType::F32), Some(2));
+        assert_eq!(first_nonfinite(&f32s(&[f32::NEG_INFINITY]), DType::F32), Some(0));
+        let bf = |v: &[half::bf16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        assert_eq!(first_nonfinite(&bf(&[half::bf16::MAX, half::bf16::MIN]), DType::BF16), None);
+        assert_eq!(first_nonfinite(&bf(&[half::bf16::ONE, half::bf16::NAN]), DType::BF16), Some(1));
+        let f16 = |v: &[half::f16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        assert_eq!(first_nonfinite(&f16(&[half::f16::MAX, half::f16::MIN]), DType::F16), None);
+        assert_eq!(first_nonfinite(&f16(&[half::f16::INFINITY]), DType::F16), Some(0));
+        let f64s: Vec<u8> = [1.0f64, f64::NAN].iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(first_nonfinite(&f64s, DType::F64), Some(1));
+        // E4M3: 0x7E is 448, 0xFE -448; 0x7F and 0xFF are NaN.
+        assert_eq!(first_nonfinite(&[0x00, 0x7E, 0xFE, 0x80], DType::F8E4M3), None);
+        assert_eq!(first_nonfinite(&[0x01, 0xFF], DType::F8E4M3), Some(1));
+        // Across the parallel chunks, the first by index.
+        let mut big = vec![0u8; 3 << 20];
+        big[(2 << 20) + 6..(2 << 20) + 8].copy_from_slice(&half::bf16::NAN.to_le_bytes());
+        big[(2 << 20) + 1000..(2 << 20) + 1002].copy_from_slice(&half::bf16::INFINITY.to_le_bytes());
+        assert_eq!(first_nonfinite_par(&big, DType::BF16), Some(((2 << 20) + 6) / 2));
+        assert_eq!(first_nonfinite_par(&big[..2 << 20], DType::BF16), None);
+    }
     use super::*;
 
     /// An FP8 projection of `n` rows (at most 8 blocks) and 128 columns whose bytes in row i are

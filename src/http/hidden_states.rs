@@ -154,12 +154,13 @@ fn logprobs_ask(s: &AppState, req: Option<LogprobsRequest>) -> Result<Option<Log
             s.info.model_id
         )));
     }
-    let max = s.limits.max_top_k;
+    let max = s.max_top_k();
     match usize::try_from(r.top_k) {
         Ok(k) if (1..=max).contains(&k) => Ok(Some(LogprobsAsk { top_k: k, target: r.target })),
-        _ => {
-            Err(ApiError::invalid(format!("logprobs.top_k must be between 1 and {max} (--max-top-k), got {}", r.top_k)))
-        }
+        _ => Err(ApiError::invalid(format!(
+            "logprobs.top_k must be between 1 and {max} (--max-top-k, at most the vocabulary's {} entries), got {}",
+            s.info.vocab_size, r.top_k
+        ))),
     }
 }
 
@@ -316,11 +317,14 @@ pub async fn hidden_states(
         None => seqs.iter().map(|t| t.ids.len()).sum(),
     };
     if logprobs.is_some_and(|a| a.target) && !has_next_token(&seqs, positions.as_deref().map(|p| &p[..])) {
-        return Err(ApiError::invalid(
+        return Err(ApiError::invalid(if total == 0 {
+            "logprobs.target asks for the log-probability of each returned row's next input token, but the \
+             \"tokens\" selection returns no row at all; select some tokens or drop \"target\""
+        } else {
             "logprobs.target asks for the log-probability of each returned row's next input token, but no \
              returned row has one (each is the last token of its input); return earlier tokens or drop \
-             \"target\"",
-        ));
+             \"target\""
+        }));
     }
     // Log-probabilities add 12 bytes per row and entry (an int64 id, a float32) and 4 per row.
     let lp_bytes = logprobs.map_or(0, |a| total * (a.top_k * 12 + if a.target { 4 } else { 0 }));
@@ -389,23 +393,14 @@ pub async fn hidden_states(
         Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, logprobs, metadata: meta };
     // Non-finite values never pass silently: counted, then refused unless the caller allows them.
     let found = assembly.screen()?;
-    let mut nonfinite = serde_json::Map::new();
-    for (col, &count) in found.per_layer.iter().enumerate() {
-        if count > 0 {
-            let label = assembly.layers.name(col);
-            s.metrics.nonfinite.with_label_values(&[label.as_str()]).inc_by(count);
-            nonfinite.insert(label, count.into());
-        }
+    let nonfinite = found.counts(&assembly.layers);
+    for (label, count) in &nonfinite {
+        s.metrics.nonfinite.with_label_values(&[label.as_str()]).inc_by(count.as_u64().unwrap_or(0));
     }
-    if let (Some((input, pos, col)), false) = (found.first, req.allow_nonfinite) {
-        let label = assembly.layers.name(col);
-        tracing::warn!(layer = %label, input, position = pos, "non-finite hidden states: request refused");
+    if let (Some(why), false) = (found.refusal(&assembly.layers), req.allow_nonfinite) {
+        tracing::warn!(found = %serde_json::Value::Object(nonfinite.clone()), "non-finite answer: request refused");
         return Err(ApiError::invalid(format!(
-            "the model produced a non-finite value (NaN or infinity) at layer {label} for inputs[{input}], \
-             position {pos} ({} states in all: {}); nothing is returned. Send allow_nonfinite: true to \
-             receive such states anyway",
-            found.per_layer.iter().sum::<u64>(),
-            serde_json::Value::Object(nonfinite)
+            "{why}; nothing is returned. Send allow_nonfinite: true to receive such an answer anyway"
         )));
     }
     assembly.metadata.insert("nonfinite".into(), serde_json::Value::Object(nonfinite).to_string());

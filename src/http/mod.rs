@@ -147,15 +147,28 @@ pub struct SelfCheckState {
     pub reports: std::sync::Mutex<Vec<crate::engine::selfcheck::Report>>,
     /// The check failed under `enforce`: the server stays unready.
     pub refused: AtomicBool,
+    /// What it found, once it failed: what the serving routes answer under `enforce`.
+    pub failed: std::sync::Mutex<Option<String>>,
 }
 
 impl SelfCheckState {
     pub fn new(mode: crate::cli::SelfCheckMode) -> Self {
         SelfCheckState { mode, ..Default::default() }
     }
+
+    /// What the self-check found, if it failed (under `warn` too).
+    pub fn failure(&self) -> Option<String> {
+        self.failed.lock().ok().and_then(|f| f.clone())
+    }
 }
 
 impl AppState {
+    /// The largest `top_k` a request may ask: `--max-top-k`, at most the vocabulary (a model
+    /// with fewer entries has no more to rank).
+    pub fn max_top_k(&self) -> usize {
+        self.limits.max_top_k.min(self.info.vocab_size)
+    }
+
     pub fn is_ready(&self) -> bool {
         self.loaded.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst)
     }
@@ -280,10 +293,18 @@ async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
     }
 }
 
-/// 503 while loading or draining.
+/// 503 while loading or draining (with Retry-After while loading), and 503 `selfcheck_failed`
+/// (no Retry-After: waiting does not help) with the self-check's finding once it refused
+/// readiness.
 pub(crate) fn require_ready(s: &AppState) -> Result<(), ApiError> {
     if s.draining.load(Ordering::SeqCst) {
         Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down; retry on another replica"))
+    } else if s.selfcheck.refused.load(Ordering::SeqCst) {
+        let why = s.selfcheck.failure().unwrap_or_else(|| "the start-up self-check failed".into());
+        Err(ApiError::new(
+            ErrorKind::SelfCheckFailed,
+            format!("this server will not serve: {why}. Retrying does not help; see /ready and the server's log"),
+        ))
     } else if !s.loaded.load(Ordering::SeqCst) {
         Err(ApiError { retry_after_s: Some(5), ..ApiError::new(ErrorKind::Unavailable, "the model is still loading") })
     } else {

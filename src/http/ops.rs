@@ -14,7 +14,7 @@ use crate::answer::CONVENTION;
 #[utoipa::path(get, path = "/health", tag = "operations", description = "The process is alive.",
     responses((status = 200, body = StatusResponse)))]
 pub async fn health() -> Json<StatusResponse> {
-    Json(StatusResponse { status: "ok".into() })
+    Json(StatusResponse { status: "ok".into(), error: None })
 }
 
 #[utoipa::path(get, path = "/ready", tag = "operations",
@@ -31,7 +31,8 @@ pub async fn ready(State(s): State<AppState>) -> impl IntoResponse {
     } else {
         "ok"
     };
-    (status_code_ok(s.is_ready()), Json(StatusResponse { status: status.into() }))
+    let error = (status == "selfcheck_failed").then(|| s.selfcheck.failure()).flatten();
+    (status_code_ok(s.is_ready()), Json(StatusResponse { status: status.into(), error }))
 }
 
 #[utoipa::path(get, path = "/v1/info", tag = "layertap", description = "The served model and the server's limits.",
@@ -56,7 +57,7 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         max_inputs: s.limits.max_inputs,
         max_messages: s.limits.max_messages,
         max_answer_bytes: s.limits.max_answer_bytes,
-        max_top_k: if i.lm_head { s.limits.max_top_k } else { 0 },
+        max_top_k: if i.lm_head { s.max_top_k() } else { 0 },
         lm_head: i.lm_head,
         chat_roles: s
             .tokenizer
@@ -90,6 +91,7 @@ fn selfcheck_info(s: &AppState) -> Option<SelfCheckInfo> {
         tolerance: report.tolerance,
         devices_checked: reports.len(),
         seconds: reports.iter().map(|r| r.seconds + r.waited_seconds).fold(0.0, f64::max),
+        error: s.selfcheck.failure(),
     })
 }
 

@@ -43,8 +43,10 @@ pub struct HiddenStatesRequest {
     /// input; `input_ids`, `loss_mask` and `cu_seqlens` then describe the returned rows.
     #[schema(schema_with = tokens_schema)]
     pub tokens: Option<serde_json::Value>,
-    /// Return states holding NaN or infinity instead of refusing the request (422); the answer's
-    /// `nonfinite` metadata then counts them per layer.
+    /// Return states holding NaN or infinity (as sent, in the answer's dtype) or non-finite
+    /// log-probabilities instead of refusing the request (422); the answer's `nonfinite` metadata
+    /// then counts the rows per layer, and under `"logprobs"` the rows whose log-probabilities are
+    /// not finite.
     #[serde(default)]
     pub allow_nonfinite: bool,
     /// Tokenize special-token text (such as `<|im_start|>`) inside `text` and message content as
@@ -65,7 +67,8 @@ pub struct HiddenStatesRequest {
 #[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LogprobsRequest {
-    /// Entries per row, 1 to the server's `max_top_k` (`--max-top-k`, default 64).
+    /// Entries per row, 1 to the server's `max_top_k` (`--max-top-k`, default 64, at most the
+    /// vocabulary's size).
     #[schema(example = 8, minimum = 1)]
     pub top_k: i64,
     /// Also `target_logprobs` [rows] float32: the log-probability of each row's actual next input
@@ -143,7 +146,8 @@ pub struct InfoResponse {
     pub max_inputs: usize,
     pub max_messages: usize,
     pub max_answer_bytes: usize,
-    /// Largest `logprobs.top_k` a request may ask (0 when the model has no output head).
+    /// Largest `logprobs.top_k` a request may ask: `--max-top-k`, at most the vocabulary's size
+    /// (0 when the model has no output head).
     pub max_top_k: usize,
     /// Whether the model has an output head (`lm_head`, or tied embeddings), which
     /// `logprobs` needs.
@@ -210,6 +214,10 @@ pub struct SelfCheckInfo {
     /// What the check added to the slowest device's start: its probe, and any wait for the
     /// reference past its own load (the reference is computed on the CPU while devices load).
     pub seconds: f64,
+    /// When it failed: what it found, and whether the checkpoint's own values (the reference
+    /// itself is not finite) or the serving path is at fault.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// `GET /health` and `GET /ready`.
@@ -217,4 +225,8 @@ pub struct SelfCheckInfo {
 pub struct StatusResponse {
     /// ok, loading, draining or selfcheck_failed.
     pub status: String,
+    /// With selfcheck_failed: what the self-check found and whether the checkpoint's own values
+    /// or the serving path is at fault.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }

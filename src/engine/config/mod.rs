@@ -209,6 +209,8 @@ impl ModelConfig {
     }
 
     pub fn validate(&self) -> Result<(), EngineError> {
+        const MAX_DIMENSION: usize = 1 << 24;
+        const MAX_TABLE_ELEMENTS: usize = 1 << 36;
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return Err(bad("model config: head counts must be positive"));
         }
@@ -223,6 +225,29 @@ impl ModelConfig {
         }
         if self.num_hidden_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return Err(bad("model config: layers, hidden size and vocab size must be positive"));
+        }
+        // Sizes past any real model's are refused here, before any of them sizes an allocation
+        // or a product that could overflow: the largest released models have vocabularies near
+        // 2^18, hidden sizes near 2^14 and a few hundred layers.
+        for (what, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("head_dim", self.head_dim),
+            ("num_attention_heads", self.num_attention_heads),
+        ] {
+            if v > MAX_DIMENSION {
+                return Err(bad(format!(
+                    "model config: {what} {v} is larger than layertap serves (at most {MAX_DIMENSION}); it is not a \
+                     real model's size"
+                )));
+            }
+        }
+        if self.vocab_size.saturating_mul(self.hidden_size) > MAX_TABLE_ELEMENTS {
+            return Err(bad(format!(
+                "model config: an embedding table of {} x {} is larger than layertap serves (at most 2^36 values)",
+                self.vocab_size, self.hidden_size
+            )));
         }
         if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return Err(bad(format!(

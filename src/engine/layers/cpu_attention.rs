@@ -29,8 +29,10 @@ pub fn supported(q: &Tensor) -> bool {
 
 /// `exp(x)` for 16 lanes at once, `x <= 0` (softmax weights): `2^n * p(r)` with
 /// `x = n ln 2 + r`, `|r| <= ln 2 / 2`, `p` a degree-6 polynomial (Horner, relative error about
-/// 2e-7), and 0 below -87.3. Only adds, multiplies and bit moves, lane by lane, so the compiler
-/// vectorises it and every ISA gives the same bits.
+/// 2e-7), and 0 below -87.3. A NaN stays NaN (a NaN score, or an infinite one less the
+/// row's infinite maximum), so a non-finite query or key makes its row's output NaN, as the
+/// reference's softmax does, never a finite value. Only adds, multiplies, compares and bit moves,
+/// lane by lane, so the compiler vectorises it and every ISA gives the same bits.
 #[inline(always)]
 fn exp16(x: &mut [f32; LANES]) {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -49,7 +51,14 @@ fn exp16(x: &mut [f32; LANES]) {
         p = p * r + 1.0;
         p = p * r + 1.0;
         let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-        *v = if *v < -87.3 { 0.0 } else { p * scale };
+        // `max` above turned a NaN into -87.3: the NaN is taken back here.
+        *v = if *v < -87.3 {
+            0.0
+        } else if v.is_nan() {
+            *v
+        } else {
+            p * scale
+        };
     }
 }
 
@@ -332,6 +341,43 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A NaN in a query or a key makes the rows that read it NaN (the reference's softmax
+    /// propagates it), and only those: a query's own row, or every later row for a key.
+    #[test]
+    fn a_nan_query_or_key_gives_nan_rows_not_numbers() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let (t, heads, d) = (40, 2, 16);
+        let q = Tensor::randn(0f32, 1.0, (t, heads, d), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (t, heads, d), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (t, heads, d), &dev)?;
+        let poison = |x: &Tensor, row: usize| -> candle_core::Result<Tensor> {
+            let mut vals = x.flatten_all()?.to_vec1::<f32>()?;
+            vals[row * heads * d] = f32::NAN; // head 0, first component
+            Tensor::from_vec(vals, x.dims(), &dev)
+        };
+        // Head 0's columns of each output row `[T, heads * d]`.
+        let nan_rows = |o: &Tensor| -> candle_core::Result<Vec<bool>> {
+            let o = o.narrow(1, 0, d)?.to_vec2::<f32>()?;
+            Ok(o.iter().map(|r| r.iter().any(|x| x.is_nan())).collect())
+        };
+        let scale = 1.0 / (d as f32).sqrt();
+        let attention = |q: &Tensor, k: &Tensor| packed_attention(q, k, &v, &[(0, t)], scale, None);
+        let out = attention(&poison(&q, 7)?, &k)?;
+        let rows = nan_rows(&out)?;
+        assert!(rows[7], "the NaN query's row must be NaN");
+        assert_eq!(rows.iter().filter(|&&b| b).count(), 1, "only that row: {rows:?}");
+        let out = attention(&q, &poison(&k, 5)?)?;
+        let rows = nan_rows(&out)?;
+        assert_eq!(rows, (0..t).map(|i| i >= 5).collect::<Vec<_>>(), "every row that sees key 5");
+        let mut x =
+            [f32::NAN, -1.0, f32::NAN, 0.0, -100.0, -0.5, f32::NAN, -3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        exp16(&mut x);
+        assert!(x[0].is_nan() && x[2].is_nan() && x[6].is_nan());
+        assert_eq!(x[4], 0.0);
+        assert!((x[1] - (-1f32).exp()).abs() < 1e-6);
         Ok(())
     }
 

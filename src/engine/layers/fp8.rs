@@ -180,6 +180,19 @@ mod tests {
     }
 
     #[test]
+    fn a_nan_activation_stays_nan_and_its_group_keeps_its_scale() {
+        let mut row: Vec<f32> = (0..256).map(|i| (i as f32 - 128.0) / 16.0).collect();
+        let mut clean = row.clone();
+        row[130] = f32::NAN;
+        quantise_row(&mut row);
+        quantise_row(&mut clean);
+        assert!(row[130].is_nan());
+        for (i, (a, b)) in row.iter().zip(&clean).enumerate().filter(|&(i, _)| i != 130) {
+            assert_eq!(a.to_bits(), b.to_bits(), "element {i}");
+        }
+    }
+
+    #[test]
     fn rounding_matches_the_e4m3_grid_with_ties_to_even() {
         // Every finite e4m3 value rounds to itself; the midpoints between neighbours go to the
         // one whose last bit is zero.

@@ -215,7 +215,12 @@ impl SparseMoe {
     /// `[T, k]` expert indices and routing weights (in `x`'s dtype), best first.
     fn route(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let probs = candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
-        let idx = probs.arg_sort_last_dim(false)?.narrow(D::Minus1, 0, self.top_k)?.contiguous()?;
+        // A non-finite state makes its row's probabilities NaN. The sort's keys put a NaN below
+        // every probability (a NaN is unordered, and a comparison that is no total order may
+        // panic), while the weights are gathered from `probs`, so they stay NaN and the row's
+        // output is NaN, as the reference's.
+        let keys = probs.eq(&probs)?.where_cond(&probs, &probs.ones_like()?.neg()?)?;
+        let idx = keys.arg_sort_last_dim(false)?.narrow(D::Minus1, 0, self.top_k)?.contiguous()?;
         let mut top = probs.gather(&idx, D::Minus1)?;
         if self.norm_topk_prob {
             top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?;

@@ -128,12 +128,14 @@ fn vision_towers_mtp_heads_and_the_output_head_stay_ignorable_whatever_they_hold
     // A buffer older checkpoints saved in every layer.
     let dir = with_tensors(DENSE, |ts| add(ts, "model.layers.0.self_attn.rotary_emb.inv_freq", Dtype::F32, &[16]));
     assert_eq!(refusal(dir.path()), None);
-    // A layer past the config's num_hidden_layers never runs, whatever it holds.
+    // A layer past the config's num_hidden_layers is refused, whatever it holds: the checkpoint
+    // does not match its config (transformers refuses unexpected weights too).
     let dir = with_tensors(DENSE, |ts| {
         add(ts, "model.layers.3.mlp.up_proj.weight", Dtype::F8_E4M3, &[128, 64]);
         add(ts, "model.layers.3.mlp.up_proj.weight_scale_inv", Dtype::BF16, &[1, 1]);
     });
-    assert_eq!(refusal(dir.path()), None);
+    let msg = refusal(dir.path()).expect("a layer past num_hidden_layers is refused");
+    assert!(msg.contains("decoder layers 3..=3") && msg.contains("num_hidden_layers"), "{msg}");
 }
 
 /// Runs `layertap serve` on `dir` until it exits, asking `/ready` all the while; returns its exit

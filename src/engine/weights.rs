@@ -864,11 +864,11 @@ impl Weights {
                 return Err(nonfinite_weight(name, at, &v.shape, &self.where_from()));
             }
         }
-        tracing::debug!(
+        tracing::info!(
             tensors = names.len(),
-            bytes,
-            seconds = start.elapsed().as_secs_f64(),
-            "every weight read is finite"
+            gib = format!("{:.2}", bytes as f64 / (1u64 << 30) as f64),
+            seconds = format!("{:.3}", start.elapsed().as_secs_f64()),
+            "weights checked: every value read is finite"
         );
         Ok(())
     }

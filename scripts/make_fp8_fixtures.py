@@ -266,15 +266,28 @@ VARIANTS = {
 # --------------------------------------------------------------------------- the arithmetic
 
 
+def round_e4m3(v):
+    """v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in v's own dtype: the step
+    in [2^e, 2^(e+1)) is 2^(e-3), and 2^-9 below 2^-6 (the subnormals); dividing by a power of two
+    is exact, and so is torch.round (ties to even) to a whole number of steps. On float32 values
+    it is torch's cast to float8_e4m3fn (scripts/make_fp8_long_fixtures.py checks it on every
+    activation of its float32 passes); on float64 values it rounds the float64 value itself,
+    where the cast would round it to float32 first."""
+    _, e = torch.frexp(v)
+    step = torch.ldexp(torch.ones_like(v), (e - 1).clamp(min=-6) - 3)
+    return torch.round(v / step) * step
+
+
 def qdq_activation(x):
-    """x [..., K] (K a multiple of 128), float32: quantised per row in groups of 128 and
-    dequantised. Returns (x_q * s, x / s clamped), the second to compare roundings."""
+    """x [..., K] (K a multiple of 128), float32 (or float64: then in float64 throughout, the
+    rounding by round_e4m3): quantised per row in groups of 128 and dequantised. Returns
+    (x_q * s, x / s clamped), the second to compare roundings."""
     shape = x.shape
     g = x.reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
     amax = g.abs().amax(dim=-1, keepdim=True)
     s = amax.clamp(min=1e-10) / FP8_MAX
     v = (g / s).clamp(-FP8_MAX, FP8_MAX)
-    q = v.to(torch.float8_e4m3fn).to(torch.float32)
+    q = round_e4m3(v) if v.dtype == torch.float64 else v.to(torch.float8_e4m3fn).to(torch.float32)
     return (q * s).reshape(shape), v.reshape(shape)
 
 
@@ -354,7 +367,7 @@ def build(spec, seed):
     else:
         n_norm = perturb_norms(model, torch.Generator().manual_seed(seed + 1))
         with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(EMBED_SCALE)
+            model.get_input_embeddings().weight.mul_(spec.get("embed_scale", EMBED_SCALE))
     captured = []
     tensors = {}
     quantised = []

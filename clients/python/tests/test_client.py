@@ -34,6 +34,7 @@ from layertap_client._common import (
     normalize_dtype,
     normalize_inputs,
     parse_hidden_states,
+    tokenize_body,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -1149,6 +1150,28 @@ def test_logprobs_arguments_are_checked_and_refusals_explained(client):
     with pytest.raises(LayertapError) as e:
         client.hidden_states([[1, 2]], layers=[1], tokens={"last": 1}, logprobs={"top_k": 2, "target": True})
     assert e.value.status == 422 and "target" in str(e.value)
+
+
+def test_boolean_options_must_be_bools_not_truthy_values():
+    # The string "false" is truthy: judged by bool() it would be sent as true. Each option the
+    # client sends as a JSON boolean takes True or False and nothing else, naming itself.
+    for bad in ("false", "true", "", 0, 1, None, [False]):
+        with pytest.raises(TypeError, match=r'logprobs\["target"\]'):
+            hidden_states_body([[1]], [], None, logprobs={"top_k": 2, "target": bad})
+        with pytest.raises(TypeError, match="allow_nonfinite"):
+            hidden_states_body([[1]], [], None, allow_nonfinite=bad)
+        with pytest.raises(TypeError, match="split_special_tokens"):
+            hidden_states_body([[1]], [], None, split_special_tokens=bad)
+        with pytest.raises(TypeError, match="split_special_tokens"):
+            tokenize_body([[1]], split_special_tokens=bad)
+    for flag in (False, True, np.bool_(False), np.bool_(True)):
+        sent = hidden_states_body([[1]], [], None, split_special_tokens=flag, allow_nonfinite=flag,
+                                  logprobs={"top_k": 2, "target": flag})
+        assert sent.get("allow_nonfinite", False) is bool(flag)
+        assert sent.get("split_special_tokens", False) is bool(flag)
+        assert sent["logprobs"].get("target", False) is bool(flag)
+        assert tokenize_body([[1]], split_special_tokens=flag).get("split_special_tokens", False) is bool(flag)
+    assert hidden_states_body([[1]], [], None, logprobs={"top_k": 2})["logprobs"] == {"top_k": 2}
 
 
 def test_async_client_returns_logprobs(server):

@@ -151,6 +151,15 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A boolean option as given: ``True`` or ``False`` (numpy's bools too); anything else, a
+    string such as ``"false"`` or a number included, is a TypeError naming the option, never
+    judged by its truthiness."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} has type {type(value).__name__}: give True or False")
+
+
 def _to_list(x: Any) -> Any:
     """numpy arrays / torch tensors to plain lists; everything else as is."""
     if hasattr(x, "tolist") and not isinstance(x, (str, bytes, list, tuple)):
@@ -266,7 +275,7 @@ def normalize_logprobs(logprobs: Any) -> Optional[Dict[str, Any]]:
         if unknown or not _is_int(logprobs.get("top_k")):
             raise ValueError(f'logprobs={logprobs!r}: give an int k or {{"top_k": k, "target": bool}}')
         out: Dict[str, Any] = {"top_k": int(logprobs["top_k"])}
-        if logprobs.get("target"):
+        if _flag('logprobs["target"]', logprobs.get("target", False)):
             out["target"] = True
         return out
     raise TypeError(f'logprobs has type {type(logprobs).__name__}: give an int k or {{"top_k": k, "target": bool}}')
@@ -285,11 +294,11 @@ def hidden_states_body(
     d = normalize_dtype(dtype)
     if d is not None:
         body["dtype"] = d
-    if split_special_tokens:
+    if _flag("split_special_tokens", split_special_tokens):
         body["split_special_tokens"] = True
     if tokens is not None:
         body["tokens"] = normalize_tokens(tokens)
-    if allow_nonfinite:
+    if _flag("allow_nonfinite", allow_nonfinite):
         body["allow_nonfinite"] = True
     lp = normalize_logprobs(logprobs)
     if lp is not None:
@@ -299,7 +308,7 @@ def hidden_states_body(
 
 def tokenize_body(inputs: Any, split_special_tokens: bool = False) -> Dict[str, Any]:
     body: Dict[str, Any] = {"inputs": normalize_inputs(inputs)}
-    if split_special_tokens:
+    if _flag("split_special_tokens", split_special_tokens):
         body["split_special_tokens"] = True
     return body
 

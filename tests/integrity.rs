@@ -47,13 +47,7 @@ async fn metric(base: &str, line_start: &str) -> Option<f64> {
 }
 
 async fn hidden_states(base: &str, body: Value) -> (u16, Vec<u8>) {
-    let r = client()
-        .post(format!("{base}/v1/hidden-states"))
-        .header("accept-encoding", "identity")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = common::post_encoded(base, &body, "identity").await;
     (r.status().as_u16(), r.bytes().await.unwrap().to_vec())
 }
 

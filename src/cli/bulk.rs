@@ -66,7 +66,8 @@ pub struct BulkArgs {
     /// manifest (the next run redoes them).
     #[arg(long)]
     pub verify: bool,
-    /// Files written: plain (shard-NNNNN/ID.safetensors, the server's answer as it is) or
+    /// Files written: plain (shard-NNNNN/ID-HASH.safetensors: the id made safe for a file name and
+    /// the xxh64 of the exact id; the server's answer as it is) or
     /// speculators (hs_I.safetensors with hidden_states and token_ids, and hidden_states_scales for
     /// fp8; I the sample's index in the input, as speculators' trainers read them).
     #[arg(long, value_enum, default_value_t = BulkLayout::Plain)]
@@ -128,7 +129,7 @@ pub fn parse_shard(s: &str) -> Result<Shard, String> {
 /// How `layertap bulk` lays out its files.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum BulkLayout {
-    /// `shard-NNNNN/ID.safetensors`: the answer as the server sent it.
+    /// `shard-NNNNN/ID-HASH.safetensors`: the answer as the server sent it.
     #[default]
     Plain,
     /// `hs_I.safetensors`: `hidden_states` and `token_ids` (and `hidden_states_scales` for fp8), as

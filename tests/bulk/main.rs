@@ -3,13 +3,15 @@
 //!
 //! By topic: `resume` (interrupted runs, refused samples, `--verify`), `retries` (answers
 //! corrupted or throttled on the way), `layouts` (`--layout speculators`), `tokens` (`--tokens`),
-//! `input` (ShareGPT chats and Parquet files) and `shards` (`--shard I/N` and several servers).
+//! `input` (ShareGPT chats and Parquet files), `shards` (`--shard I/N` and several servers) and
+//! `integrity` (a file of its own for every sample).
 //! This file holds what they share: running `layertap bulk` and reading what it wrote.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod input;
+mod integrity;
 mod layouts;
 mod logprobs;
 mod resume;
@@ -83,6 +85,11 @@ fn manifest(dir: &std::path::Path) -> Vec<Value> {
 
 fn entry<'a>(m: &'a [Value], id: &str) -> &'a Value {
     m.iter().find(|v| v["id"] == id).unwrap_or_else(|| panic!("{id} is not in the manifest"))
+}
+
+/// Where the manifest of `out` says the sample `id` is.
+fn file_path(out: &std::path::Path, id: &str) -> std::path::PathBuf {
+    out.join(entry(&manifest(out), id)["file"].as_str().unwrap())
 }
 
 fn failures_of(out: &std::path::Path, name: &str) -> Vec<Value> {

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::paths::recorded_path;
 use crate::cli::Shard;
 
 /// The manifest's name: `manifest.jsonl`, or `manifest-I-of-N.jsonl` for a shard.
@@ -49,15 +50,19 @@ fn entries(bytes: &[u8]) -> impl Iterator<Item = (String, String)> + '_ {
     })
 }
 
-/// Ids already recorded in the manifest, and whether its last line is torn (no newline). Lines
-/// are read as bytes, so a corrupted line (a torn write, invalid UTF-8) hides no line after it.
+/// Ids already recorded in the manifest with a file inside the folder, and whether its last line
+/// is torn (no newline). An id's last line counts: one without a file, or with a file outside the
+/// folder, records nothing, and its sample is done again.
 pub(super) fn read_manifest(path: &Path) -> (HashSet<String>, bool) {
     let Ok(bytes) = std::fs::read(path) else { return (HashSet::new(), false) };
-    let ids = bytes
-        .split(|&b| b == b'\n')
-        .filter_map(|l| serde_json::from_slice::<Value>(l).ok())
-        .filter_map(|v| v["id"].as_str().map(String::from))
-        .collect();
+    let mut last: HashMap<String, bool> = HashMap::new();
+    for v in bytes.split(|&b| b == b'\n').filter_map(|l| serde_json::from_slice::<Value>(l).ok()) {
+        if let Some(id) = v["id"].as_str() {
+            let usable = v["file"].as_str().is_some_and(|f| recorded_path(f).is_ok());
+            last.insert(id.to_string(), usable);
+        }
+    }
+    let ids = last.into_iter().filter(|&(_, usable)| usable).map(|(id, _)| id).collect();
     (ids, bytes.last().is_some_and(|&b| b != b'\n'))
 }
 

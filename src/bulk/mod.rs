@@ -24,7 +24,8 @@
 //! (to any server), only one answer is ever written, and the manifest is locked against a second
 //! process of the same shard. A file is never given to two samples: a sample whose file the
 //! folder's manifests record for another fails. `--verify` re-reads every recorded file and drops
-//! the lines of missing or corrupt ones from the manifest, so the next run redoes exactly those.
+//! the lines of missing or corrupt ones (and of paths outside the folder, and of files recorded
+//! for two samples) from the manifest, so the next run redoes exactly those.
 
 mod answer;
 mod input;

@@ -1,6 +1,7 @@
-//! Every sample in a file of its own: ids alike once made safe for a file name, an id given twice,
-//! a row whose `--layout speculators` file belongs to another sample, folders written with the
-//! earlier names.
+//! Every sample in a file of its own, and only files inside the folder read: ids alike once made
+//! safe for a file name, an id given twice, a row whose `--layout speculators` file belongs to
+//! another sample, folders written with the earlier names, two samples recorded with one file,
+//! and manifest paths leading out of the folder.
 
 use std::collections::HashSet;
 
@@ -141,4 +142,104 @@ async fn a_folder_of_the_earlier_names_resumes_by_its_recorded_paths() {
     let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
     assert_eq!(code, Some(0), "{err}");
     assert!(err.contains("verified 3 files"), "{err}");
+}
+
+/// Two ids recorded with one file (as an earlier naming could write them, inputs alike so the
+/// bytes match both): `--verify` names both and drops them, and the next run gives each its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_finds_two_samples_recorded_with_one_file() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    write_input(&input, &[("p", vec![1, 2]), ("q", vec![1, 2]), ("r", vec![3])]);
+    let (code, err) = run_extract(&s.base, &input, &out, "1,-1", &["--dtype", "float32"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let mut m = manifest(&out);
+    let shared = file_of(&m, "p");
+    let q = m.iter_mut().find(|v| v["id"] == "q").unwrap();
+    std::fs::remove_file(out.join(q["file"].as_str().unwrap())).unwrap();
+    q["file"] = shared.clone().into();
+    write_manifest(&out, &m);
+
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(1), "{err}");
+    for id in ["p", "q"] {
+        let line = err.lines().find(|l| l.starts_with(&format!("{id}: "))).unwrap_or_else(|| panic!("{err}"));
+        assert!(line.contains(&shared) && line.contains("also recorded"), "{line}");
+    }
+    assert_eq!(crate::ids_of(&manifest(&out)), ["r"]);
+    let (code, err) = run_extract(&s.base, &input, &out, "1,-1", &["--dtype", "float32"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let m = manifest(&out);
+    assert_ne!(file_of(&m, "p"), file_of(&m, "q"));
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(0), "{err}");
+}
+
+/// Manifest paths that leave the folder (`..`, absolute, a link out of it) are not read: `--verify`
+/// names them and drops their lines, as it does lines without an id or a file, and the next run
+/// extracts those samples into the folder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_refuses_manifest_paths_that_leave_the_folder() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    let samples = [("up", vec![1, 2]), ("abs", vec![3]), ("link", vec![4, 5]), ("nofile", vec![6]), ("ok", vec![7])];
+    write_input(&input, &samples);
+    let (code, err) = run_extract(&s.base, &input, &out, "1,-1", &["--dtype", "float32"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let mut m = manifest(&out);
+    // Each file moved out of the folder, intact, and the manifest pointed at it.
+    for e in m.iter_mut() {
+        let id = e["id"].as_str().unwrap().to_string();
+        let file = out.join(e["file"].as_str().unwrap());
+        let outside = dir.path().join(format!("{id}.safetensors"));
+        match id.as_str() {
+            "up" => {
+                std::fs::rename(&file, &outside).unwrap();
+                e["file"] = "../up.safetensors".into();
+            }
+            "abs" => {
+                std::fs::rename(&file, &outside).unwrap();
+                e["file"] = p(&outside).into();
+            }
+            "link" => {
+                std::fs::rename(&file, &outside).unwrap();
+                std::os::unix::fs::symlink(&outside, &file).unwrap();
+            }
+            "nofile" => {
+                e.as_object_mut().unwrap().remove("file");
+            }
+            _ => {}
+        }
+    }
+    m.push(serde_json::json!({"file": file_of(&m, "ok")}));
+    write_manifest(&out, &m);
+
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(1), "{err}");
+    let line_of = |id: &str| err.lines().find(|l| l.starts_with(&format!("{id}: "))).map(String::from);
+    for id in ["up", "abs", "link"] {
+        let line = line_of(id).unwrap_or_else(|| panic!("{id} not named: {err}"));
+        assert!(line.contains("out of the folder") || line.contains("absolute"), "{line}");
+        assert!(line.contains("inside the folder"), "{line}");
+    }
+    assert!(line_of("nofile").is_some_and(|l| l.contains("no file")), "{err}");
+    assert!(err.lines().any(|l| l.contains("line 6") && l.contains("no id")), "{err}");
+    assert!(line_of("ok").is_none(), "{err}");
+    assert_eq!(crate::ids_of(&manifest(&out)), ["ok"]);
+
+    let (code, err) = run_extract(&s.base, &input, &out, "1,-1", &["--dtype", "float32"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("1 samples already done, 4 to go"), "{err}");
+    let m = manifest(&out);
+    for (id, tokens) in &samples {
+        let file = file_of(&m, id);
+        assert!(file.starts_with("shard-00000/"), "{id}: {file}");
+        let path = out.join(&file);
+        assert!(!path.symlink_metadata().unwrap().file_type().is_symlink(), "{id}");
+        assert_states(&read_safetensors(&path), tokens, &[1, FAKE_LAYERS], id);
+    }
+    let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
+    assert_eq!(code, Some(0), "{err}");
 }

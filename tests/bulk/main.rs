@@ -4,7 +4,7 @@
 //! By topic: `resume` (interrupted runs, refused samples, `--verify`), `retries` (answers
 //! corrupted or throttled on the way), `layouts` (`--layout speculators`), `tokens` (`--tokens`),
 //! `input` (ShareGPT chats and Parquet files), `shards` (`--shard I/N` and several servers) and
-//! `integrity` (a file of its own for every sample).
+//! `integrity` (a file of its own for every sample, only paths inside the folder read).
 //! This file holds what they share: running `layertap bulk` and reading what it wrote.
 
 #[path = "../common/mod.rs"]

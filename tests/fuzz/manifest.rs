@@ -53,11 +53,13 @@ fn done_line(i: usize) -> String {
         .to_string()
 }
 
-/// The ids of a manifest's complete, well-formed lines (what bulk itself writes).
+/// The ids of a manifest's complete, well-formed lines (what bulk itself writes: an id and a
+/// file).
 fn strict_manifest_ids(bytes: &[u8]) -> Vec<String> {
     bytes
         .split(|&b| b == b'\n')
         .filter_map(|l| serde_json::from_slice::<Value>(l).ok())
+        .filter(|v| v.get("file").and_then(Value::as_str).is_some())
         .filter_map(|v| v.get("id").and_then(Value::as_str).map(String::from))
         .collect()
 }

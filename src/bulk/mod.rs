@@ -5,7 +5,8 @@
 //! xxh64 of each tensor and of the whole file), `failures.jsonl` (samples that failed for good,
 //! with their id and input row, rewritten each run) and the samples' files; with `--shard I/N`
 //! the two lists are `manifest-I-of-N.jsonl` and `failures-I-of-N.jsonl`, one pair per worker,
-//! and the files of all workers share the folder (their ids, and so their names, differ):
+//! and the files of all workers share the folder (their ids, and so their names, differ);
+//! `bulk.json` records the settings and the model the folder is made with (see [`settings`]):
 //! - `--layout plain` (default): `shard-NNNNN/ID-HASH.safetensors` (1,000 input rows per folder,
 //!   by input row; ID the id made safe for a file name, HASH the xxh64 of the exact id, so every
 //!   sample has a file of its own: see [`paths`]), the server's answer as it came:
@@ -32,6 +33,7 @@ mod input;
 mod manifest;
 mod paths;
 mod pool;
+mod settings;
 mod verify;
 
 use std::collections::{HashMap, HashSet};
@@ -60,6 +62,8 @@ struct Shared {
     /// The request body without its inputs.
     body: Value,
     layout: BulkLayout,
+    /// What each answer's metadata must say (the folder's model, layers and dtype).
+    expected: Arc<Vec<(&'static str, String)>>,
     /// The files the folder's manifests record and this run writes: xxh64 of the path → xxh64
     /// of the sample's id. A file is never given to two samples.
     files: std::sync::Mutex<HashMap<u64, u64>>,
@@ -158,8 +162,8 @@ async fn answer(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample)
         let server: &Server = lease.server;
         let r = match fetch(client, a, sh, &server.url, s).await {
             Ok(answer) => {
-                let layout = sh.layout;
-                let checked = tokio::task::spawn_blocking(move || prepare(&answer, layout))
+                let (layout, expected) = (sh.layout, sh.expected.clone());
+                let checked = tokio::task::spawn_blocking(move || prepare(&answer, layout, &expected))
                     .await
                     .unwrap_or_else(|e| Err((false, format!("checking the answer: {e}"))));
                 checked.map_err(|(retry, msg)| if retry { Trouble::Again(msg) } else { Trouble::Fatal(msg) })
@@ -353,7 +357,15 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(!a.layers.is_empty(), "--layers needs at least one index");
     check_layout(&a)?;
     let input = Input::new(&a, &input_path)?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(a.timeout_s)).build()?;
+    // Every server's model, and the settings for it, checked against the folder before anything
+    // is written to it.
+    let pinned = settings::pin_servers(&client, &a, &servers).await?;
     std::fs::create_dir_all(&a.out)?;
+    let pinned = {
+        let out = a.out.clone();
+        tokio::task::spawn_blocking(move || settings::pin_folder(&out, &pinned).map(|()| pinned)).await??
+    };
     let name = manifest_name(a.shard);
     let manifest_path = a.out.join(&name);
     let mut manifest = std::fs::OpenOptions::new().create(true).append(true).open(&manifest_path)?;
@@ -398,6 +410,7 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
         pool: Pool::new(&servers),
         body,
         layout: a.layout,
+        expected: Arc::new(pinned.expected_metadata()),
         files: std::sync::Mutex::new(recorded_files(&a.out)),
         manifest: Mutex::new(manifest),
         failures: Mutex::new(Vec::new()),
@@ -414,7 +427,6 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
             stop.cancel();
         });
     }
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(a.timeout_s)).build()?;
     let a = Arc::new(a);
     // The input is read as the samples go, a few ahead of the workers.
     let concurrency = a.concurrency.max(1);

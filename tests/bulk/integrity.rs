@@ -121,7 +121,7 @@ async fn a_folder_of_the_earlier_names_resumes_by_its_recorded_paths() {
     write_input(&input, &samples);
     let (code, err) = run_extract(&s.base, &head, &out, "1,-1", &["--dtype", "float32"]).await;
     assert_eq!(code, Some(0), "{err}");
-    // What an earlier version wrote: its names.
+    // What an earlier version wrote: its names, and no record of the settings.
     let mut m = manifest(&out);
     for e in m.iter_mut() {
         let old = if e["id"] == "a" { "shard-00000/a.safetensors" } else { "shard-00000/b_c.safetensors" };
@@ -129,6 +129,7 @@ async fn a_folder_of_the_earlier_names_resumes_by_its_recorded_paths() {
         e["file"] = old.into();
     }
     write_manifest(&out, &m);
+    let _ = std::fs::remove_file(out.join("bulk.json"));
 
     let (code, err) = run_extract(&s.base, &input, &out, "1,-1", &["--dtype", "float32"]).await;
     assert_eq!(code, Some(0), "{err}");

@@ -70,7 +70,7 @@ async fn the_speculators_layout_writes_what_speculators_reads_and_resumes() {
         std::fs::read_dir(&spec).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     let mut want: Vec<String> = (0..5).map(|i| format!("hs_{i}.safetensors")).collect();
-    want.extend(["failures.jsonl".to_string(), "manifest.jsonl".to_string()]);
+    want.extend(["bulk.json", "failures.jsonl", "manifest.jsonl"].map(String::from));
     want.sort();
     assert_eq!(names, want, "one flat folder");
 

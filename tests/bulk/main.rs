@@ -3,8 +3,9 @@
 //!
 //! By topic: `resume` (interrupted runs, refused samples, `--verify`), `retries` (answers
 //! corrupted or throttled on the way), `layouts` (`--layout speculators`), `tokens` (`--tokens`),
-//! `input` (ShareGPT chats and Parquet files), `shards` (`--shard I/N` and several servers) and
-//! `integrity` (a file of its own for every sample, only paths inside the folder read).
+//! `input` (ShareGPT chats and Parquet files), `shards` (`--shard I/N` and several servers),
+//! `integrity` (a file of its own for every sample, only paths inside the folder read) and
+//! `pinning` (the settings and the model a folder is made with).
 //! This file holds what they share: running `layertap bulk` and reading what it wrote.
 
 #[path = "../common/mod.rs"]
@@ -14,6 +15,7 @@ mod input;
 mod integrity;
 mod layouts;
 mod logprobs;
+mod pinning;
 mod resume;
 mod retries;
 mod shards;

@@ -357,7 +357,7 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(!a.layers.is_empty(), "--layers needs at least one index");
     check_layout(&a)?;
     let input = Input::new(&a, &input_path)?;
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(a.timeout_s)).build()?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs_f64(a.timeout_s)).build()?;
     // Every server's model, and the settings for it, checked against the folder before anything
     // is written to it.
     let pinned = settings::pin_servers(&client, &a, &servers).await?;

@@ -1,7 +1,7 @@
 //! Every sample in a file of its own, and only files inside the folder read: ids alike once made
 //! safe for a file name, an id given twice, a row whose `--layout speculators` file belongs to
-//! another sample, folders written with the earlier names, two samples recorded with one file,
-//! and manifest paths leading out of the folder.
+//! another sample, folders written with the earlier names, manifest paths leading out of the
+//! folder, and `--timeout-s` values that cannot be a timeout.
 
 use std::collections::HashSet;
 
@@ -243,4 +243,18 @@ async fn verify_refuses_manifest_paths_that_leave_the_folder() {
     }
     let (code, err) = run_bulk(&["--verify", "--out", &p(&out)]).await;
     assert_eq!(code, Some(0), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_that_is_not_a_positive_number_of_seconds_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, out) = (dir.path().join("data.jsonl"), dir.path().join("out"));
+    write_input(&input, &[("a", vec![1])]);
+    for bad in ["0", "-1", "nan", "inf", "0.0"] {
+        let flag = format!("--timeout-s={bad}");
+        let (code, err) = run_extract("http://127.0.0.1:9", &input, &out, "1", &[&flag]).await;
+        assert_eq!(code, Some(2), "--timeout-s {bad}: {err}");
+        assert!(err.contains("--timeout-s") && err.contains("more than 0"), "--timeout-s {bad}: {err}");
+    }
+    assert!(!out.exists(), "nothing written");
 }

@@ -86,7 +86,7 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
         concurrency: 2,
         api_key: None,
         retries: 2,
-        timeout_s: 30,
+        timeout_s: 30.0,
         verify: false,
         id_column: "id".into(),
         ..Default::default()

@@ -5,6 +5,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde_json::{Map, Value};
 
+use super::settings::check_answer;
 use super::Attempt;
 use crate::answer::checksum::{verify_checksums, xxh64_hex, CHECKSUM_ALGORITHM};
 use crate::cli::BulkLayout;
@@ -26,16 +27,19 @@ pub fn metadata(file: &[u8]) -> Result<std::collections::HashMap<String, String>
     Ok(meta.metadata().clone().unwrap_or_default())
 }
 
-/// Checks an answer against its checksums and turns it into the file `layout` asks for. A
-/// checksum mismatch (or an answer too damaged to read) is worth retrying; an answer without
-/// checksums is not.
-pub fn prepare(answer: &[u8], layout: BulkLayout) -> Attempt<Prepared> {
+/// Checks an answer against its checksums and its metadata against `expected` (the folder's
+/// model, layers and dtype), and turns it into the file `layout` asks for. A checksum mismatch
+/// (or an answer too damaged to read) is worth retrying; an answer without checksums, or of
+/// another model, is not.
+pub fn prepare(answer: &[u8], layout: BulkLayout, expected: &[(&str, String)]) -> Attempt<Prepared> {
     if let Err(e) = verify_checksums(answer) {
         if metadata(answer).is_ok_and(|m| !m.contains_key("checksum_algorithm")) {
             return Err((false, "the answer carries no checksums (is the server older than this client?)".into()));
         }
         return Err((true, format!("the answer failed its checksum check ({e})")));
     }
+    let meta = metadata(answer).map_err(|e| (true, e))?;
+    check_answer(&meta, expected).map_err(|e| (false, e))?;
     let st = SafeTensors::deserialize(answer).map_err(|e| (false, format!("the answer is not safetensors: {e}")))?;
     let ids = st.tensor("input_ids").map_err(|e| (false, format!("the answer has no input_ids: {e}")))?;
     let rows = ids.shape().first().copied().unwrap_or(0);

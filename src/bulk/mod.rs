@@ -5,11 +5,14 @@
 //! xxh64 of each tensor and of the whole file), `failures.jsonl` (samples that failed for good,
 //! with their id and input row, rewritten each run) and the samples' files; with `--shard I/N`
 //! the two lists are `manifest-I-of-N.jsonl` and `failures-I-of-N.jsonl`, one pair per worker,
-//! and the files of all workers share the folder (their ids, and so their names, differ):
-//! - `--layout plain` (default): `shard-NNNNN/ID.safetensors` (1,000 input rows per folder, by
-//!   input row), the server's answer as it came: `hidden_states` [T, n_layers, H], `input_ids`
-//!   [T], `loss_mask` [T], `cu_seqlens` [2] (and `hidden_states_scale` for fp8, `positions` for a
-//!   token selection), its metadata holding every tensor's checksum;
+//! and the files of all workers share the folder (their ids, and so their names, differ);
+//! `bulk.json` records the settings and the model the folder is made with (see [`settings`]):
+//! - `--layout plain` (default): `shard-NNNNN/ID-HASH.safetensors` (1,000 input rows per folder,
+//!   by input row; ID the id made safe for a file name, HASH the xxh64 of the exact id, so every
+//!   sample has a file of its own: see [`paths`]), the server's answer as it came:
+//!   `hidden_states` [T, n_layers, H], `input_ids` [T], `loss_mask` [T], `cu_seqlens` [2] (and
+//!   `hidden_states_scale` for fp8, `positions` for a token selection), its metadata holding every
+//!   tensor's checksum;
 //! - `--layout speculators`: `hs_I.safetensors` (I = the sample's row in the whole input, from 0,
 //!   whatever the shard) holding `hidden_states` [T, n_layers, H] and `token_ids` [T] (I64), and
 //!   for fp8 `hidden_states_scales` [T, n_layers, 1] (F32), as speculators and hs-connectors read
@@ -20,13 +23,17 @@
 //! restart never trusts a partial file. Each sample is handled by one task from its first request
 //! to its manifest line: a request that timed out or failed is abandoned before the next is sent
 //! (to any server), only one answer is ever written, and the manifest is locked against a second
-//! process of the same shard. `--verify` re-reads every recorded file and drops the lines of
-//! missing or corrupt ones from the manifest, so the next run redoes exactly those.
+//! process of the same shard. A file is never given to two samples: a sample whose file the
+//! folder's manifests record for another fails. `--verify` re-reads every recorded file and drops
+//! the lines of missing or corrupt ones (and of paths outside the folder, and of files recorded
+//! for two samples) from the manifest, so the next run redoes exactly those.
 
 mod answer;
 mod input;
 mod manifest;
+mod paths;
 mod pool;
+mod settings;
 mod verify;
 
 use std::collections::{HashMap, HashSet};
@@ -45,21 +52,9 @@ use crate::answer::{LayerRef, Selection, FINAL_PRENORM};
 use crate::cli::{BulkArgs, BulkLayout, Shard};
 use answer::{prepare, Prepared};
 use input::{Input, Row, Sample};
-use manifest::{failures_name, lock_manifest, manifest_name, read_manifest};
+use manifest::{failures_name, lock_manifest, manifest_name, read_manifest, recorded_files, recorded_for};
+use paths::relative_path;
 use pool::{Pool, Server};
-
-const SHARD_SIZE: usize = 1000;
-
-/// A file name for a sample id: letters, digits, '-', '_', '.' kept, anything else replaced.
-fn file_stem(id: &str) -> String {
-    let s: String =
-        id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).take(120).collect();
-    if s.is_empty() || s.starts_with('.') {
-        format!("_{s}")
-    } else {
-        s
-    }
-}
 
 struct Shared {
     out: PathBuf,
@@ -67,6 +62,11 @@ struct Shared {
     /// The request body without its inputs.
     body: Value,
     layout: BulkLayout,
+    /// What each answer's metadata must say (the folder's model, layers and dtype).
+    expected: Arc<Vec<(&'static str, String)>>,
+    /// The files the folder's manifests record and this run writes: xxh64 of the path → xxh64
+    /// of the sample's id. A file is never given to two samples.
+    files: std::sync::Mutex<HashMap<u64, u64>>,
     manifest: Mutex<std::fs::File>,
     failures: Mutex<Vec<Value>>,
     bar: indicatif::ProgressBar,
@@ -140,15 +140,6 @@ async fn fetch(
     })
 }
 
-/// Where a sample's file goes, relative to `--out`.
-fn relative_path(layout: BulkLayout, s: &Sample) -> PathBuf {
-    match layout {
-        BulkLayout::Plain => PathBuf::from(format!("shard-{:05}", s.index / SHARD_SIZE))
-            .join(format!("{}.safetensors", file_stem(&s.id))),
-        BulkLayout::Speculators => PathBuf::from(format!("hs_{}.safetensors", s.index)),
-    }
-}
-
 /// One answer for `s`, checked and made into its file: asked of the least busy server up, and
 /// again (of any server) while the failures are worth retrying and `--retries` allows.
 async fn answer(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample) -> Result<Prepared, Outcome> {
@@ -171,8 +162,8 @@ async fn answer(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample)
         let server: &Server = lease.server;
         let r = match fetch(client, a, sh, &server.url, s).await {
             Ok(answer) => {
-                let layout = sh.layout;
-                let checked = tokio::task::spawn_blocking(move || prepare(&answer, layout))
+                let (layout, expected) = (sh.layout, sh.expected.clone());
+                let checked = tokio::task::spawn_blocking(move || prepare(&answer, layout, &expected))
                     .await
                     .unwrap_or_else(|e| Err((false, format!("checking the answer: {e}"))));
                 checked.map_err(|(retry, msg)| if retry { Trouble::Again(msg) } else { Trouble::Fatal(msg) })
@@ -214,12 +205,42 @@ async fn answer(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample)
     }
 }
 
+/// Takes `rel` for the sample `id`, unless the folder's manifests (or this run) have given it to
+/// another sample: the error then names that sample.
+fn claim(sh: &Shared, rel: &str, id: &str) -> Result<(), String> {
+    let (path, who) = (xxhash_rust::xxh64::xxh64(rel.as_bytes(), 0), xxhash_rust::xxh64::xxh64(id.as_bytes(), 0));
+    let mut files = sh.files.lock().unwrap_or_else(|p| p.into_inner());
+    match files.get(&path) {
+        Some(&other) if other != who => {
+            drop(files);
+            let other = recorded_for(&sh.out, rel).map(|o| format!("{o:?}")).unwrap_or_else(|| "another sample".into());
+            let hint = match sh.layout {
+                BulkLayout::Speculators => {
+                    " (--layout speculators names files by input row: has the input changed order since the folder \
+                     was written?)"
+                }
+                BulkLayout::Plain => "",
+            };
+            Err(format!(
+                "its file {rel} is already {other}'s: a file holds one sample, so this one is not written{hint}"
+            ))
+        }
+        _ => {
+            files.insert(path, who);
+            Ok(())
+        }
+    }
+}
+
 async fn process(client: &reqwest::Client, a: &BulkArgs, sh: &Shared, s: &Sample) -> Outcome {
+    let rel = relative_path(sh.layout, s);
+    if let Err(e) = claim(sh, &rel.to_string_lossy(), &s.id) {
+        return Outcome::Failed(e);
+    }
     let prepared = match answer(client, a, sh, s).await {
         Ok(p) => p,
         Err(o) => return o,
     };
-    let rel = relative_path(sh.layout, s);
     let file = sh.out.join(&rel);
     let Prepared { bytes, checksums, rows } = prepared;
     let size = bytes.len();
@@ -336,7 +357,15 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(!a.layers.is_empty(), "--layers needs at least one index");
     check_layout(&a)?;
     let input = Input::new(&a, &input_path)?;
+    let client = reqwest::Client::builder().timeout(Duration::from_secs_f64(a.timeout_s)).build()?;
+    // Every server's model, and the settings for it, checked against the folder before anything
+    // is written to it.
+    let pinned = settings::pin_servers(&client, &a, &servers).await?;
     std::fs::create_dir_all(&a.out)?;
+    let pinned = {
+        let out = a.out.clone();
+        tokio::task::spawn_blocking(move || settings::pin_folder(&out, &pinned).map(|()| pinned)).await??
+    };
     let name = manifest_name(a.shard);
     let manifest_path = a.out.join(&name);
     let mut manifest = std::fs::OpenOptions::new().create(true).append(true).open(&manifest_path)?;
@@ -381,6 +410,8 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
         pool: Pool::new(&servers),
         body,
         layout: a.layout,
+        expected: Arc::new(pinned.expected_metadata()),
+        files: std::sync::Mutex::new(recorded_files(&a.out)),
         manifest: Mutex::new(manifest),
         failures: Mutex::new(Vec::new()),
         bar,
@@ -396,7 +427,6 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
             stop.cancel();
         });
     }
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(a.timeout_s)).build()?;
     let a = Arc::new(a);
     // The input is read as the samples go, a few ahead of the workers.
     let concurrency = a.concurrency.max(1);

@@ -1,8 +1,8 @@
 //! `layertap bulk --verify`: every file a manifest lists re-read and checked.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use super::answer::metadata;
 use super::manifest::{manifest_name, manifests};
+use super::paths::{file_inside, recorded_path};
 use crate::answer::checksum::{verify_checksums, xxh64_hex};
 use crate::cli::BulkArgs;
 
@@ -18,16 +19,72 @@ use crate::cli::BulkArgs;
 struct Entry {
     /// Line number in the manifest (from 0).
     line: usize,
-    id: String,
+    id: Option<String>,
     file: Option<String>,
     xxh64: Option<String>,
+    /// What is wrong with the line before its file is read.
+    problem: Option<String>,
 }
 
-/// Checks one recorded file: present, its whole-file xxh64 as the manifest recorded it, and each
-/// tensor against the checksums in its own metadata (where it has them). Returns its size.
-fn check_file(out: &Path, e: &Entry) -> Result<u64, String> {
+impl Entry {
+    /// How a report names the entry: its id, or its line.
+    fn name(&self) -> String {
+        self.id.clone().unwrap_or_else(|| format!("(line {})", self.line + 1))
+    }
+}
+
+/// A JSON line of a manifest as an entry; a line that is not JSON (a write torn by a crash) is
+/// none.
+fn entry(line: usize, text: &[u8]) -> Option<Entry> {
+    let v: Value = serde_json::from_slice(text).ok()?;
+    let str_of = |k: &str| v.get(k).and_then(Value::as_str).map(String::from);
+    let (id, file) = (str_of("id"), str_of("file"));
+    let problem = if !v.is_object() {
+        Some("the manifest line is not a JSON object".to_string())
+    } else if id.is_none() {
+        Some("the manifest line has no id".to_string())
+    } else {
+        None
+    };
+    Some(Entry { line, id, file, xxh64: str_of("xxh64"), problem })
+}
+
+/// A recorded path as one key per file (`./a` and `a` alike); None for a path outside the folder.
+fn file_key(file: &str) -> Option<PathBuf> {
+    let p = recorded_path(file).ok()?;
+    Some(p.components().filter(|c| matches!(c, std::path::Component::Normal(_))).collect())
+}
+
+/// Every file the manifests of `out` record for more than one sample: file → the ids.
+fn shared_files(out: &Path) -> HashMap<PathBuf, BTreeSet<String>> {
+    let mut by_file: HashMap<PathBuf, BTreeSet<String>> = HashMap::new();
+    for m in manifests(out) {
+        let Ok(bytes) = std::fs::read(&m) else { continue };
+        for (i, l) in bytes.split(|&b| b == b'\n').enumerate() {
+            let Some(Entry { id: Some(id), file: Some(file), .. }) = entry(i, l) else { continue };
+            if let Some(key) = file_key(&file) {
+                by_file.entry(key).or_default().insert(id);
+            }
+        }
+    }
+    by_file.retain(|_, ids| ids.len() > 1);
+    by_file
+}
+
+/// Checks one recorded file: inside the folder, given to this sample only, present, its
+/// whole-file xxh64 as the manifest recorded it, and each tensor against the checksums in its own
+/// metadata (where it has them). Returns its size.
+fn check_file(out: &Path, e: &Entry, shared: &HashMap<PathBuf, BTreeSet<String>>) -> Result<u64, String> {
+    if let Some(p) = &e.problem {
+        return Err(p.clone());
+    }
     let file = e.file.as_deref().ok_or("the manifest line names no file")?;
-    let data = match std::fs::read(out.join(file)) {
+    let path = file_inside(out, file)?;
+    if let Some(ids) = file_key(file).and_then(|k| shared.get(&k)) {
+        let others: Vec<String> = ids.iter().filter(|i| Some(*i) != e.id.as_ref()).map(|i| format!("{i:?}")).collect();
+        return Err(format!("the file is also recorded for {}: one file cannot hold two samples", others.join(", ")));
+    }
+    let data = match std::fs::read(&path) {
         Ok(d) => d,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Err("missing".into()),
         Err(err) => return Err(format!("unreadable: {err}")),
@@ -83,31 +140,25 @@ pub fn verify(a: &BulkArgs) -> anyhow::Result<i32> {
     if paths.is_empty() {
         anyhow::bail!("nothing to verify: {} holds no manifest", a.out.display());
     }
+    // Files are shared by every manifest of the folder, whichever is checked.
+    let shared = shared_files(&a.out);
     let mut code = 0;
     for path in &paths {
         if paths.len() > 1 {
             eprintln!("{}:", path.file_name().unwrap_or_default().to_string_lossy());
         }
-        code = code.max(verify_manifest(a, path)?);
+        code = code.max(verify_manifest(a, path, &shared)?);
     }
     Ok(code)
 }
 
 /// Re-reads every file one manifest lists, reports those missing or corrupt and drops their
 /// lines from it. Returns 0 when all are intact, 1 otherwise.
-fn verify_manifest(a: &BulkArgs, path: &Path) -> anyhow::Result<i32> {
+fn verify_manifest(a: &BulkArgs, path: &Path, shared: &HashMap<PathBuf, BTreeSet<String>>) -> anyhow::Result<i32> {
     let bytes =
         std::fs::read(path).map_err(|e| anyhow::anyhow!("nothing to verify: cannot read {}: {e}", path.display()))?;
     let lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
-    let entries: Vec<Entry> = lines
-        .iter()
-        .enumerate()
-        .filter_map(|(line, l)| {
-            let v: Value = serde_json::from_slice(l).ok()?;
-            let str_of = |k: &str| v[k].as_str().map(String::from);
-            Some(Entry { line, id: str_of("id")?, file: str_of("file"), xxh64: str_of("xxh64") })
-        })
-        .collect();
+    let entries: Vec<Entry> = lines.iter().enumerate().filter_map(|(line, l)| entry(line, l)).collect();
     let bar = indicatif::ProgressBar::new(entries.len() as u64).with_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} files  {msg}  eta {eta}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
@@ -121,7 +172,7 @@ fn verify_manifest(a: &BulkArgs, path: &Path) -> anyhow::Result<i32> {
             scope.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(e) = entries.get(i) else { return };
-                let r = check_file(&a.out, e);
+                let r = check_file(&a.out, e, shared);
                 if let Ok(n) = r {
                     let t = total.fetch_add(n, Ordering::Relaxed) + n;
                     bar.set_message(format!("{:.1} MB", t as f64 / 1e6));
@@ -137,7 +188,7 @@ fn verify_manifest(a: &BulkArgs, path: &Path) -> anyhow::Result<i32> {
     let mut bad = HashSet::new();
     for (e, r) in entries.iter().zip(results) {
         if let Some(Err(what)) = r.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            eprintln!("{}: {}: {what}", e.id, e.file.as_deref().unwrap_or("(no file)"));
+            eprintln!("{}: {}: {what}", e.name(), e.file.as_deref().unwrap_or("(no file)"));
             bad.insert(e.line);
         }
     }

@@ -58,15 +58,16 @@ pub struct BulkArgs {
     /// (exponential backoff).
     #[arg(long, default_value_t = 8)]
     pub retries: usize,
-    /// Seconds one request may take.
-    #[arg(long, default_value_t = 600)]
-    pub timeout_s: u64,
+    /// Seconds one request may take (more than 0; fractions allowed).
+    #[arg(long, default_value = "600", value_parser = parse_timeout)]
+    pub timeout_s: f64,
     /// Re-read every file the manifests of --out list (all of them, or --shard's only) and check
     /// it against its checksums; files missing or corrupt are reported and dropped from their
     /// manifest (the next run redoes them).
     #[arg(long)]
     pub verify: bool,
-    /// Files written: plain (shard-NNNNN/ID.safetensors, the server's answer as it is) or
+    /// Files written: plain (shard-NNNNN/ID-HASH.safetensors: the id made safe for a file name and
+    /// the xxh64 of the exact id; the server's answer as it is) or
     /// speculators (hs_I.safetensors with hidden_states and token_ids, and hidden_states_scales for
     /// fp8; I the sample's index in the input, as speculators' trainers read them).
     #[arg(long, value_enum, default_value_t = BulkLayout::Plain)]
@@ -125,10 +126,20 @@ pub fn parse_shard(s: &str) -> Result<Shard, String> {
     Ok(Shard { index, count })
 }
 
+/// Parses `--timeout-s`: a number of seconds, more than 0 and finite (under 3e9, some 95 years,
+/// so that the deadline it sets can be reckoned).
+pub fn parse_timeout(s: &str) -> Result<f64, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("{s:?}: --timeout-s takes a number of seconds"))?;
+    if !(secs.is_finite() && secs > 0.0 && secs < 3.0e9) {
+        return Err(format!("{s:?}: --timeout-s needs a number of seconds more than 0 and finite (under 3e9)"));
+    }
+    Ok(secs)
+}
+
 /// How `layertap bulk` lays out its files.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum BulkLayout {
-    /// `shard-NNNNN/ID.safetensors`: the answer as the server sent it.
+    /// `shard-NNNNN/ID-HASH.safetensors`: the answer as the server sent it.
     #[default]
     Plain,
     /// `hs_I.safetensors`: `hidden_states` and `token_ids` (and `hidden_states_scales` for fp8), as

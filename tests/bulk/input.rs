@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use serde_json::Value;
 
 use crate::common::*;
-use crate::{assert_states, entry, failures_of, ids_of, manifest, raw_tensors, run_extract};
+use crate::{assert_states, entry, failures_of, file_path, ids_of, manifest, raw_tensors, run_extract};
 
 // ---------------------------------------------------------------------------------------------
 // ShareGPT chats
@@ -46,9 +46,7 @@ async fn sharegpt_conversations_extract_as_the_same_chat_in_roles() {
     assert_eq!(failures[0]["id"], "odd");
     let error = failures[0]["error"].as_str().unwrap();
     assert!(error.contains("message 0: its from is \"narrator\", not one of human"), "{error}");
-    let read = |out: &std::path::Path| {
-        read_safetensors_bytes(&std::fs::read(out.join("shard-00000/c.safetensors")).unwrap()).0
-    };
+    let read = |out: &std::path::Path| read_safetensors_bytes(&std::fs::read(file_path(out, "c")).unwrap()).0;
     let (a, b) = (read(&out_roles), read(&out_sharegpt));
     assert!(b["loss_mask"].i64.contains(&1) && b["loss_mask"].i64.contains(&0), "a chat's loss mask");
     for name in ["input_ids", "loss_mask"] {

@@ -3,7 +3,9 @@
 //! refused before any request.
 
 use crate::common::*;
-use crate::{assert_states, entry, manifest, p, raw_tensors, run_bulk, run_extract, tensor_start, write_input, xxh64};
+use crate::{
+    assert_states, entry, file_path, manifest, p, raw_tensors, run_bulk, run_extract, tensor_start, write_input, xxh64,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_speculators_layout_writes_what_speculators_reads_and_resumes() {
@@ -68,7 +70,7 @@ async fn the_speculators_layout_writes_what_speculators_reads_and_resumes() {
         std::fs::read_dir(&spec).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     let mut want: Vec<String> = (0..5).map(|i| format!("hs_{i}.safetensors")).collect();
-    want.extend(["failures.jsonl".to_string(), "manifest.jsonl".to_string()]);
+    want.extend(["bulk.json", "failures.jsonl", "manifest.jsonl"].map(String::from));
     want.sort();
     assert_eq!(names, want, "one flat folder");
 
@@ -118,7 +120,7 @@ async fn what_the_speculators_layout_cannot_hold_is_refused_before_any_request()
     let out = dir.path().join("plain-fp8");
     let (code, err) = run_extract(&s.base, &input, &out, "1", &["--dtype", "fp8"]).await;
     assert_eq!(code, Some(0), "{err}");
-    let t = raw_tensors(&std::fs::read(out.join("shard-00000/a.safetensors")).unwrap());
+    let t = raw_tensors(&std::fs::read(file_path(&out, "a")).unwrap());
     assert_eq!((t["hidden_states"].0.as_str(), t["hidden_states_scale"].1.clone()), ("F8_E4M3", vec![3, 1]));
 }
 

@@ -2,7 +2,7 @@
 //! speculators layout, which has no slot for them, refuses the flag before any request.
 
 use crate::common::*;
-use crate::{manifest, run_extract, write_input};
+use crate::{file_path, manifest, run_extract, write_input};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn top_k_adds_the_logprobs_to_each_plain_file_and_speculators_refuses_it() {
@@ -16,7 +16,7 @@ async fn top_k_adds_the_logprobs_to_each_plain_file_and_speculators_refuses_it()
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(manifest(&out).len(), 2);
     for (id, rows) in [("a", 2), ("b", 2)] {
-        let bytes = std::fs::read(out.join(format!("shard-00000/{id}.safetensors"))).unwrap();
+        let bytes = std::fs::read(file_path(&out, id)).unwrap();
         layertap::answer::checksum::verify_checksums(&bytes).unwrap();
         let (t, meta) = read_safetensors_bytes(&bytes);
         assert_eq!(meta["top_k"], "3");

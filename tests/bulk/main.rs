@@ -3,15 +3,19 @@
 //!
 //! By topic: `resume` (interrupted runs, refused samples, `--verify`), `retries` (answers
 //! corrupted or throttled on the way), `layouts` (`--layout speculators`), `tokens` (`--tokens`),
-//! `input` (ShareGPT chats and Parquet files) and `shards` (`--shard I/N` and several servers).
+//! `input` (ShareGPT chats and Parquet files), `shards` (`--shard I/N` and several servers),
+//! `integrity` (a file of its own for every sample, only paths inside the folder read) and
+//! `pinning` (the settings and the model a folder is made with).
 //! This file holds what they share: running `layertap bulk` and reading what it wrote.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod input;
+mod integrity;
 mod layouts;
 mod logprobs;
+mod pinning;
 mod resume;
 mod retries;
 mod shards;
@@ -83,6 +87,11 @@ fn manifest(dir: &std::path::Path) -> Vec<Value> {
 
 fn entry<'a>(m: &'a [Value], id: &str) -> &'a Value {
     m.iter().find(|v| v["id"] == id).unwrap_or_else(|| panic!("{id} is not in the manifest"))
+}
+
+/// Where the manifest of `out` says the sample `id` is.
+fn file_path(out: &std::path::Path, id: &str) -> std::path::PathBuf {
+    out.join(entry(&manifest(out), id)["file"].as_str().unwrap())
 }
 
 fn failures_of(out: &std::path::Path, name: &str) -> Vec<Value> {

@@ -1,7 +1,7 @@
 //! `--tokens`: which rows a file keeps (all, the assistant turns, the last k) and their positions.
 
 use crate::common::*;
-use crate::{assert_states, run_extract};
+use crate::{assert_states, file_path, run_extract};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_values_other_than_all_assistant_and_last_k_are_refused_at_parse_time() {
@@ -42,7 +42,7 @@ async fn tokens_assistant_and_last_k_keep_the_selected_rows_and_their_positions(
     let mut partial = false;
     for id in ["chat", "ids", "one"] {
         let read = |out: &std::path::Path| {
-            let bytes = std::fs::read(out.join(format!("shard-00000/{id}.safetensors"))).unwrap();
+            let bytes = std::fs::read(file_path(out, id)).unwrap();
             read_safetensors_bytes(&bytes)
         };
         let (full, meta) = read(&outs[0]);

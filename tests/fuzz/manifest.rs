@@ -53,11 +53,13 @@ fn done_line(i: usize) -> String {
         .to_string()
 }
 
-/// The ids of a manifest's complete, well-formed lines (what bulk itself writes).
+/// The ids of a manifest's complete, well-formed lines (what bulk itself writes: an id and a
+/// file).
 fn strict_manifest_ids(bytes: &[u8]) -> Vec<String> {
     bytes
         .split(|&b| b == b'\n')
         .filter_map(|l| serde_json::from_slice::<Value>(l).ok())
+        .filter(|v| v.get("file").and_then(Value::as_str).is_some())
         .filter_map(|v| v.get("id").and_then(Value::as_str).map(String::from))
         .collect()
 }
@@ -84,7 +86,7 @@ fn run_bulk(n: usize, manifest: &[u8]) -> (Vec<String>, Vec<u8>, i32) {
         concurrency: 2,
         api_key: None,
         retries: 2,
-        timeout_s: 30,
+        timeout_s: 30.0,
         verify: false,
         id_column: "id".into(),
         ..Default::default()

@@ -279,6 +279,43 @@ def test_a_damaged_source_file_is_listed_and_the_rest_converted(bulk, tmp_path):
     assert not (out / FAILURES).exists()
 
 
+def test_manifest_lines_leaving_the_folder_or_recording_no_file_are_listed_and_never_read(bulk, tmp_path):
+    src, outside, out = tmp_path / "src", tmp_path / "outside", tmp_path / "out"
+    subprocess.run(["cp", "-r", str(bulk["bf16"]), str(src)], check=True)
+    outside.mkdir()
+    entries = [json.loads(line) for line in (src / "manifest.jsonl").read_text().splitlines()]
+    by_id = {e["id"]: e for e in entries}
+    moved = {}
+    for id_ in ("ids-a", "ids-d", "chat-c"):  # intact files, moved out of the folder
+        f = src / by_id[id_]["file"]
+        moved[id_] = outside / f.name
+        os.replace(f, moved[id_])
+    by_id["ids-a"]["file"] = f"../outside/{moved['ids-a'].name}"
+    by_id["ids-d"]["file"] = str(moved["ids-d"])
+    # The first file (by path), a link out to one of other layers, which the folder's layer check
+    # must not read either.
+    assert BulkFolder(src).entries[0]["id"] == "chat-c"
+    prenorm = {e["id"]: e["file"] for e in BulkFolder(bulk["prenorm"]).entries}["chat-c"]
+    moved["chat-c"].write_bytes((bulk["prenorm"] / prenorm).read_bytes())
+    os.symlink(moved["chat-c"], src / by_id["chat-c"]["file"])
+    del by_id["text-b"]["file"]
+    lines = [json.dumps(e) for e in entries] + [json.dumps({"file": entries[-1]["file"]})]
+    (src / "manifest.jsonl").write_text("".join(line + "\n" for line in lines))
+
+    p = _run("specforge-eagle3", src, out, "--quiet")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"converted {len(SAMPLES) - 4} samples" in p.stdout and "5 failed" in p.stdout, p.stdout
+    failures = {f["id"]: f["error"] for f in map(json.loads, (out / FAILURES).read_text().splitlines())}
+    assert sorted(failures, key=str) == sorted(["ids-a", "ids-d", "chat-c", "text-b", None], key=str), failures
+    for id_ in ("ids-a", "ids-d", "chat-c"):
+        assert "out of the folder" in failures[id_] or "absolute" in failures[id_], failures[id_]
+        assert "inside the folder" in failures[id_], failures[id_]
+    assert "no file" in failures["text-b"] and "no id" in failures[None], failures
+    stray = [c for c in tmp_path.glob("**/*.ckpt*") if out not in c.parents]
+    assert not stray, f"written outside the output folder: {stray}"
+    assert sorted(_by_id(out)) == sorted(s["id"] for s in SAMPLES if s["id"] not in failures)
+
+
 def test_layer_sets_and_folders_the_formats_cannot_take_are_refused(bulk, tmp_path):
     p = _run("specforge-eagle3", bulk["prenorm"], tmp_path / "a")
     assert p.returncode == 2

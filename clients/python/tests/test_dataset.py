@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from layertap_client import ChecksumMismatch, Client, LayertapError
-from layertap_client.dataset import BulkFolder, manifest_paths, shard_indices
+from layertap_client.dataset import BulkFolder, BulkFolderError, manifest_paths, shard_indices
 from test_client import CHAT, HIDDEN, Server, _flip, run_bulk
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "drafter_data.py"
@@ -218,6 +218,61 @@ def test_corrupt_file_is_reported_or_skipped(bulk, tmp_path):
         list(BulkFolder(tmp_path / "c").iter())
     with pytest.warns(RuntimeWarning):
         assert len(list(BulkFolder(tmp_path / "c").iter(skip_errors=True))) == len(SAMPLES) - 1
+
+
+def test_manifest_paths_out_of_the_folder_are_refused(bulk, tmp_path):
+    folders, expected = bulk
+    src, outside = tmp_path / "src", tmp_path / "outside"
+    subprocess.run(["cp", "-r", str(folders["f32"]), str(src)], check=True)
+    outside.mkdir()
+    manifest = src / "manifest.jsonl"
+    original = manifest.read_text()
+
+    def rewrite(edit):
+        entries = [json.loads(line) for line in original.splitlines()]
+        entries = [e for e in map(edit, entries) if e is not None]
+        manifest.write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+    victim = next(json.loads(x) for x in original.splitlines() if json.loads(x)["id"] == "text-e")
+    copy = outside / Path(victim["file"]).name
+    copy.write_bytes((src / victim["file"]).read_bytes())  # intact: only its place is wrong
+    for path, says in (
+        (f"../outside/{copy.name}", "goes up out of the folder"),
+        (str(copy), "is absolute"),
+    ):
+        rewrite(lambda e: {**e, "file": path} if e["id"] == "text-e" else e)
+        with pytest.raises(BulkFolderError, match=says) as err:
+            BulkFolder(src)
+        assert repr(path) in str(err.value)
+        loose = BulkFolder(src, strict=False)
+        assert sorted(loose.ids) == [i for i in IDS if i != "text-e"]
+        assert [(p["id"], p["file"]) for p in loose.problems] == [("text-e", path)]
+        assert "inside the folder" in loose.problems[0]["error"]
+    # A line without a file, and one without an id, are refused too.
+    rewrite(lambda e: {k: v for k, v in e.items() if k != "file"} if e["id"] == "text-e" else e)
+    with pytest.raises(BulkFolderError, match="no file for 'text-e'"):
+        BulkFolder(src)
+    # An id's last line counts: a later line recording a file inside the folder supersedes it.
+    manifest.write_text(manifest.read_text() + json.dumps(victim) + "\n")
+    assert sorted(BulkFolder(src).ids) == IDS
+    manifest.write_text(original + json.dumps({"file": victim["file"]}) + "\n")
+    with pytest.raises(BulkFolderError, match="line 13 records no id"):
+        BulkFolder(src)
+    # The recorded path a link leading out of the folder: refused when it is read.
+    manifest.write_text(original)
+    (src / victim["file"]).unlink()
+    (src / victim["file"]).symlink_to(copy)
+    f = BulkFolder(src)
+    i = f.ids.index("text-e")
+    with pytest.raises(BulkFolderError, match="leads out of the folder"):
+        f.load(i)
+    with pytest.warns(RuntimeWarning, match="text-e"):
+        assert sorted(s["id"] for s in f.iter(skip_errors=True)) == [x for x in IDS if x != "text-e"]
+    if torch is not None:
+        from layertap_client.dataset import BulkIterableDataset
+
+        with pytest.raises(BulkFolderError, match="leads out of the folder"):
+            list(BulkIterableDataset(src))
 
 
 def test_errors_pickle():

@@ -32,7 +32,9 @@ Each output goes to ``OUT/<the bulk file's path>.ckpt`` through a temporary
 name and a rename, and ``OUT/convert-manifest.jsonl`` records it, so running
 the same command again after a crash or Ctrl-C resumes: finished samples are
 skipped, the rest are done. Samples that cannot be converted are listed in
-``OUT/convert-failures.jsonl`` and the exit status is 1.
+``OUT/convert-failures.jsonl`` and the exit status is 1, and so are manifest
+lines that record no id or no file, or a file outside the bulk folder (``..``,
+an absolute path, a link leading out of it), which are never read.
 
 torch is not needed: the files are written in ``torch.save``'s own format
 (see :mod:`layertap_client._torchsave`).
@@ -267,7 +269,7 @@ def convert_folder(
         raise ConvertError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     if dtype not in DTYPES:
         raise ConvertError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-    folder = BulkFolder(source, verify=True)
+    folder = BulkFolder(source, verify=True, strict=False)
     out = Path(out)
     if out.resolve() == folder.root.resolve():
         raise ConvertError("the output folder must not be the bulk folder")
@@ -308,13 +310,23 @@ def convert_folder(
     if todo:  # the folder's layers are checked on its first file before anything is written
         first = folder.path(todo[0][0])
         try:
-            _, metadata, _ = _safetensors.header(first.read_bytes())
+            _, metadata, _ = _safetensors.header(folder.read(todo[0][0]))
         except LOAD_ERRORS:
             pass  # that file fails on its own below
         else:
             check_layers(fmt, *_labels(metadata, str(first)), what=str(first))
     (out / FAILURES).unlink(missing_ok=True)  # it lists this run's failures only
     failures = None
+    # Manifest lines that cannot be used (no id, no file, a file outside the folder) are failures.
+    for problem in folder.problems:
+        summary.failed += 1
+        if failures is None:
+            failures = open(out / FAILURES, "ab")
+        line = {"id": problem["id"], "file": problem["file"], "error": problem["error"]}
+        failures.write((json.dumps(line) + "\n").encode())
+        failures.flush()
+        if not quiet:
+            sys.stderr.write(f"{problem['error']}\n")
     progress = _Progress(len(todo), quiet)
     with open(out / MANIFEST, "ab") as manifest:
         if manifest.tell() > 0:  # a line torn by a crash stays a line of its own

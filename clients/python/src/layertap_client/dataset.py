@@ -27,7 +27,7 @@ import json
 import os
 import re
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
@@ -36,15 +36,47 @@ import xxhash
 from . import _safetensors
 from ._common import ChecksumMismatch, LayertapError, decode
 
-__all__ = ["BulkFolder", "BulkIterableDataset", "BulkDataset", "manifest_paths", "shard_indices"]
+__all__ = [
+    "BulkFolder",
+    "BulkFolderError",
+    "BulkIterableDataset",
+    "BulkDataset",
+    "manifest_paths",
+    "shard_indices",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 _SHARDED = re.compile(r"manifest-(\d+)-of-(\d+)\.jsonl")
 
+
+class BulkFolderError(ValueError):
+    """A bulk folder's manifest that cannot be used as it stands: a line without an id or a
+    file, or a file outside the folder (``..``, an absolute path, a link leading out of it)."""
+
+
 #: What a file that cannot be used raises: missing or unreadable (OSError), not
-#: safetensors (SafetensorsError), checksums that do not match (LayertapError).
-LOAD_ERRORS = (OSError, _safetensors.SafetensorsError, LayertapError)
+#: safetensors (SafetensorsError), checksums that do not match (LayertapError), a link
+#: leading out of the folder (BulkFolderError).
+LOAD_ERRORS = (OSError, _safetensors.SafetensorsError, LayertapError, BulkFolderError)
+
+
+def outside_reason(file: str) -> Optional[str]:
+    """Why a manifest's ``file`` does not name a path inside the folder (None when it does): it
+    must be relative, without ``..``, a drive or a backslash. Links are checked when the file is
+    read."""
+    if not file:
+        return "is empty"
+    if "\\" in file or "\0" in file:
+        return "holds a backslash or a NUL"
+    p = PurePosixPath(file)
+    if p.is_absolute() or PureWindowsPath(file).drive:
+        return "is absolute"
+    if ".." in p.parts:
+        return "goes up out of the folder (..)"
+    if not [part for part in p.parts if part not in ("", ".")]:
+        return "names no file"
+    return None
 
 
 def manifest_paths(root: PathLike) -> List[Path]:
@@ -107,6 +139,14 @@ class BulkFolder:
     run finished them in. A line of the manifest that is not JSON (a line torn
     by a crash) is ignored, as ``layertap bulk`` itself does; an id recorded
     twice counts once (its last line).
+
+    Only files inside the folder are read. A manifest line that records no id,
+    or is an id's last line and records no file or a file outside the folder
+    (``..``, an absolute path), raises :class:`BulkFolderError` listing them;
+    with ``strict=False`` they are left out and listed in :attr:`problems`
+    instead (``layertap bulk --verify`` drops such lines, and the next bulk run
+    extracts their samples again). A file that is a link leading out of the
+    folder raises :class:`BulkFolderError` when it is read.
     """
 
     def __init__(
@@ -115,6 +155,7 @@ class BulkFolder:
         verify: bool = True,
         dequantize: bool = True,
         bf16: str = "auto",
+        strict: bool = True,
     ):
         self.root = Path(root)
         self.verify = verify
@@ -125,16 +166,56 @@ class BulkFolder:
             raise FileNotFoundError(
                 f"{self.root} has no manifest.jsonl nor manifest-I-of-N.jsonl: is it a `layertap bulk --out` folder?"
             )
-        by_id: Dict[str, Dict[str, Any]] = {}
+        self._real_root = self.root.resolve()
+        #: Manifest lines left out: ``{"manifest", "line" (from 1), "id", "file", "error"}``.
+        self.problems: List[Dict[str, Any]] = []
+        # id -> its last line: (entry, None) when usable, (None, problem) when not
+        by_id: Dict[str, Any] = {}
         for path in self.manifests:
-            for line in path.read_bytes().split(b"\n"):
+            for n, line in enumerate(path.read_bytes().split(b"\n"), 1):
                 try:
                     entry = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(entry, dict) and isinstance(entry.get("id"), str) and isinstance(entry.get("file"), str):
-                    by_id[entry["id"]] = entry
-        self.entries: List[Dict[str, Any]] = sorted(by_id.values(), key=lambda e: (_natural_key(e["file"]), e["id"]))
+                fields = entry if isinstance(entry, dict) else {}
+                id_, file = fields.get("id"), fields.get("file")
+                if not isinstance(entry, dict):
+                    why = "is not a JSON object"
+                elif not isinstance(id_, str):
+                    why = "records no id"
+                elif not isinstance(file, str):
+                    why = f"records no file for {id_!r}"
+                else:
+                    reason = outside_reason(file)
+                    if reason is not None:
+                        why = f"records the file {file!r}, which {reason}; only files inside the folder are read"
+                    else:
+                        why = None
+                if why is None:
+                    by_id[id_] = (entry, None)
+                    continue
+                problem = {
+                    "manifest": path.name,
+                    "line": n,
+                    "id": id_ if isinstance(id_, str) else None,
+                    "file": file if isinstance(file, str) else None,
+                    "error": f"{path.name} line {n} {why}",
+                }
+                if isinstance(id_, str):
+                    by_id[id_] = (None, problem)
+                else:
+                    self.problems.append(problem)
+        self.problems.extend(p for _, p in by_id.values() if p is not None)
+        self.problems.sort(key=lambda p: (p["manifest"], p["line"]))
+        if strict and self.problems:
+            shown = "; ".join(p["error"] for p in self.problems[:5])
+            more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+            raise BulkFolderError(
+                f"{self.root}: {len(self.problems)} manifest line(s) cannot be used: {shown}{more}. "
+                "`layertap bulk --verify` drops them and the next bulk run extracts those samples again"
+            )
+        usable = [e for e, _ in by_id.values() if e is not None]
+        self.entries: List[Dict[str, Any]] = sorted(usable, key=lambda e: (_natural_key(e["file"]), e["id"]))
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -153,9 +234,16 @@ class BulkFolder:
 
     def read(self, i: int) -> bytes:
         """Sample ``i``'s file as stored, checked against the manifest's whole-file xxh64 when
-        ``verify`` is on (its tensors' checksums are checked when it is decoded)."""
+        ``verify`` is on (its tensors' checksums are checked when it is decoded). A file that is
+        a link leading out of the folder raises :class:`BulkFolderError`."""
         entry = self.entries[i]
         path = self.root / entry["file"]
+        real = path.resolve()
+        if real != self._real_root and self._real_root not in real.parents:
+            raise BulkFolderError(
+                f"{path}: the manifest's file {entry['file']!r} leads out of the folder (to {real}); only files "
+                "inside the folder are read"
+            )
         data = path.read_bytes()
         if self.verify and isinstance(entry.get("xxh64"), str):
             got = xxhash.xxh64(data).hexdigest()

@@ -14,7 +14,13 @@ default model (`make model`). It starts `layertap serve`, then:
    `python -m layertap_client.convert specforge-eagle3|specforge-dflash`, and reads every
    file through SpecForge's OfflineManifestReader, feature store, normaliser and collator
    for EAGLE-3 and DFlash;
-3. kills a conversion halfway and checks that running it again resumes to the same files.
+3. kills a conversion halfway and checks that running it again resumes to the same files;
+4. online, with nothing on disk (layertap_client.trainers): speculators' train config with
+   `--hidden-states-backend layertap` and its own train/val DataLoaders; SpecForge 0.2's
+   online producer with LayertapFeatureSource for EAGLE-3 and DFlash; and, given
+   `--specforge-legacy DIR` (a SpecForge source tree from before 2026-07, whose target
+   models PyPI's releases do not carry), LayertapEagle3TargetModel / LayertapDFlashTargetModel
+   called as that version's training scripts call them, on its own collated batches.
 
 Every sample's tensors are compared with layertap's answer for the same input. It prints
 one line per check with its counts and exits non-zero on any failure.

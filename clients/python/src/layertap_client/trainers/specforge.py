@@ -26,6 +26,7 @@ used (the output dataclasses, its algorithm registry, its ``TargetHead``).
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -219,6 +220,7 @@ class DFlashTargetOutput:
     loss_mask: torch.Tensor
 
 
+@functools.lru_cache(maxsize=None)
 def _output_class(module: str, name: str, fallback: type) -> type:
     try:
         mod = __import__(module, fromlist=[name])
@@ -237,6 +239,15 @@ def _batch_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Tuple[b
     ids = input_ids.detach().to("cpu", torch.int64).contiguous()
     mask = attention_mask.detach().to("cpu", torch.int64).contiguous()
     return ids.numpy().tobytes(), mask.numpy().tobytes(), tuple(ids.shape)
+
+
+_OWN_ARGS = ("dtype", "api_key", "timeout", "retries", "request_tokens", "max_requests")
+
+
+def _own(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The keyword arguments of :class:`_TargetModel`; the SpecForge backends' others
+    (``trust_remote_code``, SGLang's settings, ...) mean nothing here and are dropped."""
+    return {k: v for k, v in kwargs.items() if k in _OWN_ARGS}
 
 
 class _TargetModel:
@@ -379,12 +390,14 @@ class LayertapEagle3TargetModel(_TargetModel):
         """The target model over ``servers``, with the output head of the checkpoint at
         ``pretrained_model_name_or_path`` (SpecForge's ``TargetHead``: ``lm_head_key`` from its
         safetensors index; give ``model.embed_tokens.weight`` for a model with tied
-        embeddings), on ``device`` in ``torch_dtype``."""
+        embeddings), on ``device`` in ``torch_dtype``. Keyword arguments other than this
+        class's own (``dtype``, ``api_key``, ``timeout``, ``retries``, ``request_tokens``,
+        ``max_requests``) are ignored, so the call of SpecForge's factory fits as it is."""
         from specforge.modeling.target.target_head import TargetHead
 
         head = TargetHead.from_pretrained(pretrained_model_name_or_path, lm_head_key=lm_head_key, cache_dir=cache_dir)
         head = head.to(device=device or head.fc.weight.device, dtype=torch_dtype or head.fc.weight.dtype)
-        return cls(servers, lm_head=head, **kwargs)
+        return cls(servers, lm_head=head, **_own(kwargs))
 
     def set_aux_hidden_states_layers(self, aux_hidden_states_layers: Optional[List[int]] = None) -> None:
         """SpecForge's default for none: ``[1, L/2 - 1, L - 4]`` (decoder layers from 0)."""
@@ -451,7 +464,9 @@ class LayertapDFlashTargetModel(_TargetModel):
         servers: Union[str, Sequence[str]],
         **kwargs: Any,
     ) -> "LayertapDFlashTargetModel":
-        """The target model over ``servers`` (no weights are needed on the trainer)."""
+        """The target model over ``servers`` (no weights are needed on the trainer); keyword
+        arguments other than this class's own are ignored, as for the EAGLE-3 model."""
+        kwargs = _own(kwargs)
         if torch_dtype is not None and "dtype" not in kwargs:
             kwargs["dtype"] = str(torch_dtype).replace("torch.", "")
         return cls(servers, **kwargs)

@@ -65,7 +65,9 @@ soak: model
 	$(CARGO) build --quiet --bin layertap --example soak
 	$(BIN_DIR)/examples/soak --bin $(BIN_DIR)/layertap --model $(DEFAULT_MODEL)
 
-# The drafter trainers' own readers (speculators + hs-connectors, SpecForge) on layertap's output:
+# The drafter trainers' own readers (speculators + hs-connectors, SpecForge) on layertap's output,
+# and the online drop-ins of layertap_client.trainers driven by the trainers' own code
+# (SPECFORGE_LEGACY=DIR, a SpecForge tree from before 2026-07, adds its target models):
 # a venv of about 4 GB (torch), the release binary and the default model. Not part of `test`.
 trainer-readers: model
 	$(CARGO) build --release --bin layertap

@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _safetensors, _torchsave
+from . import _safetensors, _torchsave, layouts
 from ._common import ChecksumMismatch, LayertapError, verify_checksums
 from .dataset import LOAD_ERRORS, BulkFolder
 
@@ -124,18 +124,12 @@ def _labels(metadata: Dict[str, str], what: str) -> Tuple[List[Any], int]:
 
 
 def check_layers(fmt: str, layers: Sequence[Any], num_layers: int, what: str = "the folder") -> None:
-    """Refuses layer sets the format cannot take, saying what to ask for instead."""
-    if fmt == "specforge-eagle3":
-        if len(layers) < 2:
-            raise ConvertError(
-                f"{what} holds layers {list(layers)}: specforge-eagle3 needs the auxiliary layers and, last, "
-                f"index L = {num_layers} (e.g. --layers 2,{num_layers // 2},{num_layers - 3},-1)"
-            )
-        if layers[-1] != num_layers:
-            raise ConvertError(
-                f"{what} ends with layer {layers[-1]!r}: SpecForge's EAGLE-3 target is the final state after the "
-                f"norm, index L = {num_layers} (its target head has no norm); end --layers with -1"
-            )
+    """Refuses layer sets the format cannot take, saying what to ask for instead
+    (:func:`layertap_client.layouts.check_layers`)."""
+    try:
+        layouts.check_layers(fmt, layers, num_layers, what)
+    except layouts.LayoutError as e:
+        raise ConvertError(str(e)) from None
 
 
 @dataclass
@@ -180,16 +174,18 @@ def convert_sample(fmt: str, data: bytes, what: str, dtype: str = "auto") -> Con
     if hs_dtype == "F8_E4M3" and scale is None:
         raise ConvertError(f"{what}: fp8 hidden_states without hidden_states_scale")
     storage, states = _cast(hs_dtype, hs, scale, dtype)
-    t, n, h = states.shape
-    out: Dict[str, Tuple[str, np.ndarray]] = {"input_ids": ("LongStorage", ids), "loss_mask": ("LongStorage", mask)}
-    if fmt == "specforge-eagle3":
-        out["hidden_state"] = (storage, states[:, n - 1, :].reshape(1, t, h))
-        out["aux_hidden_state"] = (storage, states[:, : n - 1, :].reshape(1, t, (n - 1) * h))
-    elif fmt == "specforge-dflash":
-        out["hidden_states"] = (storage, states.reshape(t, n * h))
-    else:
+    layout = layouts.FILE_LAYOUTS.get(fmt)
+    if layout is None:
         raise ConvertError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-    return Converted(out, layers, num_layers, t)
+    # the trainer's layout, the one the online drop-ins use (ids and masks int64, states as cast)
+    try:
+        arrays = layout({"hidden_states": states, "input_ids": ids, "loss_mask": mask})
+    except layouts.LayoutError as e:
+        raise ConvertError(f"{what}: {e}") from None
+    out: Dict[str, Tuple[str, np.ndarray]] = {
+        name: ("LongStorage" if a.dtype == np.int64 else storage, a) for name, a in arrays.items()
+    }
+    return Converted(out, layers, num_layers, int(states.shape[0]))
 
 
 def _read_jsonl(path: Path) -> List[Dict[str, Any]]:

@@ -141,6 +141,44 @@ def header(
     return entries, metadata, stored
 
 
+def views(data: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], memoryview]], Dict[str, str]]:
+    """Every tensor of a file as ``{name: (dtype, shape, stored bytes)}`` and the metadata, with
+    no copy: the bytes are views of ``data``.
+
+    This checks what the safetensors package checks, without the copy of every tensor that
+    ``safetensors.deserialize`` makes: a dtype layertap writes (:data:`DTYPES`), a shape of
+    non-negative ints whose size is the tensor's byte length, and offsets that tile the data
+    section exactly (no gap, no overlap, nothing past its end). For reading answers into
+    buffers of the caller's choosing (:mod:`layertap_client.online`).
+    """
+    entries, metadata, stored = header(data, validated=True)
+    body = len(memoryview(data).cast("B")) - 8 - struct.unpack("<Q", bytes(memoryview(data)[:8]))[0]
+    spans = []
+    out: Dict[str, Tuple[str, Tuple[int, ...], memoryview]] = {}
+    for name, e in entries.items():
+        shape = e.get("shape") if isinstance(e, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise SafetensorsError(f"tensor {name!r}: malformed shape {shape!r}")
+        begin, end = e["data_offsets"]
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= body):
+            raise SafetensorsError(f"tensor {name!r}: offsets [{begin}, {end}] outside a {body}-byte data section")
+        size = DTYPES[e["dtype"]].itemsize
+        for d in shape:
+            size *= d
+        if size != end - begin:
+            raise SafetensorsError(f"tensor {name!r}: shape {shape} of {e['dtype']} is {size} bytes, its offsets hold {end - begin}")
+        spans.append((begin, end, name))
+        out[name] = (e["dtype"], tuple(shape), stored[name])
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise SafetensorsError(f"tensor {name!r} starts at byte {begin} of the data section, not at {at}")
+        at = end
+    if at != body:
+        raise SafetensorsError(f"the tensors end at byte {at} of a {body}-byte data section")
+    return out, metadata
+
+
 def parse_raw(
     data: Buffer,
 ) -> Tuple[Dict[str, Tuple[str, np.ndarray]], Dict[str, str], Dict[str, memoryview]]:

@@ -1,0 +1,500 @@
+"""Tests of layertap_client.online against the real server (the tiny test model) and small
+local servers that misbehave on purpose.
+
+Every test checks what came out against what was asked for: each sample once, in the order
+the seed says, with the client's own answer for the same input; and, from the server's
+``layertap_tokens_total``, that no sample was asked for twice. The torch dataset is tested
+when torch is installed (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import requests
+
+from layertap_client import Client, LayertapError
+from layertap_client.dataset import BulkFolder
+from layertap_client.online import OnlineSource, SampleError, epoch_order, open_samples, share
+from test_client import Server, _binary, _Stub
+
+try:
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (pip install 'layertap-client[torch]')")
+
+LAYERS = [1, -1]
+
+
+def _samples(n: int = 36):
+    """ids, text and chats of 1 to about 30 tokens, each with an id."""
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append({"id": f"ids-{i}", "input_ids": [(7 * i + k) % 500 + 1 for k in range(1 + i % 23)]})
+        elif i % 3 == 1:
+            out.append({"id": f"text-{i}", "text": " ".join(["the quick brown fox", "jumps", "over"][: 1 + i % 3]) + f" {i}"})
+        else:
+            chat = [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": "answer " * (1 + i % 4)}]
+            out.append({"id": f"chat-{i}", "messages": chat})
+    return out
+
+
+SAMPLES = _samples()
+IDS = [s["id"] for s in SAMPLES]
+
+
+def _input(s):
+    return {k: v for k, v in s.items() if k != "id"}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(srv):
+    """{id: (hidden_states float32, input_ids, loss_mask)} from Client.hidden_states, one input at a time,
+    and {id: tokens of the input}."""
+    out, tokens = {}, {}
+    with Client(srv.url) as c:
+        for s in SAMPLES:
+            [r] = c.hidden_states([_input(s)], layers=LAYERS, dtype="float32")
+            out[s["id"]] = (r.hidden_states, r.input_ids.tolist(), r.loss_mask.tolist())
+            tokens[s["id"]] = len(r.input_ids)
+    return out, tokens
+
+
+def _tokens_total(url: str) -> int:
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("layertap_tokens_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no layertap_tokens_total in /metrics")
+
+
+def _check(sample, reference):
+    want_hs, want_ids, want_mask = reference[0][sample["id"]]
+    assert sample["input_ids"].tolist() == want_ids
+    assert sample["loss_mask"].tolist() == want_mask
+    assert sample["hidden_states"].dtype == np.float32 and sample["hidden_states"].shape == want_hs.shape
+    # bitwise: a sequence's states do not depend on the requests it shares a batch with
+    assert np.array_equal(sample["hidden_states"], want_hs), sample["id"]
+
+
+def _source(url, **kw):
+    kw.setdefault("layers", LAYERS)
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("request_tokens", 48)
+    kw.setdefault("backoff", 0.2)
+    kw.setdefault("max_backoff", 1.0)
+    samples = kw.pop("samples", SAMPLES)
+    return OnlineSource(samples, url, **kw)
+
+
+# -- order, shares, exactly once ---------------------------------------------------------------------
+
+
+def test_share_deals_every_position_once_in_the_dataloaders_order():
+    for n, offset, world, workers, batch in [(37, 0, 2, 2, 3), (10, 4, 3, 2, 1), (5, 0, 4, 3, 2), (0, 0, 1, 1, 1)]:
+        got = [p for r in range(world) for w in range(workers) for p in share(n, offset, r, world, w, workers, batch)]
+        assert sorted(got) == list(range(offset, n))
+        for r in range(world):
+            # a DataLoader takes one batch from each worker in turn: that is the rank's order
+            per_worker = [share(n, offset, r, world, w, workers, batch) for w in range(workers)]
+            chunks = [[c[i : i + batch] for i in range(0, len(c), batch)] for c in per_worker]
+            merged = [p for k in range(max(map(len, chunks), default=0)) for w in range(workers) if k < len(chunks[w]) for p in chunks[w][k]]
+            assert merged == list(range(offset + r, n, world))
+
+
+def test_exactly_once_over_two_ranks_and_two_workers(srv, reference):
+    before = _tokens_total(srv.url)
+    order = epoch_order(len(SAMPLES), True, 5, 2)
+    got = {}
+    for rank in range(2):
+        for worker in range(2):
+            src = _source(srv.url, shuffle=True, seed=5, rank=rank, world_size=2, worker=worker, num_workers=2, batch_size=3)
+            src.set_epoch(2)
+            got[rank, worker] = list(src)
+            want = [IDS[order[p]] for p in share(len(SAMPLES), 0, rank, 2, worker, 2, 3)]
+            assert [s["id"] for s in got[rank, worker]] == want
+            assert src.stats()["retries"] == 0 and src.stats()["failures"] == 0
+    ids = [s["id"] for part in got.values() for s in part]
+    assert Counter(ids) == Counter(IDS)  # every sample, once
+    assert all(len(part) > 0 for part in got.values())
+    for part in got.values():
+        for s in part:
+            _check(s, reference)
+    # the server computed every token of the input once: nothing was asked for twice
+    assert _tokens_total(srv.url) - before == sum(reference[1].values())
+
+
+def test_two_runs_give_the_same_bytes_in_the_same_order(srv):
+    runs = []
+    for request_tokens, max_requests in ((24, 1), (512, 4)):
+        src = _source(srv.url, dtype="bfloat16", shuffle=True, seed=9, request_tokens=request_tokens, max_requests=max_requests)
+        runs.append([(s["id"], s["hidden_states"].tobytes(), s["input_ids"].tobytes(), s["loss_mask"].tobytes()) for s in src])
+    assert runs[0] == runs[1]
+    assert [r[0] for r in runs[0]] == [IDS[i] for i in epoch_order(len(SAMPLES), True, 9, 0)]
+    assert [r[0] for r in runs[0]] != IDS  # shuffled
+    assert len({r[1] for r in runs[0]}) == len(SAMPLES)
+
+
+def test_resume_from_a_mid_epoch_state_asks_only_for_the_rest(srv, reference):
+    full = [s["id"] for s in _source(srv.url, shuffle=True, seed=3)]
+    src = _source(srv.url, shuffle=True, seed=3, max_requests=2)
+    it = iter(src)
+    first = [next(it)["id"] for _ in range(13)]
+    state = json.loads(json.dumps(src.state_dict()))  # what a checkpoint holds
+    src.close()
+    assert state["position"] == 13 and state["epoch"] == 0
+    before = _tokens_total(srv.url)
+    again = _source(srv.url, shuffle=True, seed=0)  # the seed comes from the state
+    again.load_state_dict(state)
+    assert len(again) == len(SAMPLES) - 13
+    rest = list(again)
+    assert first + [s["id"] for s in rest] == full
+    for s in rest:
+        _check(s, reference)
+    assert _tokens_total(srv.url) - before == sum(reference[1][i] for i in full[13:])
+    assert again.state_dict()["position"] == len(SAMPLES)  # the epoch is done
+    with pytest.warns(RuntimeWarning, match="set_epoch"):
+        assert list(again) == []
+    again.set_epoch(1)
+    assert len(list(again)) == len(SAMPLES)
+
+    # two ranks stepping together, then three: the remaining samples, once
+    parts, states = [], []
+    for rank in range(2):
+        r = _source(srv.url, shuffle=True, seed=4, rank=rank, world_size=2)
+        it = iter(r)
+        parts += [next(it)["id"] for _ in range(5)]
+        states.append(r.state_dict())
+        r.close()
+    assert states[0]["position"] == states[1]["position"] == 10
+    for rank in range(3):
+        r = _source(srv.url, rank=rank, world_size=3, shuffle=True)
+        r.load_state_dict(states[rank % 2])
+        parts += [s["id"] for s in r]
+    assert Counter(parts) == Counter(IDS)
+
+    with pytest.raises(ValueError, match="36 samples"):
+        _source(srv.url, samples=SAMPLES[:-1], shuffle=True).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle"):
+        _source(srv.url).load_state_dict(state)
+
+
+# -- servers that fail ----------------------------------------------------------------------------------
+
+
+def test_a_server_killed_mid_epoch_loses_and_duplicates_nothing(srv, reference):
+    other = Server()
+    try:
+        src = _source([srv.url, other.url], shuffle=True, seed=7, request_tokens=16, max_requests=4)
+        it = iter(src)
+        got = [next(it) for _ in range(12)]
+        assert src.stats()["servers"][other.url]["samples"] > 0
+        other.proc.send_signal(signal.SIGKILL)
+        other.proc.wait()
+        got += list(it)
+        stats = src.stats()
+    finally:
+        other.stop()
+    assert [s["id"] for s in got] == [IDS[i] for i in epoch_order(len(SAMPLES), True, 7, 0)]
+    for s in got:
+        _check(s, reference)
+    killed = stats["servers"][other.url]
+    assert killed["failures"] >= 1 and killed["state"] != "out"
+    assert stats["servers"][srv.url]["samples"] + killed["samples"] >= len(SAMPLES)
+    assert stats["failures"] == 0
+
+
+class _Hang:
+    """A server that accepts requests and never answers them."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.requests = 0
+        hang = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                hang.requests += 1
+                hang.release.wait(60)
+
+            do_GET = do_POST
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def info(srv):
+    """The real server's /v1/info, for stub servers to answer first."""
+    return requests.get(srv.url + "/v1/info", timeout=10).content
+
+
+def test_a_server_that_throttles_fails_its_selfcheck_or_hangs_is_routed_around(srv, reference, stub, info):
+    throttle = stub([(429, {"Retry-After": "1"}, b'{"error": "queue full", "type": "overloaded"}')])
+    selfcheck = stub([(503, {}, b'{"error": "the self-check failed", "type": "selfcheck_failed"}')])
+    down = stub([(500, {}, b'{"error": "boom", "type": "internal"}')])
+    hang = _Hang()
+    try:
+        for bad, key, timeout in ((throttle, "throttled", 600), (selfcheck, "failures", 600), (down, "failures", 600), (hang, "failures", 1.5)):
+            t0 = time.monotonic()
+            src = _source([bad.url, srv.url], shuffle=True, seed=1, timeout=timeout, max_requests=3)
+            got = list(src)
+            elapsed = time.monotonic() - t0
+            stats = src.stats()
+            assert [s["id"] for s in got] == [IDS[i] for i in epoch_order(len(SAMPLES), True, 1, 0)], bad.url
+            for s in got:
+                _check(s, reference)
+            assert stats["servers"][bad.url][key] >= 1, stats
+            assert stats["servers"][bad.url]["samples"] == 0 and stats["failures"] == 0
+            assert elapsed < 30, f"{bad.url}: {elapsed:.1f} s"
+        assert [r[0] for r in selfcheck.requests].count("POST") == 1  # out for good after its first answer
+        assert stats["servers"][srv.url]["samples"] == len(SAMPLES)
+    finally:
+        hang.close()
+
+    # every server out for good: a clear error, not a wait
+    failed = stub([(200, {}, info), (503, {}, b'{"error": "the self-check failed", "type": "selfcheck_failed"}')])
+    with pytest.raises(LayertapError, match="out for good: HTTP 503 selfcheck_failed") as e:
+        list(_source([failed.url], timeout=5, max_requests=1))
+    assert e.value.type == "no_server" and len(failed.requests) == 2
+    # no server answers at all: the same, with each one's reason
+    with pytest.raises(LayertapError, match="bad key") as e:
+        list(_source([stub([(401, {}, b'{"error": "bad key", "type": "unauthorized"}')]).url]))
+    assert e.value.status == 401 and e.value.type == "no_server"
+    # a 4xx that is no sample's fault (a wrong URL, say) raises at once, naming the server
+    wrong = stub([(200, {}, info), (404, {}, b"not found")])
+    with pytest.raises(LayertapError, match="no sample causes") as e:
+        list(_source([wrong.url], max_requests=1))
+    assert e.value.status == 404 and len(wrong.requests) == 2
+
+
+def test_a_sample_that_fails_every_retry_is_named(stub, info):
+    down = stub([(200, {}, info), (503, {}, b'{"error": "draining", "type": "unavailable"}')])
+    src = _source([down.url], retries=2, backoff=0.01, max_backoff=0.02, max_requests=1)
+    with pytest.raises(SampleError, match=r"sample 'ids-0' \(row 0\): failed 3 times") as e:
+        list(src)
+    assert e.value.sample_id == "ids-0" and e.value.status == 503
+    assert [r[1] for r in down.requests] == ["/v1/info"] + ["/v1/hidden-states"] * 3
+
+
+@pytest.fixture
+def stub():
+    made = []
+
+    def make(script):
+        s = _Stub(script)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+# -- flow -----------------------------------------------------------------------------------------------
+
+
+def test_the_buffer_bound_holds_when_the_consumer_stops(srv):
+    samples = [{"id": f"n{i}", "input_ids": [(i + k) % 400 + 1 for k in range(8)]} for i in range(60)]
+    row = len(LAYERS) * 64 * 4  # float32 rows of the tiny model
+    bound = 40 * row * 3  # about 15 samples of 8 tokens
+    before = _tokens_total(srv.url)
+    src = _source(srv.url, samples=samples, request_tokens=16, max_requests=4, max_buffered_bytes=bound)
+    it = iter(src)
+    first = next(it)
+    # wait for the fetching to stop (it must, with the consumer not taking anything)
+    deadline = time.monotonic() + 20
+    last = None
+    while time.monotonic() < deadline:
+        st = src.stats()
+        assert st["buffered_bytes"] + st["reserved_bytes"] <= bound
+        key = (st["buffered_samples"], st["in_flight"])
+        if st["in_flight"] == 0 and key == last:
+            break
+        last = key
+        time.sleep(0.3)
+    st = src.stats()
+    assert st["in_flight"] == 0 and 0 < st["buffered_samples"] < len(samples) - 1
+    assert st["peak_bytes"] <= bound and st["buffered_bytes"] > bound // 3
+    fetched = _tokens_total(srv.url) - before
+    assert fetched == 8 * (1 + st["buffered_samples"])  # nothing more was asked for
+    rest = list(it)
+    assert [first["id"]] + [s["id"] for s in rest] == [s["id"] for s in samples]
+    assert src._closed_stats["peak_bytes"] <= bound
+
+
+# -- samples refused --------------------------------------------------------------------------------------
+
+
+def test_a_refused_sample_raises_naming_it_or_is_replaced_and_counted(srv, reference):
+    bad = {"id": "too-big", "input_ids": [3, 4, 100000]}  # past the tiny model's vocabulary: 422
+    samples = SAMPLES[:5] + [bad] + SAMPLES[5:]
+    src = _source(srv.url, samples=samples)
+    got = []
+    with pytest.raises(SampleError, match=r"sample 'too-big' \(row 5\): .*422") as e:
+        for s in src:
+            got.append(s["id"])
+    assert got == IDS[:5]  # everything before it was handed out first
+    assert e.value.sample_id == "too-big" and e.value.row == 5 and e.value.status == 422
+
+    src = _source(srv.url, samples=samples, on_error="replace")
+    out = list(src)
+    assert [s["id"] for s in out] == IDS[:5] + [IDS[5]] + IDS[5:]  # the next of the order took its place
+    for s in out:
+        _check(s, reference)
+    st = src.stats()
+    assert st["replacements"] == 1 and st["failures"] == 1
+    assert st["replaced"][0]["id"] == "too-big" and st["replaced"][0]["replaced_by"] == IDS[5]
+    assert "422" in st["replaced"][0]["error"]
+
+
+# -- the input, as `layertap bulk` reads it -----------------------------------------------------------
+
+
+def test_jsonl_and_sharegpt_inputs_match_layertap_bulk(srv, tmp_path):
+    lines = [json.dumps(s) for s in SAMPLES[:9]] + ["", json.dumps({"text": "no id here"})]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    sharegpt = [
+        {"id": "sg-0", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+        {"id": 17, "conversations": [{"from": "system", "value": "Be brief."}, {"from": "user", "value": "2+2?"}, {"from": "assistant", "value": "4"}]},
+    ]
+    sg_path = tmp_path / "sharegpt.jsonl"
+    sg_path.write_text("".join(json.dumps(s) + "\n" for s in sharegpt))
+    for inp, extra, kw in ((path, [], {}), (sg_path, ["--messages-column", "conversations"], {"messages_column": "conversations"})):
+        out = tmp_path / f"bulk-{inp.stem}"
+        cmd = [str(_binary()), "bulk", "--server", srv.url, "--input", str(inp), "--out", str(out), "--layers", "1,-1", "--dtype", "float32", *extra]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        folder = BulkFolder(out)
+        want = {folder.entries[i]["id"]: folder.load(i) for i in range(len(folder))}
+        got = {s["id"]: s for s in OnlineSource(str(inp), srv.url, layers=LAYERS, dtype="float32", **kw)}
+        assert set(got) == set(want) and len(got) == len([x for x in inp.read_text().splitlines() if x.strip()])
+        for k, w in want.items():
+            for key in ("hidden_states", "input_ids", "loss_mask"):
+                assert np.array_equal(got[k][key], w[key]), (k, key)
+        # ids as bulk makes them: numbers as text, a line without one by its number from 1
+        assert ("17" if inp == sg_path else "line-11") in got
+
+    # rows that cannot be requests, with bulk's messages
+    rows = [
+        '{"id": "a", "messages": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}',
+        "not json",
+        '{"id": "c", "input_ids": [1, 2]}',
+    ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(rows) + "\n")
+    s = open_samples(str(bad))
+    with pytest.raises(SampleError, match=r"sample 'a' \(row 0\): line 1: message 1: its from is \"bot\", not one of human"):
+        s.get(0)
+    with pytest.raises(SampleError, match=r"sample 'line-2' \(row 1\): line 2: not JSON"):
+        s.get(1)
+    assert s.get(2) == ("c", {"input_ids": [1, 2]})
+    with pytest.raises(SampleError, match=r"sample 'a'"):
+        list(OnlineSource(str(bad), srv.url, layers=LAYERS))
+    out = list(OnlineSource(str(bad), srv.url, layers=LAYERS, on_error="replace"))
+    assert [x["id"] for x in out] == ["c", "c", "c"]
+
+
+def test_parquet_and_datasets_inputs(srv, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "id": ["p0", "p1", "p2"],
+            "conversations": [
+                [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}],
+                [{"from": "user", "value": "x"}, {"from": "assistant", "value": "y"}],
+                None,
+            ],
+            "other": [1, 2, 3],
+        }
+    )
+    path = tmp_path / "chats.parquet"
+    pq.write_table(table, path)
+    s = open_samples(str(path), messages_column="conversations")
+    assert s.get(0) == ("p0", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})
+    with pytest.raises(SampleError, match=r"sample 'p2' \(row 2\): column \"conversations\": the value is null"):
+        s.get(2)
+    got = list(OnlineSource(str(path), srv.url, layers=LAYERS, dtype="float32", messages_column="conversations", on_error="replace"))
+    assert [x["id"] for x in got] == ["p0", "p1", "p0"]
+    with Client(srv.url) as c:
+        [r] = c.hidden_states([s.get(1)[1]], layers=LAYERS, dtype="float32")
+    assert np.array_equal(got[1]["hidden_states"], r.hidden_states)
+    with pytest.raises(ValueError, match="exactly one of"):
+        open_samples(str(path))
+
+
+def test_fp8_selection_and_logprobs_are_the_clients(srv):
+    samples = SAMPLES[1:13]  # with target, a request of one-token inputs only is refused (no row has a next token)
+    kw = dict(layers=[2, "final_prenorm"], dtype="fp8", tokens={"last": 3}, logprobs={"top_k": 4, "target": True})
+    got = list(OnlineSource(samples, srv.url, request_tokens=40, tokens="last:3", **{k: v for k, v in kw.items() if k != "tokens"}))
+    raw = list(OnlineSource(samples, srv.url, dequantize=False, **kw))
+    with Client(srv.url) as c:
+        want = c.hidden_states([_input(s) for s in samples], **kw)
+    for g, q, w in zip(got, raw, want):
+        assert g["hidden_states"].dtype == np.float32
+        np.testing.assert_array_equal(g["hidden_states"], w.hidden_states)
+        for key in ("input_ids", "loss_mask", "positions", "topk_ids", "topk_logprobs", "target_logprobs"):
+            np.testing.assert_array_equal(g[key], getattr(w, key), err_msg=key)
+        assert "hidden_states_scale" not in g and q["hidden_states_scale"].shape == (len(w.input_ids), 2)
+        deq = np.asarray(q["hidden_states"]).astype(np.float32) if q["hidden_states"].dtype != np.uint8 else None
+        if deq is not None:
+            np.testing.assert_array_equal(deq * q["hidden_states_scale"][..., None], g["hidden_states"])
+    assert [len(g["input_ids"]) for g in got] == [min(3, len(w.input_ids)) for w in want]
+
+
+# -- torch ---------------------------------------------------------------------------------------------
+
+
+@needs_torch
+def test_torch_dataloader_workers_give_the_ranks_order_and_resume(srv, reference):
+    from torch.utils.data import DataLoader
+
+    from layertap_client.online import OnlineIterableDataset
+
+    order = [IDS[i] for i in epoch_order(len(SAMPLES), True, 2, 0)]
+    ds = OnlineIterableDataset(SAMPLES, srv.url, layers=LAYERS, dtype="float32", shuffle=True, seed=2, batch_size=4, request_tokens=48)
+    assert len(ds) == len(SAMPLES)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list)
+    batches = list(loader)
+    assert [s["id"] for b in batches for s in b] == order
+    assert all(len(b) == 4 for b in batches)  # 36 samples: no short batch
+    s = batches[0][0]
+    assert isinstance(s["hidden_states"], torch.Tensor) and s["hidden_states"].dtype == torch.float32
+    assert s["input_ids"].dtype == torch.int64 and s["loss_mask"].dtype == torch.uint8
+    _check({k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}, reference)
+
+    # a crash after 3 steps: the state says 12 samples, and the resumed loader gives the rest
+    state = ds.state_dict(consumed=3 * 4)
+    assert state["position"] == 12
+    again = OnlineIterableDataset(SAMPLES, srv.url, layers=LAYERS, dtype="float32", shuffle=True, batch_size=4)
+    again.load_state_dict(state)
+    rest = [s["id"] for b in DataLoader(again, batch_size=4, num_workers=2, collate_fn=list) for s in b]
+    assert rest == order[12:]

@@ -557,6 +557,7 @@ class _Decoder:
         self.as_torch = as_torch
         self.dequantize = dequantize
         self.device = None
+        self.pinned = 0  # pinned host buffers allocated (they are reused)
         self._tls = threading.local()
         self._torch: Any = None
         if as_torch or device is not None:
@@ -615,6 +616,7 @@ class _Decoder:
             t = free.pop() if free else None
         if t is None:
             t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.pinned += 1
         held.append(t)
         return t.numpy()[:nbytes]
 
@@ -926,6 +928,7 @@ class _Pass:
                 "failures": self.failures,
                 "replacements": len(self.replacements),
                 "replaced": list(self.replacements),
+                "pinned_buffers": self.decoder.pinned,
                 "servers": {
                     s.url: {
                         "state": "out" if s.out else ("down" if s.down_until > time.monotonic() else "up"),
@@ -1386,22 +1389,28 @@ class OnlineSource:
         return len(share(len(self.samples), self.offset, self.rank, self.world_size))
 
     def info(self) -> Dict[str, Any]:
-        """``GET /v1/info`` of the first server that answers (its hidden size and limits size the requests)."""
+        """``GET /v1/info`` of the first server that answers it (the hidden size and the limits
+        size the requests). When none does, raises :class:`LayertapError` (``type="no_server"``,
+        ``status`` the last answer's) giving each server's reason."""
         if self._info is None:
             import requests
 
-            errors = []
+            errors, status = [], None
+            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             for url in self.servers:
                 try:
-                    r = requests.get(url + "/v1/info", timeout=min(self.timeout, 30), headers={"authorization": f"Bearer {self.api_key}"} if self.api_key else {})
-                    if r.status_code == 200:
-                        self._info = r.json()
-                        break
-                    errors.append(f"{url}: HTTP {r.status_code}")
+                    r = requests.get(url + "/v1/info", timeout=min(self.timeout, 30), headers=headers)
                 except requests.RequestException as e:
                     errors.append(f"{url}: {e}")
+                    continue
+                if r.status_code == 200:
+                    self._info = r.json()
+                    break
+                err = error_from_response(r.status_code, r.content)
+                status = r.status_code
+                errors.append(f"{url}: HTTP {r.status_code} {err.type}: {err.message}")
             else:
-                raise LayertapError(None, "connection_error", "no server answered /v1/info: " + "; ".join(errors))
+                raise LayertapError(status, "no_server", "no server answered /v1/info: " + "; ".join(errors))
         return self._info
 
     def _prepare(self) -> None:

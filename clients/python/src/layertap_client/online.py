@@ -52,7 +52,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import zstandard
@@ -756,7 +756,6 @@ class _Server:
     failures: int = 0
     throttled: int = 0
     bytes: int = 0
-    busy_s: float = 0.0
     last_error: str = ""
 
 
@@ -807,9 +806,6 @@ class _Failed:
     error: BaseException
 
 
-_CLOSED = object()
-
-
 class _Pass:
     """One pass over a share: a background thread runs an asyncio loop that keeps requests in
     flight and hands finished samples to a bounded reorder buffer, read in order by ``next``.
@@ -817,8 +813,8 @@ class _Pass:
     Why a thread with an asyncio loop (httpx) rather than threads with requests: one loop
     holds any number of requests over any number of servers, a request that hangs is cancelled
     cleanly at its timeout (a blocked thread cannot be), and the routing, retry and backoff
-    state lives in one thread with no locks; decompressing and checking answers (zstd, xxh64
-    and the copies release the GIL) run in a small thread pool beside it, so the consumer's
+    state lives in one thread; decompressing and checking answers (zstd, xxh64 and large
+    copies release the GIL) run in a small thread pool beside it, so the consumer's
     thread only takes finished samples.
     """
 
@@ -835,7 +831,6 @@ class _Pass:
         self.peak = 0
         self.in_flight = 0
         self.fatal: Optional[BaseException] = None
-        self.finished = False
         self.closing = False
         self.waited = 0.0
         self.delivered = 0
@@ -1092,7 +1087,6 @@ class _Pass:
         src = self.src
         body = dict(src._body)
         body["inputs"] = [it.input for it in batch]
-        t0 = time.monotonic()
         server.requests += 1
         try:
             r = await client.post(server.url + "/v1/hidden-states", content=json.dumps(body).encode(), headers={"content-type": "application/json"})
@@ -1101,8 +1095,6 @@ class _Pass:
             return "down", (f"no answer within {src.timeout} s ({type(e).__name__})", None, "timeout", None)
         except httpx.HTTPError as e:
             return "down", (f"{type(e).__name__}: {e}", None, "connection_error", None)
-        finally:
-            server.busy_s += time.monotonic() - t0
         status = r.status_code
         if status != 200:
             err = error_from_response(status, _maybe_unzstd(data))

@@ -13,9 +13,11 @@ import http.server
 import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -498,3 +500,14 @@ def test_torch_dataloader_workers_give_the_ranks_order_and_resume(srv, reference
     again.load_state_dict(state)
     rest = [s["id"] for b in DataLoader(again, batch_size=4, num_workers=2, collate_fn=list) for s in b]
     assert rest == order[12:]
+
+
+def test_the_online_drafter_example_runs(srv):
+    example = Path(__file__).resolve().parents[1] / "examples" / "drafter_online.py"
+    cmd = [sys.executable, str(example), "--server", srv.url, "--steps", "4", "--log-every", "2", "--top-k", "4", "--buffer-mib", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if torch is None:
+        assert p.returncode == 2 and "needs torch" in p.stderr, p.stderr
+        return
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "done: 4 steps" in p.stdout and "layers [2, 1, 0] of 3" in p.stdout, p.stdout

@@ -511,3 +511,32 @@ def test_the_online_drafter_example_runs(srv):
         return
     assert p.returncode == 0, p.stdout + p.stderr
     assert "done: 4 steps" in p.stdout and "layers [2, 1, 0] of 3" in p.stdout, p.stdout
+
+
+class _FakeDataset:
+    """What open_samples reads of a Hugging Face datasets.Dataset: column_names and columns by name."""
+
+    def __init__(self, columns):
+        self.columns = columns
+        self.column_names = list(columns)
+
+    def __len__(self):
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, key):
+        return self.columns[key]
+
+
+def test_datasets_and_lists_are_read_by_column():
+    ds = _FakeDataset({"id": [5, "b"], "conversations": [[{"from": "gpt", "value": "x"}], [{"from": "alien", "value": "y"}]], "n": [1, 2]})
+    s = open_samples(ds, messages_column="conversations")
+    assert len(s) == 2 and s.get(0) == ("5", {"messages": [{"role": "assistant", "content": "x"}]})
+    with pytest.raises(SampleError, match=r"sample 'b' \(row 1\): column \"conversations\": message 0: its from is \"alien\""):
+        s.get(1)
+    assert open_samples(_FakeDataset({"text": ["a", "b"], "other": [1, 2]})).get(1) == ("1", {"text": "b"})
+    with pytest.raises(ValueError, match="name the input column"):
+        open_samples(_FakeDataset({"text": ["a"], "messages": [None]}))
+    lst = open_samples(["hello", [1, 2, 3], {"id": "c", "prompt": "p"}, {"input_ids": []}], text_column="prompt")
+    assert [lst.get(i) for i in range(3)] == [("0", {"text": "hello"}), ("1", {"input_ids": [1, 2, 3]}), ("c", {"text": "p"})]
+    with pytest.raises(SampleError, match=r"sample '3' \(row 3\): no key \"prompt\""):
+        lst.get(3)

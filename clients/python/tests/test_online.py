@@ -79,11 +79,25 @@ def reference(srv):
     return out, tokens
 
 
-def _tokens_total(url: str) -> int:
+def _metric(url: str, name: str) -> int:
     for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("layertap_tokens_total "):
+        if line.startswith(name + " "):
             return int(float(line.split()[1]))
-    raise AssertionError("no layertap_tokens_total in /metrics")
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _tokens_total(url: str) -> int:
+    """The tokens the server has computed, once it is idle (requests a closed source left in
+    flight may still be running: they count before, not after)."""
+    deadline = time.monotonic() + 20
+    seen = []
+    while time.monotonic() < deadline:
+        busy = _metric(url, 'layertap_in_flight_requests{route="/v1/hidden-states"}')
+        seen = (seen + [_metric(url, "layertap_tokens_total")])[-3:] if busy == 0 else []
+        if len(seen) == 3 and len(set(seen)) == 1:
+            return seen[0]
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not settle")
 
 
 def _check(sample, reference):

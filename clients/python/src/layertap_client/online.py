@@ -790,6 +790,7 @@ class _Item:
     replaced: int = 0  # replacements drawn for this position so far
     alone: bool = False  # sent in a request of its own (after a 4xx on a shared one)
     errors: List[str] = field(default_factory=list)
+    failed_on: set = field(default_factory=set)  # servers its requests failed on
     bad: Optional["SampleError"] = None  # its row cannot be a request
 
 
@@ -1022,9 +1023,13 @@ class _Pass:
                             break
                         self.reserved += est_bytes
                         self.in_flight += 1
-                    # the up server with the fewest tokens outstanding (ties in turn)
+                    # the up server with the fewest tokens outstanding (ties in turn), among those
+                    # the batch's samples have not failed on where there is one: a failing server
+                    # looks idle, and would draw the same samples again and again
                     turn += 1
-                    server = min(up, key=lambda s: (s.outstanding, (self.servers.index(s) - turn) % len(self.servers)))
+                    avoid = set().union(*(it.failed_on for it in batch))
+                    pool = [s for s in up if s.url not in avoid] or up
+                    server = min(pool, key=lambda s: (s.outstanding, (self.servers.index(s) - turn) % len(self.servers)))
                     tokens = sum(it.est for it in batch)
                     server.outstanding += tokens
                     task = asyncio.ensure_future(self._request(client, executor, server, batch))
@@ -1169,6 +1174,7 @@ class _Pass:
             self.retries += len(batch)
         for it in batch:
             it.attempts += 1
+            it.failed_on.add(server.url)
             it.errors.append(f"{server.url}: {message}")
             if it.attempts > src.retries:
                 tried = "; ".join(it.errors[-4:])

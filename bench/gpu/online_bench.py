@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The online source (layertap_client.online) feeding a consumer from a running server: the
+workload of a bench_http workload file (the same sequences, layers and dtype), one pass, every
+sample's tensors touched by a stand-in training step. Prints one JSON line: tokens delivered per
+second, the time the consumer waited for samples (and its share of the wall time), the client's
+CPU seconds per GB of states, its peak resident memory, and the source's peak buffered bytes
+against the bound it was given.
+
+    python3 bench/gpu/online_bench.py --url http://127.0.0.1:18080 --workload W/workload.json \
+        [--workers 0|1|4] [--step-ms 0] [--max-requests 8] [--request-tokens 16384] \
+        [--max-buffered-mb 2048]
+
+--workers 0 iterates the source in this process; N > 0 runs N torch DataLoader workers over
+OnlineIterableDataset (each with its share and its own requests: --max-requests each).
+--step-ms adds that much sleep to each step (a consumer slower than the server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import numpy as np
+
+
+def touch(sample) -> float:
+    """A stand-in training step: reads every value of every tensor of the sample once."""
+    total = 0.0
+    for v in sample.values():
+        if hasattr(v, "float") and hasattr(v, "sum"):  # torch
+            total += float(v.float().sum())
+        elif isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
+            total += float(v.sum(dtype=np.float64))
+    return total
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--step-ms", type=float, default=0.0)
+    ap.add_argument("--max-requests", type=int, default=8)
+    ap.add_argument("--request-tokens", type=int, default=16384)
+    ap.add_argument("--max-buffered-mb", type=int, default=2048)
+    ap.add_argument("--dtype", default=None, help="the answer dtype (default: the workload's)")
+    a = ap.parse_args()
+
+    from layertap_client.online import OnlineSource
+
+    side = json.load(open(a.workload))
+    jsonl = a.workload.rsplit("/", 1)[0] + "/" + side["file"] if "/" in a.workload else side["file"]
+    samples = [{"id": str(i), "input_ids": json.loads(line)["input_ids"]} for i, line in enumerate(open(jsonl)) if line.strip()]
+    kw = dict(
+        layers=side["layers"],
+        dtype=a.dtype or side.get("dtype", "bfloat16"),
+        max_requests=a.max_requests,
+        request_tokens=a.request_tokens,
+        max_buffered_bytes=a.max_buffered_mb << 20,
+    )
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    waited = 0.0
+    tokens = nbytes = n = 0
+    peak_buffered = None
+    if a.workers == 0:
+        src = OnlineSource(samples, a.url, **kw)
+        it = iter(src)
+        while True:
+            w = time.perf_counter()
+            try:
+                s = next(it)
+            except StopIteration:
+                break
+            waited += time.perf_counter() - w
+            touch(s)
+            if a.step_ms:
+                time.sleep(a.step_ms / 1000)
+            tokens += len(s["input_ids"])
+            nbytes += s["hidden_states"].nbytes
+            n += 1
+        st = src.stats()
+        peak_buffered = st["peak_bytes"]
+        src.close()
+    else:
+        import torch
+        from layertap_client.online import OnlineIterableDataset
+
+        layers = kw.pop("layers")
+        ds = OnlineIterableDataset(samples, a.url, layers, **kw)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers)
+        it = iter(loader)
+        while True:
+            w = time.perf_counter()
+            try:
+                s = next(it)
+            except StopIteration:
+                break
+            waited += time.perf_counter() - w
+            touch(s)
+            if a.step_ms:
+                time.sleep(a.step_ms / 1000)
+            tokens += len(s["input_ids"])
+            nbytes += s["hidden_states"].numel() * s["hidden_states"].element_size()
+            n += 1
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds() - cpu0
+    print(json.dumps({
+        "contender": f"online source, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else ""),
+        "samples": n, "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+        "consumer_waited_s": round(waited, 3), "waited_share": round(waited / wall, 4),
+        "state_gb": round(nbytes / 1e9, 3), "client_cpu_s_per_gb": round(cpu / max(nbytes / 1e9, 1e-9), 2),
+        # ru_maxrss of this process (KiB on Linux); DataLoader workers are separate processes
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_workers_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+        "peak_buffered_mb": None if peak_buffered is None else round(peak_buffered / 2**20, 1),
+        "max_buffered_mb": a.max_buffered_mb, "max_requests": a.max_requests, "request_tokens": a.request_tokens,
+    }))
+
+
+if __name__ == "__main__":
+    main()

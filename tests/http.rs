@@ -237,6 +237,8 @@ async fn a_client_that_hangs_up_is_dropped_before_its_sequences_run() {
     assert!(m.contains("layertap_cancelled_sequences_total 1"), "{m}");
     // The hang-up is counted as a request, under nginx's status for it.
     assert!(m.contains(r#"layertap_requests_total{route="/v1/hidden-states",status="499"} 1"#), "{m}");
+    // and it leaves the queue's gauge, as the answered ones do.
+    assert!(m.lines().any(|l| l == "layertap_queue_requests 0"), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

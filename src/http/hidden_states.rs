@@ -362,13 +362,15 @@ pub async fn hidden_states(
         meta.insert("top_k".into(), a.top_k.to_string());
     }
     let rx = s.scheduler.submit(sub)?;
-    s.metrics.queue_requests.inc();
+    // Counted until this request is answered or dropped: a client that hangs up drops this
+    // handler's future mid-await, and the guard takes it off the gauge then too.
+    let in_queue = GaugeGuard::inc(&s.metrics.queue_requests);
     // Stop waiting when the drain deadline passes: dropping `rx` makes the queue skip the rest.
     let waited = tokio::select! {
         w = tokio::time::timeout(s.limits.request_timeout, rx) => Some(w),
         _ = s.abandon.cancelled() => None,
     };
-    s.metrics.queue_requests.dec();
+    drop(in_queue);
     let Some(waited) = waited else {
         return Err(ApiError {
             retry_after_s: Some(1),
@@ -440,4 +442,21 @@ pub async fn hidden_states(
     h.insert("x-inference-time", ms(inference_time));
     h.insert("x-tokens", HeaderValue::from(total));
     Ok(resp)
+}
+
+/// One unit of a gauge, held until dropped (however the holder ends: answered, failed, or its
+/// future dropped when the client hung up).
+struct GaugeGuard(prometheus::IntGauge);
+
+impl GaugeGuard {
+    fn inc(g: &prometheus::IntGauge) -> Self {
+        g.inc();
+        GaugeGuard(g.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }

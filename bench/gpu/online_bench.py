@@ -69,47 +69,35 @@ def main() -> None:
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     waited = 0.0
     tokens = nbytes = n = 0
-    peak_buffered = None
+    src = None
     if a.workers == 0:
         src = OnlineSource(samples, a.url, **kw)
         it = iter(src)
-        while True:
-            w = time.perf_counter()
-            try:
-                s = next(it)
-            except StopIteration:
-                break
-            waited += time.perf_counter() - w
-            touch(s)
-            if a.step_ms:
-                time.sleep(a.step_ms / 1000)
-            tokens += len(s["input_ids"])
-            nbytes += s["hidden_states"].nbytes
-            n += 1
-        st = src.stats()
-        peak_buffered = st["peak_bytes"]
-        src.close()
     else:
         import torch
         from layertap_client.online import OnlineIterableDataset
 
         layers = kw.pop("layers")
         ds = OnlineIterableDataset(samples, a.url, layers, **kw)
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers)
-        it = iter(loader)
-        while True:
-            w = time.perf_counter()
-            try:
-                s = next(it)
-            except StopIteration:
-                break
-            waited += time.perf_counter() - w
-            touch(s)
-            if a.step_ms:
-                time.sleep(a.step_ms / 1000)
-            tokens += len(s["input_ids"])
-            nbytes += s["hidden_states"].numel() * s["hidden_states"].element_size()
-            n += 1
+        it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers))
+    while True:
+        w = time.perf_counter()
+        try:
+            s = next(it)
+        except StopIteration:
+            break
+        waited += time.perf_counter() - w
+        touch(s)
+        if a.step_ms:
+            time.sleep(a.step_ms / 1000)
+        tokens += len(s["input_ids"])
+        hs = s["hidden_states"]
+        nbytes += hs.nbytes if isinstance(hs, np.ndarray) else hs.numel() * hs.element_size()
+        n += 1
+    # the source's own accounting is in this process only without workers
+    peak_buffered = src.stats()["peak_bytes"] if src is not None else None
+    if src is not None:
+        src.close()
     wall = time.perf_counter() - t0
     cpu = cpu_seconds() - cpu0
     print(json.dumps({

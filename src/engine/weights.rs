@@ -412,9 +412,6 @@ impl Weights {
                     // Stored as computed: the bytes go to the device in one copy, straight from
                     // the file's mapping (or the drawn values), with no tensor on the host.
                     let v = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
-                    if v.shape != shape {
-                        return Err(self.shape_mismatch(&full, &v.shape, shape));
-                    }
                     return Ok(Tensor::from_raw_buffer(v.data, stored, &v.shape, &self.device)?);
                 }
                 tensors.load_cpu(&full)?
@@ -478,9 +475,6 @@ impl Weights {
         let Some(dtype) = view.dtype.filter(|d| FLOAT_DTYPES.contains(d)) else {
             return Err(self.unreadable(&full, &view.dtype_name));
         };
-        if view.shape != shape {
-            return Err(self.shape_mismatch(&full, &view.shape, shape));
-        }
         self.mark_read(&full);
         let row = cols * dtype.size_in_bytes();
         let bytes: Vec<u8> =
@@ -729,9 +723,6 @@ impl Weights {
         };
         self.check_shape(tensors, &full, shape)?;
         let view = tensors.get(&full).ok_or_else(|| self.missing(&full))?;
-        if view.shape != shape {
-            return Err(self.shape_mismatch(&full, &view.shape, shape));
-        }
         Ok((full, view.data, dtype))
     }
 
@@ -752,9 +743,6 @@ impl Weights {
         let &[n, k] = shape else {
             return Err(EngineError::Load(format!("{full:?}: FP8 weights of 2-D projections only")));
         };
-        if view.shape != shape {
-            return Err(self.shape_mismatch(&full, &view.shape, shape));
-        }
         if !k.is_multiple_of(FP8_BLOCK) {
             return Err(EngineError::Load(format!(
                 "{full:?}: an FP8 projection with {k} input features, not a multiple of {FP8_BLOCK}: its input \
@@ -765,9 +753,6 @@ impl Weights {
         let want = [n.div_ceil(FP8_BLOCK), k.div_ceil(FP8_BLOCK)];
         self.check_shape(tensors, &scale_name, &want)?;
         let sview = tensors.get(&scale_name).ok_or_else(|| self.missing(&scale_name))?;
-        if sview.shape != want {
-            return Err(self.shape_mismatch(&scale_name, &sview.shape, &want));
-        }
         let Some(sdtype) = sview.dtype.filter(|d| [DType::F32, DType::F16, DType::BF16].contains(d)) else {
             return Err(self.unreadable(&scale_name, &sview.dtype_name));
         };

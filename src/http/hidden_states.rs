@@ -391,10 +391,18 @@ pub async fn hidden_states(
         Ok(Err(_)) => return Err(ApiError::new(ErrorKind::Unavailable, "the server is shutting down")),
         Ok(Ok(r)) => r?,
     };
-    let mut assembly =
-        Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, logprobs, metadata: meta };
+    let assembly = Assembly { seqs, positions, parts: answer.parts, layers, dtype, hidden, logprobs, metadata: meta };
     // Non-finite values never pass silently: counted, then refused unless the caller allows them.
-    let found = assembly.screen()?;
+    // Off the async runtime: where the answer's dtype is narrower than the compute dtype, the
+    // screen reads every value of the answer.
+    let (assembly, found) = tokio::task::spawn_blocking(move || {
+        let found = assembly.screen();
+        (assembly, found)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("screen task failed: {e}")))?;
+    let mut assembly = assembly;
+    let found = found?;
     let nonfinite = found.counts(&assembly.layers);
     for (label, count) in &nonfinite {
         s.metrics.nonfinite.with_label_values(&[label.as_str()]).inc_by(count.as_u64().unwrap_or(0));

@@ -8,7 +8,7 @@ against the bound it was given.
 
     python3 bench/gpu/online_bench.py --url http://127.0.0.1:18080 --workload W/workload.json \
         [--workers 0|1|4] [--step-ms 0] [--max-requests 8] [--request-tokens 16384] \
-        [--max-buffered-mb 2048]
+        [--max-buffered-mb 2048] [--encoding zstd|identity] [--device cuda:0]
 
 --workers 0 iterates the source in this process; N > 0 runs N torch DataLoader workers over
 OnlineIterableDataset (each with its share and its own requests: --max-requests each).
@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--request-tokens", type=int, default=16384)
     ap.add_argument("--max-buffered-mb", type=int, default=2048)
     ap.add_argument("--dtype", default=None, help="the answer dtype (default: the workload's)")
+    ap.add_argument("--encoding", default="zstd", choices=["zstd", "identity"], help="the answers' encoding")
+    ap.add_argument("--device", default=None, help="cuda:N: the samples copied to that GPU by the source (workers 0 only)")
     a = ap.parse_args()
 
     from layertap_client.online import OnlineSource
@@ -65,7 +67,10 @@ def main() -> None:
         max_requests=a.max_requests,
         request_tokens=a.request_tokens,
         max_buffered_bytes=a.max_buffered_mb << 20,
+        encoding=a.encoding,
     )
+    if a.device:
+        kw["device"] = a.device
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     waited = 0.0
     tokens = nbytes = n = 0
@@ -101,7 +106,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     cpu = cpu_seconds() - cpu0
     print(json.dumps({
-        "contender": f"online source, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else ""),
+        "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else ""),
         "samples": n, "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
         "consumer_waited_s": round(waited, 3), "waited_share": round(waited / wall, 4),
         "state_gb": round(nbytes / 1e9, 3), "client_cpu_s_per_gb": round(cpu / max(nbytes / 1e9, 1e-9), 2),

@@ -83,7 +83,7 @@ struct Small {
     positions: Option<Vec<u8>>,
     /// `topk_ids`, `topk_logprobs`, `target_logprobs`.
     logprobs: Option<LogprobBytes>,
-    /// xxh64 of each tensor after the hidden states, in file order.
+    /// xxh64 of each tensor other than the hidden states, in the order of `tensors`.
     sums: Vec<String>,
 }
 
@@ -126,8 +126,8 @@ impl Small {
         Ok(small)
     }
 
-    /// Name, dtype, shape and bytes of every tensor in file order; the hidden states first,
-    /// with no bytes here (they stay in pieces).
+    /// Name, dtype, shape and bytes of every tensor; the hidden states first here (with no bytes:
+    /// they stay in pieces), last in the file (see `header`).
     fn tensors<'s>(&'s self, a: &'s AnswerParts) -> Vec<(&'static str, Dtype, Vec<usize>, &'s [u8])> {
         let rows = a.shape.first().copied().unwrap_or(0);
         let width = a.shape.get(1).copied().unwrap_or(0);
@@ -167,8 +167,11 @@ impl Small {
         metadata.insert("checksums".into(), serde_json::Value::Object(sums).to_string());
         let mut header = serde_json::Map::new();
         header.insert("__metadata__".into(), serde_json::to_value(&metadata)?);
+        // In file order: the small tensors first, the hidden states last, so that a reader
+        // streaming the answer knows `cu_seqlens` (each input's rows) before the states come and
+        // can put each input's rows straight where they go.
         let mut at = 0;
-        for (name, dtype, shape, bytes) in &tensors {
+        for (name, dtype, shape, bytes) in tensors[1..].iter().chain(&tensors[..1]) {
             let len = if *name == "hidden_states" { self.hs_len } else { bytes.len() };
             header.insert(
                 (*name).into(),
@@ -191,14 +194,15 @@ impl Small {
         Ok(self.header(a, PLACEHOLDER)?.len() + self.hs_len + rest)
     }
 
-    /// The whole file, streamed: header (the states' checksum in a first pass), the states'
-    /// pieces, the rest.
+    /// The whole file, streamed: header (the states' checksum in a first pass), the small
+    /// tensors, the states' pieces.
     fn write(&self, w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
         w.write_all(&self.header(a, &xxh64_hex(a.chunks.iter().copied()))?)?;
+        self.write_rest(w, a)?;
         for c in &a.chunks {
             w.write_all(c)?;
         }
-        self.write_rest(w, a)
+        Ok(())
     }
 
     fn write_rest(&self, w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
@@ -209,8 +213,9 @@ impl Small {
     }
 }
 
-/// Writes `a` as a safetensors file (header, then hidden_states, hidden_states_scale, input_ids,
-/// cu_seqlens, loss_mask, positions, topk_ids, topk_logprobs, target_logprobs), streaming the hidden-state pieces. The metadata gains the
+/// Writes `a` as a safetensors file (header, then hidden_states_scale, input_ids, cu_seqlens,
+/// loss_mask, positions, topk_ids, topk_logprobs, target_logprobs, and hidden_states last),
+/// streaming the hidden-state pieces. The metadata gains the
 /// xxh64 of every tensor's bytes (`checksums`), computed in a first pass over them.
 pub fn write_safetensors(w: &mut impl std::io::Write, a: &AnswerParts) -> std::io::Result<()> {
     Small::of(a)?.write(w, a)
@@ -248,6 +253,7 @@ fn write_in_one_pass(small: &Small, out: &mut AnswerBuf, a: &AnswerParts) -> std
     let placeholder = small.header(a, PLACEHOLDER)?;
     let start = out.len();
     out.write_all(&placeholder)?;
+    small.write_rest(out, a)?;
     let mut h = xxhash_rust::xxh64::Xxh64::new(0);
     for c in &a.chunks {
         for block in c.chunks(BLOCK) {
@@ -255,7 +261,6 @@ fn write_in_one_pass(small: &Small, out: &mut AnswerBuf, a: &AnswerParts) -> std
             h.update(block);
         }
     }
-    small.write_rest(out, a)?;
     let header = small.header(a, &format!("{:016x}", h.digest()))?;
     if header.len() != placeholder.len() {
         return Err(std::io::Error::other("the answer's header changed length with its checksum"));
@@ -416,6 +421,27 @@ mod tests {
             bad[header + start] ^= 0x01;
             let e = verify_checksums(&bad).unwrap_err();
             assert!(e.contains(name) && e.contains("corrupt"), "{e}");
+        }
+    }
+
+    /// The hidden states come last in the data section, every other tensor (`cu_seqlens`
+    /// among them) before them: a reader streaming the answer learns each input's rows before
+    /// the states arrive. Both writers (streamed and one-pass).
+    #[test]
+    fn the_hidden_states_come_last_in_the_file() {
+        let hs: Vec<u8> = (0..48u8).collect();
+        let p = parts(vec![&hs[..20], &hs[20..]]);
+        let mut streamed = Vec::new();
+        write_safetensors(&mut streamed, &p).unwrap();
+        for raw in [encode_answer(&p, None).unwrap(), streamed] {
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&raw).unwrap();
+            let body = raw.len() - 8 - n;
+            let (start, end) = meta.info("hidden_states").unwrap().data_offsets;
+            assert_eq!((start, end), (body - hs.len(), body), "the states end the file");
+            assert_eq!(&raw[8 + n + start..], &hs[..]);
+            for name in ["input_ids", "cu_seqlens", "loss_mask"] {
+                assert!(meta.info(name).unwrap().data_offsets.1 <= start, "{name} before the states");
+            }
         }
     }
 

@@ -358,10 +358,18 @@ def verify_checksums(
     tensor that is not there, or an algorithm other than xxh64 raises
     :class:`LayertapError` (``type="checksum_mismatch"``, ``status`` as given).
     """
+    if listed_checksums(metadata, status, what) is None:
+        return False
+    return verify_digests({name: xxhash.xxh64(b).hexdigest() for name, b in raw.items()}, metadata, status, what)
+
+
+def listed_checksums(metadata: Mapping[str, str], status: Optional[int] = None, what: str = "the answer") -> Optional[Dict[str, str]]:
+    """The metadata's checksums (``{tensor: xxh64 hex}``), ``None`` when it has none; raises
+    :class:`LayertapError` (``checksum_mismatch``) when they are malformed or of another algorithm."""
     algorithm = metadata.get("checksum_algorithm")
     listed = metadata.get("checksums")
     if algorithm is None and listed is None:
-        return False
+        return None
 
     def fail(message: str) -> LayertapError:
         return ChecksumMismatch(f"{what}: {message}", status)
@@ -376,13 +384,30 @@ def verify_checksums(
         raise fail(f"the checksums metadata is not JSON: {e}") from None
     if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
         raise fail(f"the checksums metadata is not an object of strings: {listed[:200]!r}")
-    for name in sorted(raw):
+    return sums
+
+
+def verify_digests(
+    digests: Mapping[str, str], metadata: Mapping[str, str], status: Optional[int] = None, what: str = "the answer"
+) -> bool:
+    """:func:`verify_checksums` for digests already computed (``{tensor: xxh64 hex}``, e.g.
+    while the bytes streamed past): ``False`` when the metadata has no checksums, ``True``
+    when every tensor matched; raises as :func:`verify_checksums` does."""
+    sums = listed_checksums(metadata, status, what)
+    if sums is None:
+        return False
+    algorithm = metadata.get("checksum_algorithm")
+
+    def fail(message: str) -> LayertapError:
+        return ChecksumMismatch(f"{what}: {message}", status)
+
+    for name in sorted(digests):
         if name not in sums:
             raise fail(f"tensor {name!r} has no entry in checksums")
-        got = xxhash.xxh64(raw[name]).hexdigest()
+        got = digests[name]
         if got != sums[name]:
             raise fail(f"tensor {name!r}: checksums says {sums[name]}, its bytes hash to {got} ({algorithm})")
-    extra = sorted(set(sums) - set(raw))
+    extra = sorted(set(sums) - set(digests))
     if extra:
         raise fail(f"checksums names tensors that are not in it: {extra}")
     return True

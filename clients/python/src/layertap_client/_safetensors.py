@@ -141,42 +141,76 @@ def header(
     return entries, metadata, stored
 
 
-def views(data: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], memoryview]], Dict[str, str]]:
-    """Every tensor of a file as ``{name: (dtype, shape, stored bytes)}`` and the metadata, with
-    no copy: the bytes are views of ``data``.
+def layout(head: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], int, int]], Dict[str, str], int]:
+    """The JSON header of a file (the bytes after its 8-byte length) as
+    ``({name: (dtype, shape, begin, end)}, metadata, data section length)``.
 
-    This checks what the safetensors package checks, without the copy of every tensor that
-    ``safetensors.deserialize`` makes: a dtype layertap writes (:data:`DTYPES`), a shape of
-    non-negative ints whose size is the tensor's byte length, and offsets that tile the data
-    section exactly (no gap, no overlap, nothing past its end). For reading answers into
-    buffers of the caller's choosing (:mod:`layertap_client.online`).
+    Checks what the safetensors package checks that a header alone can show: a dtype layertap
+    writes (:data:`DTYPES`), a shape of non-negative ints whose size is the tensor's byte
+    length, and offsets that tile the data section with no gap or overlap. For a reader that
+    streams the data section (:mod:`layertap_client.online`).
     """
-    entries, metadata, stored = header(data, validated=True)
-    body = len(memoryview(data).cast("B")) - 8 - struct.unpack("<Q", bytes(memoryview(data)[:8]))[0]
+    try:
+        entries = json.loads(bytes(head).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SafetensorsError(f"the header is not valid JSON: {e}") from None
+    if not isinstance(entries, dict):
+        raise SafetensorsError("the header is not a JSON object")
+    metadata = entries.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise SafetensorsError("__metadata__ must map strings to strings")
+    out: Dict[str, Tuple[str, Tuple[int, ...], int, int]] = {}
     spans = []
-    out: Dict[str, Tuple[str, Tuple[int, ...], memoryview]] = {}
     for name, e in entries.items():
-        shape = e.get("shape") if isinstance(e, dict) else None
+        try:
+            begin, end = e["data_offsets"]
+            dtype = e["dtype"]
+            shape = e["shape"]
+        except (TypeError, KeyError, ValueError):
+            raise SafetensorsError(f"tensor {name!r}: malformed entry {e!r}") from None
+        if dtype not in DTYPES:
+            raise SafetensorsError(
+                f"tensor {name!r}: dtype {dtype!r} is not one layertap writes ({', '.join(DTYPES)}); "
+                "read such files with the safetensors package"
+            )
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise SafetensorsError(f"tensor {name!r}: malformed shape {shape!r}")
-        begin, end = e["data_offsets"]
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= body):
-            raise SafetensorsError(f"tensor {name!r}: offsets [{begin}, {end}] outside a {body}-byte data section")
-        size = DTYPES[e["dtype"]].itemsize
+        if not (isinstance(begin, int) and isinstance(end, int) and not isinstance(begin, bool) and 0 <= begin <= end):
+            raise SafetensorsError(f"tensor {name!r}: malformed offsets [{begin!r}, {end!r}]")
+        size = DTYPES[dtype].itemsize
         for d in shape:
             size *= d
         if size != end - begin:
-            raise SafetensorsError(f"tensor {name!r}: shape {shape} of {e['dtype']} is {size} bytes, its offsets hold {end - begin}")
+            raise SafetensorsError(f"tensor {name!r}: shape {shape} of {dtype} is {size} bytes, its offsets hold {end - begin}")
         spans.append((begin, end, name))
-        out[name] = (e["dtype"], tuple(shape), stored[name])
+        out[name] = (dtype, tuple(shape), begin, end)
     at = 0
     for begin, end, name in sorted(spans):
         if begin != at:
             raise SafetensorsError(f"tensor {name!r} starts at byte {begin} of the data section, not at {at}")
         at = end
-    if at != body:
-        raise SafetensorsError(f"the tensors end at byte {at} of a {body}-byte data section")
-    return out, metadata
+    return out, metadata, at
+
+
+def views(data: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], memoryview]], Dict[str, str]]:
+    """Every tensor of a file as ``{name: (dtype, shape, stored bytes)}`` and the metadata, with
+    no copy: the bytes are views of ``data``.
+
+    This checks what the safetensors package checks (:func:`layout`, and a data section of
+    exactly the length the offsets tile), without the copy of every tensor that
+    ``safetensors.deserialize`` makes.
+    """
+    buf = memoryview(data).cast("B")
+    if len(buf) < 8:
+        raise SafetensorsError(f"{len(buf)} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > _MAX_HEADER or 8 + n > len(buf):
+        raise SafetensorsError(f"header length {n} does not fit in a {len(buf)}-byte file")
+    entries, metadata, total = layout(buf[8 : 8 + n])
+    body = buf[8 + n :]
+    if total != len(body):
+        raise SafetensorsError(f"the tensors end at byte {total} of a {len(body)}-byte data section")
+    return {name: (d, shape, body[b:e]) for name, (d, shape, b, e) in entries.items()}, metadata
 
 
 def parse_raw(

@@ -42,12 +42,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import email.utils
+import http.client
 import io
 import json
 import math
 import os
+import socket
 import threading
 import time
+import urllib.parse
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,6 +58,7 @@ from pathlib import Path
 from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+import xxhash
 import zstandard
 
 from . import _safetensors
@@ -67,7 +71,8 @@ from ._common import (
     normalize_input,
     normalize_layers,
     normalize_logprobs,
-    verify_checksums,
+    listed_checksums,
+    verify_digests,
 )
 
 __all__ = [
@@ -541,13 +546,49 @@ _NP = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), 
 _PER_ROW = ("hidden_states", "input_ids", "loss_mask", "positions", "hidden_states_scale", "topk_ids", "topk_logprobs", "target_logprobs")
 
 
-class _Decoder:
-    """Turns an answer into one sample dict per input.
+class _Short(Exception):
+    """The body ended before the bytes its header announced."""
 
-    The answer is decompressed into a buffer kept per thread and reused (its size is in the
-    zstd frame), checked against its checksums there (no copy), and each input's rows are
-    copied once from it into the sample's own arrays, so a sample holds only its own memory.
-    With ``device`` (torch, CUDA) the rows go into pinned host buffers kept in a pool and are
+
+class _Reader:
+    """The bytes of an answer, read into buffers of the caller's choosing: straight from a file
+    object (an HTTP response, a buffer), or through a zstd decompressor reading from it."""
+
+    def __init__(self, source: Any, zstd: Optional["zstandard.ZstdDecompressor"] = None):
+        self.source = source
+        self.stream = zstd.stream_reader(source, read_size=1 << 20) if zstd is not None else None
+        self.read_bytes = 0  # decoded bytes read
+
+    def fill(self, dst: Any) -> None:
+        """Fills ``dst`` (a writable buffer) or raises _Short."""
+        mv = memoryview(dst).cast("B")
+        got, size = 0, len(mv)
+        r = self.stream if self.stream is not None else self.source
+        while got < size:
+            k = r.readinto(mv[got:])
+            if not k:
+                raise _Short(f"the answer ended {size - got} bytes early")
+            got += k
+        self.read_bytes += size
+
+    def finish(self) -> None:
+        """Checks that nothing follows the answer's last byte."""
+        if self.stream is not None:
+            if self.stream.read(1):
+                raise _Short("the answer holds more bytes than its header announces")
+        if self.source.read(1):
+            raise _Short("the body holds more after the answer" if self.stream is not None else "the answer holds more bytes than its header announces")
+
+
+class _Decoder:
+    """Turns an answer into one sample dict per input, as it streams in.
+
+    The answer's small tensors come first (``cu_seqlens`` among them: each input's rows), its
+    hidden states last (older servers: first, then they go through one temporary buffer);
+    each input's rows are read (decompressed) straight into the sample's own buffer and hashed
+    there, so a sample holds only its own memory and no answer is ever held whole. The
+    checksums are compared once the last byte is in; nothing is handed out before. With
+    ``device`` (torch, CUDA) the samples' buffers are pinned host buffers kept in a pool and
     copied to the device without blocking, on a stream of the decoding thread; the consumer
     waits for that copy (an event) when it takes the sample, and the pinned buffer goes back to
     the pool once the copy is done.
@@ -574,32 +615,14 @@ class _Decoder:
             elif dev.type != "cpu":
                 raise ValueError(f"device={device!r}: only CUDA devices (or the CPU) are supported")
 
-    # the decompression buffer of this thread
-    def _buffer(self, size: int) -> memoryview:
-        buf = getattr(self._tls, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = bytearray(max(size, int(len(buf) * 1.25) if buf is not None else size))
-            self._tls.buf = buf
-        return memoryview(buf)[:size]
-
-    def decompress(self, body: bytes) -> memoryview:
-        if body[:4] != ZSTD_MAGIC:
-            return memoryview(body)
-        size = zstandard.frame_content_size(body)
-        if size < 0:  # no size in the frame: a new buffer of whatever it holds
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as r:
-                return memoryview(r.read())
-        out = self._buffer(size)
-        got = 0
-        with zstandard.ZstdDecompressor().stream_reader(body) as r:
-            while got < size:
-                k = r.readinto(out[got:])
-                if not k:
-                    break
-                got += k
-            if got != size or r.read(1):
-                raise zstandard.ZstdError(f"the frame says {size} bytes, it holds {'fewer' if got < size else 'more'}")
-        return out
+    def reader(self, source: Any, zstd: bool) -> _Reader:
+        """A reader of ``source`` (a file object), through this thread's zstd decompressor when ``zstd``."""
+        dctx = None
+        if zstd:
+            dctx = getattr(self._tls, "dctx", None)
+            if dctx is None:
+                dctx = self._tls.dctx = zstandard.ZstdDecompressor()
+        return _Reader(source, dctx)
 
     # host buffers: plain numpy, or pinned from the pool when the samples go to a GPU
     def _alloc(self, nbytes: int, held: List[Any]) -> np.ndarray:
@@ -621,73 +644,116 @@ class _Decoder:
         return t.numpy()[:nbytes]
 
     def decode(self, body: bytes, n_inputs: int, status: int = 200) -> List[Tuple[Dict[str, Any], int, int]]:
+        """:meth:`read` of an answer held whole (zstd or not, by its first bytes)."""
+        return self.read(self.reader(io.BytesIO(body), body[:4] == ZSTD_MAGIC), n_inputs, status)
+
+    def read(self, body: _Reader, n_inputs: int, status: int = 200) -> List[Tuple[Dict[str, Any], int, int]]:
         """``[(sample without its id, bytes it holds, tokens its input has at least)]`` for an
-        answer of ``n_inputs`` inputs;
-        raises LayertapError (``bad_answer``, ``checksum_mismatch``) or ZstdError for a damaged one."""
-        raw = self.decompress(body)
-        try:
-            tensors, metadata = _safetensors.views(raw)
-        except _safetensors.SafetensorsError as e:
-            raise LayertapError(status, "bad_answer", f"the answer is not a safetensors file: {e}") from None
-        if not verify_checksums({k: v[2] for k, v in tensors.items()}, metadata, status=status):
-            raise ChecksumMismatch("the answer has no checksums in its metadata", status)
+        answer of ``n_inputs`` inputs read from ``body``; raises LayertapError (``bad_answer``,
+        ``checksum_mismatch``), ZstdError, or _Short for a damaged or cut one (and OSError, a
+        timeout among them, from the connection)."""
 
         def bad(msg: str) -> LayertapError:
             return LayertapError(status, "bad_answer", msg)
 
+        head = bytearray(8)
+        body.fill(head)
+        n = int.from_bytes(head, "little")
+        if n > _safetensors._MAX_HEADER:
+            raise bad(f"the answer is not a safetensors file: a header of {n} bytes")
+        raw_head = bytearray(n)
+        body.fill(raw_head)
+        try:
+            entries, metadata, _total = _safetensors.layout(raw_head)
+        except _safetensors.SafetensorsError as e:
+            raise bad(f"the answer is not a safetensors file: {e}") from None
+        sums = listed_checksums(metadata, status)
+        if sums is None:
+            raise ChecksumMismatch("the answer has no checksums in its metadata", status)
         for k in ("hidden_states", "input_ids", "cu_seqlens", "loss_mask"):
-            if k not in tensors:
+            if k not in entries:
                 raise bad(f"the answer has no {k!r} tensor")
-        rows = tensors["input_ids"][1][0] if len(tensors["input_ids"][1]) == 1 else -1
-        dt, shape, mv = tensors["cu_seqlens"]
-        if dt != "I64" or len(shape) != 1:
-            raise bad(f"cu_seqlens is {dt} {shape}")
-        cu = np.frombuffer(mv, dtype="<i8").tolist()
-        if len(cu) != n_inputs + 1 or cu[0] != 0 or cu[-1] != rows or any(b < a for a, b in zip(cu, cu[1:])):
-            raise bad(f"cu_seqlens {cu} does not split {rows} rows into the {n_inputs} inputs asked for")
+        rows = entries["input_ids"][1][0] if len(entries["input_ids"][1]) == 1 else -1
+        dt, shape = entries["cu_seqlens"][:2]
+        if dt != "I64" or shape != (n_inputs + 1,):
+            raise bad(f"cu_seqlens is {dt} {list(shape)} for {n_inputs} inputs")
         for name in _PER_ROW:
-            if name in tensors and (not tensors[name][1] or tensors[name][1][0] != rows):
-                raise bad(f"{name} has shape {tensors[name][1]} for {rows} rows")
-        hs_dtype = tensors["hidden_states"][0]
+            if name in entries and (not entries[name][1] or entries[name][1][0] != rows):
+                raise bad(f"{name} has shape {list(entries[name][1])} for {rows} rows")
+        hs_dtype, hs_shape = entries["hidden_states"][:2]
         if hs_dtype == "F8_E4M3":
-            if "hidden_states_scale" not in tensors:
+            if "hidden_states_scale" not in entries:
                 raise bad("F8_E4M3 hidden_states without 'hidden_states_scale'")
-            if tensors["hidden_states_scale"][0] != "F32" or tensors["hidden_states_scale"][1] != tensors["hidden_states"][1][:2]:
-                raise bad(f"hidden_states_scale is {tensors['hidden_states_scale'][:2]} for hidden_states {tensors['hidden_states'][1]}")
+            if entries["hidden_states_scale"][0] != "F32" or entries["hidden_states_scale"][1] != hs_shape[:2]:
+                raise bad(f"hidden_states_scale is {entries['hidden_states_scale'][:2]} for hidden_states {list(hs_shape)}")
+
+        names = [name for name in _PER_ROW if name in entries]
+        row_bytes = {}
+        for name in names:
+            b = _NP[entries[name][0]].itemsize
+            for d in entries[name][1][1:]:
+                b *= d
+            row_bytes[name] = b
+        cu: Optional[List[int]] = None
+        slots: Optional[List[Dict[str, np.ndarray]]] = None  # each input's buffer, cut per tensor
+        held: List[List[Any]] = []
+        early: Dict[str, bytearray] = {}  # per-row tensors read before cu_seqlens was known
+        digests: Dict[str, str] = {}
+
+        def allocate() -> List[Dict[str, np.ndarray]]:
+            assert cu is not None
+            out = []
+            for i in range(n_inputs):
+                s, e = cu[i], cu[i + 1]
+                starts, at = [], 0
+                for name in names:  # one buffer per sample: every tensor of it, each aligned to 64 bytes
+                    starts.append(at)
+                    at += ((e - s) * row_bytes[name] + 63) // 64 * 64
+                h: List[Any] = []
+                buf = self._alloc(max(at, 1), h)
+                held.append(h)
+                out.append({name: buf[st : st + (e - s) * row_bytes[name]] for name, st in zip(names, starts)})
+            return out
+
+        for name in sorted(entries, key=lambda k: entries[k][2]):
+            dtype, shape, begin, end = entries[name]
+            if name in row_bytes and slots is not None:
+                hasher = xxhash.xxh64()
+                for slot in slots:
+                    dst = slot[name]
+                    body.fill(dst)
+                    hasher.update(dst)
+                digests[name] = hasher.hexdigest()
+                continue
+            buf = bytearray(end - begin)
+            body.fill(buf)
+            digests[name] = xxhash.xxh64(buf).hexdigest()
+            if name == "cu_seqlens":
+                cu = np.frombuffer(buf, dtype="<i8").tolist()
+                if cu[0] != 0 or cu[-1] != rows or any(b < a for a, b in zip(cu, cu[1:])):
+                    raise bad(f"cu_seqlens {cu} does not split {rows} rows into the {n_inputs} inputs asked for")
+                slots = allocate()
+            elif name in row_bytes:
+                early[name] = buf
+        body.finish()
+        verify_digests(digests, metadata, status)
+        assert cu is not None and slots is not None
+        for name, buf in early.items():  # an answer written with its states first
+            for i, slot in enumerate(slots):
+                slot[name][:] = np.frombuffer(buf, dtype=np.uint8, count=len(slot[name]), offset=cu[i] * row_bytes[name])
 
         out = []
-        for i in range(n_inputs):
+        for i, slot in enumerate(slots):
             s, e = cu[i], cu[i + 1]
-            held: List[Any] = []
-            parts = []
-            total = 0
-            for name in _PER_ROW:
-                if name not in tensors:
-                    continue
-                dtype, shape, mv = tensors[name]
-                item = _NP[dtype].itemsize
-                row = item
-                for d in shape[1:]:
-                    row *= d
-                parts.append((name, dtype, (e - s,) + tuple(shape[1:]), mv[s * row : e * row]))
-                total += (e - s) * row
-            # one buffer per sample: every tensor of it, each aligned to 64 bytes
-            sizes = [len(p[3]) for p in parts]
-            starts, at = [], 0
-            for size in sizes:
-                starts.append(at)
-                at += (size + 63) // 64 * 64
-            buf = self._alloc(max(at, 1), held)
             arrays: Dict[str, Tuple[str, np.ndarray]] = {}
-            for (name, dtype, shape, mv), start, size in zip(parts, starts, sizes):
-                dst = buf[start : start + size]
-                dst[:] = np.frombuffer(mv, dtype=np.uint8)
-                arrays[name] = (dtype, dst.view(_NP[dtype]).reshape(shape))
+            for name in names:
+                dtype, shape = entries[name][:2]
+                arrays[name] = (dtype, slot[name].view(_NP[dtype]).reshape((e - s,) + tuple(shape[1:])))
             if "positions" in arrays:
                 seen = int(arrays["positions"][1][-1]) + 1 if e > s else 0
             else:
                 seen = e - s
-            sample, nbytes = self._finish(arrays, held)
+            sample, nbytes = self._finish(arrays, held[i])
             out.append((sample, nbytes, seen))
         return out
 
@@ -775,6 +841,79 @@ def _retry_after(value: Optional[str]) -> Optional[float]:
     return min(max(secs, 0.0), 60.0)
 
 
+class _Connections:
+    """Keep-alive HTTP connections of the fetching threads: one per (thread, server), made on
+    first use. A connection's socket waits ``timeout`` seconds per operation (connect: at most
+    10), so a server that hangs costs a request at most that, and :meth:`shut` ends every
+    operation under way at once (a pass that closes)."""
+
+    def __init__(self, timeout: float, headers: Dict[str, str]):
+        self.timeout = timeout
+        self.headers = headers
+        self._tls = threading.local()
+        self._all: set = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def get(self, url: str) -> Tuple[http.client.HTTPConnection, str, bool]:
+        """(connection, path prefix, whether it is new)."""
+        conns = getattr(self._tls, "conns", None)
+        if conns is None:
+            conns = self._tls.conns = {}
+        if url in conns:
+            return conns[url] + (False,)
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise LayertapError(None, "bad_url", f"{url!r} is not an http:// or https:// URL")
+        cls = _HTTPS if u.scheme == "https" else _HTTP
+        c = cls(u.hostname, u.port, timeout=min(self.timeout, 10.0))
+        c.read_timeout = self.timeout
+        with self._lock:
+            if self.closed:
+                raise ConnectionAbortedError("the pass is closing")
+            self._all.add(c)
+        conns[url] = (c, u.path.rstrip("/"))
+        return conns[url] + (True,)
+
+    def drop(self, url: str) -> None:
+        conns = getattr(self._tls, "conns", {})
+        c = conns.pop(url, None)
+        if c is not None:
+            with self._lock:
+                self._all.discard(c[0])
+            c[0].close()
+
+    def shut(self) -> None:
+        with self._lock:
+            self.closed = True
+            conns = list(self._all)
+        for c in conns:
+            sock = c.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class _Timeouts:
+    """Connect within min(timeout, 10) seconds, then ``read_timeout`` per socket operation."""
+
+    read_timeout: float
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        self.sock.settimeout(self.read_timeout)  # type: ignore[attr-defined]
+
+
+class _HTTP(_Timeouts, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPS(_Timeouts, http.client.HTTPSConnection):
+    pass
+
+
 # -- one pass over a share ---------------------------------------------------------------------------
 
 
@@ -811,12 +950,13 @@ class _Pass:
     """One pass over a share: a background thread runs an asyncio loop that keeps requests in
     flight and hands finished samples to a bounded reorder buffer, read in order by ``next``.
 
-    Why a thread with an asyncio loop (httpx) rather than threads with requests: one loop
-    holds any number of requests over any number of servers, a request that hangs is cancelled
-    cleanly at its timeout (a blocked thread cannot be), and the routing, retry and backoff
-    state lives in one thread; decompressing and checking answers (zstd, xxh64 and large
-    copies release the GIL) run in a small thread pool beside it, so the consumer's
-    thread only takes finished samples.
+    The loop holds the routing, retry and backoff state in one thread; each request runs on a
+    fetching thread of its own (one per request in flight) that sends it over a kept-alive
+    connection and reads the answer as it streams in, decompressed straight into the samples'
+    buffers and hashed there (the socket, zstd, xxh64 and the copies release the GIL, so the
+    threads work in parallel and the consumer's thread only takes finished samples). A request
+    that hangs ends at its timeout (every socket operation has it), and closing the pass shuts
+    the sockets of the requests under way.
     """
 
     def __init__(self, src: "OnlineSource", order: np.ndarray, positions: List[int]):
@@ -974,19 +1114,16 @@ class _Pass:
         return it
 
     async def _run(self) -> None:
-        import httpx
-
         src = self.src
         self.wake = asyncio.Event()
-        executor = ThreadPoolExecutor(max_workers=src.decode_threads, thread_name_prefix="layertap-decode")
-        headers = {"accept-encoding": "zstd"}
+        # one thread per request in flight: it sends the request, reads the answer straight into
+        # the samples' buffers (the socket, zstd, xxh64 and the copies release the GIL) and
+        # checks it; this loop only routes, retries and counts
+        executor = ThreadPoolExecutor(max_workers=src.max_requests, thread_name_prefix="layertap-fetch")
+        headers = {"accept-encoding": src.encoding, "content-type": "application/json"}
         if src.api_key:
             headers["authorization"] = f"Bearer {src.api_key}"
-        client = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(src.timeout, connect=min(src.timeout, 10.0)),
-            limits=httpx.Limits(max_connections=max(src.max_requests, 1) * 2, max_keepalive_connections=max(src.max_requests, 1)),
-        )
+        conns = _Connections(src.timeout, headers)
         queue: List[_Item] = []  # to send again, by position; they go first
         cursor = 0  # next position of the share not yet taken into a request
         tasks: Dict[asyncio.Task, Tuple[_Server, List[_Item], int]] = {}
@@ -1032,7 +1169,7 @@ class _Pass:
                     server = min(pool, key=lambda s: (s.outstanding, (self.servers.index(s) - turn) % len(self.servers)))
                     tokens = sum(it.est for it in batch)
                     server.outstanding += tokens
-                    task = asyncio.ensure_future(self._request(client, executor, server, batch))
+                    task = asyncio.ensure_future(self._request(conns, executor, server, batch))
                     tasks[task] = (server, batch, est_bytes)
                 waits = [s.down_until for s in self.servers if s.out is None and s.down_until > time.monotonic()]
                 timeout = max(min(waits) - time.monotonic(), 0.01) if waits and (queue or cursor < len(self.items)) else None
@@ -1053,7 +1190,7 @@ class _Pass:
                 task.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-            await client.aclose()
+            conns.shut()
             executor.shutdown(wait=False)
 
     def _take(self, queue: List[_Item], cursor: int) -> Tuple[List[_Item], int]:
@@ -1083,45 +1220,86 @@ class _Pass:
                 break
         return batch, cursor
 
-    async def _request(self, client: Any, executor: ThreadPoolExecutor, server: _Server, batch: List[_Item]) -> Tuple[str, Any]:
-        """One request: ``("ok", [(sample, nbytes)])``, or ``(kind, (message, status, type, retry_after))``
-        with kind ``down`` (connection, timeout, 5xx, bad answer), ``busy`` (429), ``out``
-        (selfcheck_failed), ``setup`` (a 4xx that is no sample's fault) or ``refused`` (a 4xx)."""
-        import httpx
-
-        src = self.src
-        body = dict(src._body)
+    async def _request(self, conns: _Connections, executor: ThreadPoolExecutor, server: _Server, batch: List[_Item]) -> Tuple[str, Any]:
+        """One request: ``("ok", [(sample, nbytes, rows seen)])``, or ``(kind, (message, status,
+        type, retry_after))`` with kind ``down`` (connection, timeout, 5xx, bad answer), ``busy``
+        (429), ``out`` (selfcheck_failed), ``setup`` (a 4xx that is no sample's fault) or
+        ``refused`` (a 4xx)."""
+        body = dict(self.src._body)
         body["inputs"] = [it.input for it in batch]
+        payload = json.dumps(body).encode()
         server.requests += 1
-        try:
-            r = await client.post(server.url + "/v1/hidden-states", content=json.dumps(body).encode(), headers={"content-type": "application/json"})
-            data = r.content  # raw: httpx leaves a zstd body alone without a zstd module; decode() checks the magic
-        except httpx.TimeoutException as e:
-            return "down", (f"no answer within {src.timeout} s ({type(e).__name__})", None, "timeout", None)
-        except httpx.HTTPError as e:
-            return "down", (f"{type(e).__name__}: {e}", None, "connection_error", None)
-        status = r.status_code
+        loop = asyncio.get_running_loop()
+        kind, value, nbytes = await loop.run_in_executor(executor, self._fetch, conns, server.url, payload, len(batch))
+        server.bytes += nbytes
+        return kind, value
+
+    def _fetch(self, conns: _Connections, url: str, payload: bytes, n_inputs: int) -> Tuple[str, Any, int]:
+        """:meth:`_request`'s work, on a fetching thread; also the bytes as sent."""
+        src = self.src
+        for attempt in (0, 1):
+            try:
+                c, prefix, new = conns.get(url)
+            except LayertapError as e:
+                return "setup", (e.message, None, e.type, None), 0
+            except ConnectionAbortedError as e:
+                return "down", (str(e), None, "closed", None), 0
+            try:
+                c.request("POST", prefix + "/v1/hidden-states", body=payload, headers=conns.headers)
+                r = c.getresponse()
+            except socket.timeout as e:
+                conns.drop(url)
+                return "down", (f"no answer within {src.timeout} s ({type(e).__name__})", None, "timeout", None), 0
+            except (OSError, http.client.HTTPException) as e:
+                conns.drop(url)
+                # a kept-alive connection the server had closed meanwhile: once more on a new one
+                # (the request has no effect on the server, so sending it twice is harmless)
+                stale = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.CannotSendRequest)
+                if not new and attempt == 0 and isinstance(e, stale):
+                    continue
+                return "down", (f"{type(e).__name__}: {e}", None, "connection_error", None), 0
+            break
+        status = r.status
         if status != 200:
+            try:
+                data = r.read(1 << 20)  # an error is small; the rest of a larger body is dropped with the connection
+            except (OSError, http.client.HTTPException):
+                data = b""
+            if r.will_close or not r.isclosed():
+                conns.drop(url)
             err = error_from_response(status, _maybe_unzstd(data))
-            wait = _retry_after(r.headers.get("retry-after"))
+            wait = _retry_after(r.getheader("retry-after"))
             msg = f"HTTP {status} {err.type}: {err.message}"
             if status == 503 and err.type == "selfcheck_failed":
-                return "out", (msg, status, err.type, None)
+                return "out", (msg, status, err.type, None), len(data)
             if status >= 500 or status == 408:
-                return "down", (msg, status, err.type, wait)
+                return "down", (msg, status, err.type, wait), len(data)
             if status == 429:
-                return "busy", (msg, status, err.type, wait if wait is not None else 1.0)
+                return "busy", (msg, status, err.type, wait if wait is not None else 1.0), len(data)
             if status in SETUP_STATUSES:
-                return "setup", (msg, status, err.type, None)
-            return "refused", (msg, status, err.type, None)
-        server.bytes += len(data)
-        loop = asyncio.get_running_loop()
+                return "setup", (msg, status, err.type, None), len(data)
+            return "refused", (msg, status, err.type, None), len(data)
+        encoding = (r.getheader("content-encoding") or "identity").strip().lower()
+        if encoding not in ("zstd", "identity"):
+            conns.drop(url)
+            return "setup", (f"the answer came as {encoding!r}, which this client does not read", status, "bad_answer", None), 0
+        reader = self.decoder.reader(r, encoding == "zstd")
         try:
-            decoded = await loop.run_in_executor(executor, self.decoder.decode, data, len(batch), status)
-        except (LayertapError, zstandard.ZstdError, ValueError) as e:
+            decoded = self.decoder.read(reader, n_inputs, status)
+        except socket.timeout as e:
+            conns.drop(url)
+            return "down", (f"the answer stopped for {src.timeout} s ({type(e).__name__})", status, "timeout", None), 0
+        except (LayertapError, zstandard.ZstdError, ValueError, _Short, http.client.IncompleteRead) as e:
+            conns.drop(url)
             kind = getattr(e, "type", "bad_answer")
-            return "down", (f"the answer was damaged: {e}", status, kind, None)
-        return "ok", decoded
+            return "down", (f"the answer was damaged: {e}", status, kind, None), 0
+        except (OSError, http.client.HTTPException) as e:
+            conns.drop(url)
+            return "down", (f"the answer was cut: {type(e).__name__}: {e}", status, "connection_error", None), 0
+        if r.will_close:
+            conns.drop(url)
+        length = r.getheader("content-length")
+        return "ok", decoded, int(length) if length and length.isdigit() else reader.read_bytes
 
     def _settle(self, result: Tuple[str, Any], server: _Server, batch: List[_Item], queue: List[_Item]) -> None:
         kind, value = result
@@ -1247,8 +1425,11 @@ class OnlineSource:
     Flow: ``request_tokens`` (tokens per request, several samples each; the server's
     ``max_request_tokens`` if smaller), ``max_requests`` in flight, ``max_buffered_bytes`` of
     answers fetched and not yet handed out (counting what the requests in flight will bring,
-    estimated: exact for token ids, from the length for text and chats); ``decode_threads``
-    threads decompress and check answers. ``device="cuda:N"`` (torch) copies every sample to
+    estimated: exact for token ids, from the length for text and chats). ``encoding``: the
+    answers as ``"zstd"`` (the default: a fifth fewer bytes on the wire for bf16 states) or
+    ``"identity"`` (no decompression: less client CPU where the network is fast). Each request
+    in flight has a thread that reads its answer straight into the samples' buffers, so no
+    answer is held whole. ``device="cuda:N"`` (torch) copies every sample to
     the GPU from reused pinned buffers without blocking (in the main process only: under
     DataLoader workers use the DataLoader's ``pin_memory`` instead).
 
@@ -1286,7 +1467,7 @@ class OnlineSource:
         request_tokens: int = 8192,
         max_requests: int = 4,
         max_buffered_bytes: int = 1 << 30,
-        decode_threads: int = 2,
+        encoding: str = "zstd",
         device: Any = None,
         retries: int = 8,
         timeout: float = 600.0,
@@ -1297,16 +1478,16 @@ class OnlineSource:
         api_key: Optional[str] = None,
         progress: bool = False,
     ):
-        try:
-            import httpx  # noqa: F401
-        except ImportError as e:
-            raise ImportError("layertap_client.online needs httpx: pip install 'layertap-client[async]'") from e
         self.samples = open_samples(samples, text_column, messages_column, ids_column, id_column)
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s.strip()]
         self.servers = [s.strip().rstrip("/") for s in servers]
         if not self.servers:
             raise ValueError("give at least one server URL")
+        for url in self.servers:
+            u = urllib.parse.urlsplit(url)
+            if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
+                raise ValueError(f"{url!r} is not a server URL (http:// or https://, a host, an optional port and path)")
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"a server is named twice: {self.servers}")
         self.layers = normalize_layers(layers)
@@ -1338,7 +1519,7 @@ class OnlineSource:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         self.batch_size = int(batch_size)
-        for name, v in (("request_tokens", request_tokens), ("max_requests", max_requests), ("decode_threads", decode_threads)):
+        for name, v in (("request_tokens", request_tokens), ("max_requests", max_requests)):
             if v < 1:
                 raise ValueError(f"{name} must be at least 1, not {v}")
         if max_buffered_bytes < 1:
@@ -1346,7 +1527,9 @@ class OnlineSource:
         self.request_tokens = int(request_tokens)
         self.max_requests = int(max_requests)
         self.max_buffered_bytes = int(max_buffered_bytes)
-        self.decode_threads = int(decode_threads)
+        if encoding not in ("zstd", "identity"):
+            raise ValueError(f'encoding={encoding!r}: use "zstd" or "identity"')
+        self.encoding = encoding
         self.device = device
         if device is not None:
             import torch

@@ -25,12 +25,20 @@ import time
 import numpy as np
 
 
+try:
+    import torch as _torch
+
+    _F32 = _torch.float32
+except ImportError:
+    _F32 = None
+
+
 def touch(sample) -> float:
     """A stand-in training step: reads every value of every tensor of the sample once."""
     total = 0.0
     for v in sample.values():
-        if hasattr(v, "float") and hasattr(v, "sum"):  # torch
-            total += float(v.float().sum())
+        if hasattr(v, "is_floating_point"):  # torch: floats summed in float32, without a widened copy
+            total += float(v.sum(dtype=_F32) if v.is_floating_point() else v.sum())
         elif isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
             total += float(v.sum(dtype=np.float64))
     return total
@@ -75,6 +83,12 @@ def main() -> None:
     waited = 0.0
     tokens = nbytes = n = 0
     src = None
+    try:
+        import torch  # noqa: F401  (torch tensors, as a trainer takes them, where torch is installed)
+
+        kw["as_torch"] = True
+    except ImportError:
+        pass
     if a.workers == 0:
         src = OnlineSource(samples, a.url, **kw)
         it = iter(src)
@@ -83,6 +97,7 @@ def main() -> None:
         from layertap_client.online import OnlineIterableDataset
 
         layers = kw.pop("layers")
+        kw.pop("as_torch", None)
         ds = OnlineIterableDataset(samples, a.url, layers, **kw)
         it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers))
     while True:

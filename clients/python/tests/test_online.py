@@ -465,6 +465,24 @@ def test_the_decoder_reads_either_tensor_order_and_refuses_a_damaged_answer(srv,
         dec.decode(raw, 2)  # an answer of another number of inputs
 
 
+@needs_torch
+def test_in_a_dataloader_worker_samples_are_read_into_shared_memory(srv, reference):
+    """A worker's samples are read straight into torch shared memory, every tensor of a sample a
+    view of its one buffer, so the DataLoader hands them to the main process without a copy."""
+    from layertap_client.online import _Decoder
+
+    raw = _answer(srv.url, [_input(s) for s in SAMPLES[:3]])
+    dec = _Decoder(True, True, None)
+    dec._worker_flag = True  # as get_worker_info() says inside a worker
+    for (sample, _, _), s in zip(dec.decode(raw, 3), SAMPLES[:3]):
+        storages = {t.untyped_storage().data_ptr() for t in sample.values()}
+        assert len(storages) == 1 and all(t.is_shared() for t in sample.values())
+        _check({"id": s["id"], **{k: v.numpy() for k, v in sample.items()}}, reference)
+    dec._worker_flag = False
+    sample = dec.decode(raw, 3)[0][0]
+    assert not sample["hidden_states"].is_shared()
+
+
 def test_identity_and_zstd_give_the_same_samples(srv):
     runs = [[(s["id"], s["hidden_states"].tobytes()) for s in _source(srv.url, dtype="bfloat16", encoding=e, request_tokens=64)] for e in ("identity", "zstd")]
     assert runs[0] == runs[1] and len(runs[0]) == len(SAMPLES)

@@ -540,6 +540,14 @@ def _worker_info() -> Tuple[int, int]:
 
 # -- decoding answers into per-sample arrays --------------------------------------------------------
 
+_TORCH = {
+    "F32": lambda t: t.float32,
+    "F16": lambda t: t.float16,
+    "BF16": lambda t: t.bfloat16,
+    "F8_E4M3": lambda t: t.float8_e4m3fn,
+    "I64": lambda t: t.int64,
+    "U8": lambda t: t.uint8,
+}
 _NP = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F8_E4M3": np.dtype("u1"), "I64": np.dtype("<i8"), "U8": np.dtype("u1")}
 
 #: Per-sample tensors of an answer, in the order a sample dict holds them.
@@ -624,11 +632,20 @@ class _Decoder:
                 dctx = self._tls.dctx = zstandard.ZstdDecompressor()
         return _Reader(source, dctx)
 
-    # host buffers: plain numpy, or pinned from the pool when the samples go to a GPU
+    # host buffers: plain numpy; torch shared memory in a DataLoader worker (the loader then
+    # hands the sample to the main process without copying it); pinned, from the pool, when the
+    # samples go to a GPU. A torch buffer is held[0]: the sample's tensors are views of it.
     def _alloc(self, nbytes: int, held: List[Any]) -> np.ndarray:
-        if self.device is None:
-            return np.empty(nbytes, dtype=np.uint8)
         torch = self._torch
+        if self.device is None:
+            if self.as_torch and self._in_worker():
+                try:
+                    t = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,))
+                except (AttributeError, RuntimeError, TypeError):  # a torch without it: shared by a copy
+                    t = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+                held.append(t)
+                return t.numpy()
+            return np.empty(nbytes, dtype=np.uint8)
         size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
         with self._pool_lock:
             while self._pending and self._pending[0][0].query():
@@ -757,6 +774,25 @@ class _Decoder:
             out.append((sample, nbytes, seen))
         return out
 
+    def _in_worker(self) -> bool:
+        flag = getattr(self, "_worker_flag", None)
+        if flag is None:
+            from torch.utils.data import get_worker_info
+
+            flag = self._worker_flag = get_worker_info() is not None
+        return flag
+
+    def _tensor(self, dtype: str, arr: np.ndarray, held: List[Any]) -> Any:
+        """``arr`` as a torch tensor of the safetensors dtype: a view of the sample's torch buffer
+        where it has one (so that it stays pinned or shared), else of the numpy array."""
+        torch = self._torch
+        tdtype = _TORCH[dtype](torch)
+        if held and isinstance(held[0], torch.Tensor):
+            base = held[0]
+            at = arr.ctypes.data - base.data_ptr()
+            return base[at : at + arr.nbytes].view(tdtype).view(arr.shape)
+        return torch.from_numpy(arr).view(tdtype)
+
     def _finish(self, arrays: Dict[str, Tuple[str, np.ndarray]], held: List[Any]) -> Tuple[Dict[str, Any], int]:
         hs_dtype = arrays["hidden_states"][0]
         fp8 = hs_dtype == "F8_E4M3"
@@ -768,12 +804,7 @@ class _Decoder:
             out: Dict[str, Any] = {}
             with torch.cuda.stream(stream):
                 for name, (dtype, arr) in arrays.items():
-                    t = torch.from_numpy(arr)
-                    if dtype == "BF16":
-                        t = t.view(torch.bfloat16)
-                    elif dtype == "F8_E4M3":
-                        t = t.view(torch.float8_e4m3fn)
-                    out[name] = t.to(self.device, non_blocking=True)
+                    out[name] = self._tensor(dtype, arr, held).to(self.device, non_blocking=True)
                 if fp8 and self.dequantize:
                     out["hidden_states"] = out["hidden_states"].float() * out.pop("hidden_states_scale")[..., None]
                 event = torch.cuda.Event()
@@ -785,12 +816,7 @@ class _Decoder:
         out = {}
         for name, (dtype, arr) in arrays.items():
             if self.as_torch:
-                t = torch.from_numpy(arr)
-                if dtype == "BF16":
-                    t = t.view(torch.bfloat16)
-                elif dtype == "F8_E4M3":
-                    t = t.view(torch.float8_e4m3fn)
-                out[name] = t
+                out[name] = self._tensor(dtype, arr, held)
             elif dtype in ("BF16", "F8_E4M3") and not (fp8 and self.dequantize and name == "hidden_states"):
                 out[name] = _safetensors.to_numpy(dtype, arr)
             else:

@@ -14,12 +14,12 @@ online_compare() {
   start_server "$model" cuda:0 "$model.serve.log" "$@"
   local url="http://127.0.0.1:$PORT"
   clients "$w" 64 zstd | sed 's/^{/{"contender":"bench_http zstd, 64 in flight",/'
-  python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0
-  python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --encoding identity
-  python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --device cuda:0
-  python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 1
-  python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 4
-  python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --step-ms "$step"
+  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0
+  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --encoding identity
+  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --device cuda:0
+  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 1
+  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 4
+  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --step-ms "$step"
   clients "$w" 64 identity | sed 's/^{/{"contender":"bench_http identity, 64 in flight",/'
   kill -TERM "$server"
   wait "$server" || true

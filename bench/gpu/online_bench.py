@@ -45,9 +45,17 @@ def touch(sample) -> float:
 
 
 def cpu_seconds() -> float:
+    return own_cpu_seconds() + workers_cpu_seconds()
+
+
+def own_cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def workers_cpu_seconds() -> float:
     c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+    return c.ru_utime + c.ru_stime
 
 
 def main() -> None:
@@ -79,7 +87,7 @@ def main() -> None:
     )
     if a.device:
         kw["device"] = a.device
-    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    cpu0, own0, t0 = cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     waited = 0.0
     tokens = nbytes = n = 0
     src = None
@@ -116,20 +124,25 @@ def main() -> None:
         n += 1
     # the source's own accounting is in this process only without workers
     peak_buffered = src.stats()["peak_bytes"] if src is not None else None
+    budget = getattr(src, "_budget", None) if src is not None else None
+    requests = sum(v["requests"] for v in src.stats()["servers"].values()) if src is not None else None
     if src is not None:
         src.close()
     wall = time.perf_counter() - t0
     cpu = cpu_seconds() - cpu0
+    own = own_cpu_seconds() - own0
     print(json.dumps({
         "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else ""),
         "samples": n, "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
         "consumer_waited_s": round(waited, 3), "waited_share": round(waited / wall, 4),
         "state_gb": round(nbytes / 1e9, 3), "client_cpu_s_per_gb": round(cpu / max(nbytes / 1e9, 1e-9), 2),
+        "main_process_cpu_s_per_gb": round(own / max(nbytes / 1e9, 1e-9), 2),
         # ru_maxrss of this process (KiB on Linux); DataLoader workers are separate processes
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "peak_rss_workers_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "peak_buffered_mb": None if peak_buffered is None else round(peak_buffered / 2**20, 1),
         "max_buffered_mb": a.max_buffered_mb, "max_requests": a.max_requests, "request_tokens": a.request_tokens,
+        "request_tokens_used": budget, "requests": requests,
     }))
 
 

@@ -14,12 +14,14 @@ online_compare() {
   start_server "$model" cuda:0 "$model.serve.log" "$@"
   local url="http://127.0.0.1:$PORT"
   clients "$w" 64 zstd | sed 's/^{/{"contender":"bench_http zstd, 64 in flight",/'
-  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0
-  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --encoding identity
-  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --device cuda:0
-  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 1
-  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 4
-  timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w" --workers 0 --step-ms "$step"
+  local b=(timeout 120 python3 bench/gpu/online_bench.py --url "$url" --workload "$w")
+  "${b[@]}" --workers 0 --device cuda:0
+  "${b[@]}" --workers 0 --device cuda:0 --encoding identity
+  "${b[@]}" --workers 0
+  "${b[@]}" --workers 0 --encoding identity
+  "${b[@]}" --workers 1
+  "${b[@]}" --workers 4
+  "${b[@]}" --workers 0 --device cuda:0 --step-ms "$step"
   clients "$w" 64 identity | sed 's/^{/{"contender":"bench_http identity, 64 in flight",/'
   kill -TERM "$server"
   wait "$server" || true

@@ -365,6 +365,16 @@ def test_the_buffer_bound_holds_when_the_consumer_stops(srv):
     assert src._closed_stats["peak_bytes"] <= bound
 
 
+def test_requests_are_sized_so_that_every_one_in_flight_fits_the_bound(srv):
+    samples = [{"id": f"r{i}", "input_ids": [(i + k) % 400 + 1 for k in range(8)]} for i in range(24)]
+    row = len(LAYERS) * 64 * 4 + 17  # float32 rows of the tiny model, with input_ids, loss_mask, cu_seqlens
+    src = _source(srv.url, samples=samples, request_tokens=64, max_requests=2, max_buffered_bytes=2 * 17 * row)
+    got = [s["id"] for s in src]
+    assert got == [s["id"] for s in samples]
+    # 17 tokens a request fit (2 samples of 8), not the 64 asked for: 12 requests, not 3
+    assert src.stats()["servers"][srv.url]["requests"] == 12
+
+
 @pytest.mark.parametrize("encoding", ["identity", "zstd"])
 def test_answers_are_read_into_the_samples_never_held_whole(srv, encoding):
     """An answer streams into the samples' own buffers: the memory the source allocates while it

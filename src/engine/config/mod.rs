@@ -358,7 +358,7 @@ impl ModelConfig {
             )));
         }
         let uses = |m: MixerKind| self.layers.iter().any(|l| l.mixer == m);
-        if uses(MixerKind::SlidingAttention) && !self.sliding_window.is_some_and(|w| w > 0) {
+        if uses(MixerKind::SlidingAttention) && self.sliding_window.is_none_or(|w| w == 0) {
             return Err(bad("model config: sliding-attention layers need a positive sliding_window"));
         }
         if uses(MixerKind::LinearAttention) {

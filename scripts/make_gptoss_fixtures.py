@@ -19,6 +19,10 @@ Output layout (default: tests/fixtures/gpt_oss relative to the repository root):
                                              seq2.hidden_states_bf16 float32 [L+1, T_2, H] (transformers
                                                  run in bfloat16, for comparison)
     <out>/<variant>/reference.json           facts, transformers-f32's per-index distance from float64
+    <out>/rope_reference.json                the rotary embedding of gpt-oss-20b's released shape (head_dim
+                                             64, YaRN factor 32 over 4,096 positions, theta 150,000), with
+                                             truncate false (as released) and true: transformers' config,
+                                             inv_freq, attention scaling and cos/sin at a few positions
 
 Variants (hidden 64, 4 layers [sliding, full, sliding, full], window 12, 4 query / 2 key-value heads
 of 16, 8 experts of 32, top-4, vocab 512, YaRN factor 32 over 4,096 positions, truncate false):
@@ -54,6 +58,7 @@ if _FORBIDDEN:
     sys.exit(f"refusing to run: {', '.join(_FORBIDDEN)} importable; use a venv without them")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import json  # noqa: E402
 import math  # noqa: E402
 
 import torch  # noqa: E402
@@ -441,10 +446,38 @@ def write_variant(name, model, mx, out_dir, seqs, refs, prenorms, logits, logits
           + " ".join(f"{e:.1e}" for e in bf16_err))
 
 
+ROPE_POSITIONS = [0, 1, 2, 127, 128, 4095, 4096, 65535, 131071]
+
+
+@torch.no_grad()
+def write_rope_reference(out_dir):
+    """transformers' GptOssRotaryEmbedding for the released 20b shape (GptOssConfig's defaults with 24
+    layers and 32 experts), YaRN truncate false (released) and true."""
+    cases = []
+    for truncate in (False, True):
+        rope = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=truncate,
+                    original_max_position_embeddings=4096)
+        cfg = GptOssConfig(num_hidden_layers=24, num_local_experts=32, rope_parameters=rope,
+                           architectures=["GptOssForCausalLM"])
+        emb = modeling_gpt_oss.GptOssRotaryEmbedding(cfg)
+        cos, sin = emb(torch.zeros(1, dtype=torch.float32), torch.tensor([ROPE_POSITIONS]))
+        assert cos.dtype == torch.float32 and cos.shape == (1, len(ROPE_POSITIONS), 32), cos.shape
+        cases.append({
+            "config": json.loads(cfg.to_json_string()),
+            "inv_freq": [float(x) for x in emb.inv_freq.tolist()],
+            "attention_scaling": emb.attention_scaling,
+            "positions": ROPE_POSITIONS,
+            "cos": cos[0].tolist(),
+            "sin": sin[0].tolist(),
+        })
+    dump_json({**versions(), "cases": cases}, os.path.join(out_dir, "rope_reference.json"))
+
+
 def main():
     args = fixture_args(__doc__.split("\n")[0], DEFAULT_OUT)
     setup_torch()
     os.makedirs(args.out, exist_ok=True)
+    write_rope_reference(args.out)
     seqs = random_sequences(VOCAB, SEQ_LENGTHS, SEQ_SEED)
 
     model = build(tied=False)

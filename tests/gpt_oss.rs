@@ -303,3 +303,83 @@ fn what_is_not_read_is_refused() {
     let e = common::refusal(nan.path()).expect("a NaN scale");
     assert!(e.contains("down_proj_scales") && e.contains("0xFF"), "{e}");
 }
+
+/// The rotary embedding of the released gpt-oss-20b shape (scripts/make_gptoss_fixtures.py writes
+/// transformers' for YaRN with `truncate` false, as released, and true): the inverse frequencies
+/// within one unit in the last place of transformers' (most of them the same bits), the
+/// attention factor bit for bit, and cos and sin up to position 131,071 within 2e-6 beyond what
+/// those frequencies' one unit apart moves the angles. config.json in transformers 5's
+/// form (`rope_parameters`) and in the released one (`rope_scaling` with `rope_theta` beside it,
+/// the MXFP4 `quantization_config`) read alike, as the released model's layers.
+#[test]
+fn yarn_of_the_released_shape_equals_transformers() {
+    use layertap::engine::config::quant::Quantization;
+    use layertap::engine::config::{FfnKind, MixerKind, ModelConfig};
+    use layertap::engine::layers::rope::Rope;
+    let path = fixtures().join("gpt_oss/rope_reference.json");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let cases = r["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    let floats =
+        |v: &serde_json::Value| -> Vec<f64> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect() };
+    for case in cases {
+        let json = &case["config"];
+        let cfg = ModelConfig::from_hf_json(json).unwrap();
+        let mut released = json.clone();
+        let mut scaling = released.as_object_mut().unwrap().remove("rope_parameters").unwrap();
+        released["rope_theta"] = scaling.as_object_mut().unwrap().remove("rope_theta").unwrap();
+        released["rope_scaling"] = scaling;
+        released["quantization_config"] = serde_json::json!({
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+        });
+        let rel = ModelConfig::from_hf_json(&released).unwrap();
+        assert_eq!((&rel.rope_scaling, rel.rope_theta), (&cfg.rope_scaling, cfg.rope_theta));
+        assert!(matches!(rel.quantization, Some(Quantization::Mxfp4 { .. })), "{:?}", rel.quantization);
+        assert_eq!((cfg.num_hidden_layers, cfg.sliding_window, cfg.head_dim, cfg.rotary_dim), (24, Some(128), 64, 64));
+        for (i, l) in cfg.layers.iter().enumerate() {
+            let mixer = if i % 2 == 0 { MixerKind::SlidingAttention } else { MixerKind::FullAttention };
+            assert_eq!((l.mixer, l.ffn), (mixer, FfnKind::Moe), "layer {i}");
+        }
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.experts_per_token, moe.expert_intermediate_size), (32, 4, 2880));
+        assert!(cfg.attention_sinks && cfg.qkv_bias && cfg.o_bias && cfg.f32_norms && !cfg.tie_word_embeddings);
+
+        let rope = Rope::new(&cfg);
+        let want = floats(&case["inv_freq"]);
+        assert_eq!(rope.inv_freq().len(), want.len());
+        // `base^(2i/d)`: libm's powf and torch's vectorised pow round a few of them apart, by one
+        // unit in the last place; the YaRN blend itself adds nothing.
+        let mut apart = 0;
+        for (i, (&got, &w)) in rope.inv_freq().iter().zip(&want).enumerate() {
+            let ulps = (i64::from(got.to_bits()) - i64::from((w as f32).to_bits())).abs();
+            assert!(ulps <= 1, "inv_freq[{i}]: {got:e} vs {w:e}, {ulps} units in the last place apart");
+            apart += usize::from(ulps == 1);
+        }
+        assert!(apart <= want.len() / 4, "{apart} of {} inverse frequencies one unit apart", want.len());
+        let factor = cfg.rope_scaling.as_ref().unwrap().attention_factor();
+        assert_eq!(factor, case["attention_scaling"].as_f64().unwrap());
+        let positions: Vec<u32> = floats(&case["positions"]).iter().map(|&p| p as u32).collect();
+        let (cos, sin) = rope.tables(&positions, DType::F32, &Device::Cpu).unwrap();
+        // An angle is `p * inv_freq` in f32 in both: where an inverse frequency is one unit apart,
+        // the angles at position p are `p` units apart (1e-3 at 131,071 for a frequency near 0.1).
+        let freq_apart =
+            rope.inv_freq().iter().zip(&want).map(|(&g, &w)| (f64::from(g) - w).abs()).fold(0f64, f64::max);
+        let mut worst = 0f64;
+        for (got, want) in [(cos, &case["cos"]), (sin, &case["sin"])] {
+            let got = got.to_vec2::<f32>().unwrap();
+            for ((g, w), &p) in got.iter().zip(want.as_array().unwrap()).zip(&positions) {
+                let angles_apart = f64::from(p) * freq_apart * factor;
+                for (g, w) in g.iter().zip(floats(w)) {
+                    worst = worst.max(((f64::from(*g) - w).abs() - angles_apart).max(0.0));
+                }
+            }
+        }
+        println!(
+            "truncate {}: {apart} of {} inverse frequencies one unit apart, cos/sin within {worst:.1e} beyond that",
+            json["rope_parameters"]["truncate"],
+            want.len()
+        );
+        assert!(worst <= 2e-6, "cos/sin off by {worst:.2e}");
+    }
+}

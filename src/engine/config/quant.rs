@@ -162,9 +162,10 @@ pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Res
             return Ok(());
         }
         return Err(bad(format!(
-            "config.json: {} checkpoints of {architecture} are not read (only those of GptOssForCausalLM, whose \
-             experts are the only MXFP4 layout layertap reads); use the model's unquantised (bf16) release",
-            q.describe()
+            "config.json: quantization_config.quant_method \"mxfp4\" is read for GptOssForCausalLM only (its \
+             released experts), not for {architecture}, and reading its weights as unquantised would return wrong \
+             hidden states; supported quantisation: {SUPPORTED_QUANTIZATION}. Use the model's unquantised (bf16) \
+             release"
         )));
     }
     if FP8_FAMILIES.contains(&family) {

@@ -383,3 +383,66 @@ fn yarn_of_the_released_shape_equals_transformers() {
         assert!(worst <= 2e-6, "cos/sin off by {worst:.2e}");
     }
 }
+
+/// A real server on the MXFP4 release: `/v1/info` reports its layer kinds and quantisation, and
+/// the answer for the 100-token sequence (past the window) equals transformers at the indices
+/// asked, with its log-probabilities.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reports_layer_kinds_and_returns_exact_states_and_logprobs() {
+    use serde_json::{json, Value};
+    let d = dir(VARIANTS[0]);
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("gpt_oss/gpt_oss_mxfp4", limits).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    let kinds = &info["layer_kinds"];
+    assert_eq!(info["architecture"], "GptOssForCausalLM");
+    assert_eq!((kinds["sliding_attention"].as_u64(), kinds["full_attention"].as_u64()), (Some(2), Some(2)), "{info}");
+    assert_eq!(
+        (kinds["moe"].as_u64(), kinds["experts"].as_u64(), kinds["experts_per_token"].as_u64()),
+        (Some(4), Some(8), Some(4))
+    );
+    assert!(info["quantization"].as_str().is_some_and(|q| q.starts_with("mxfp4 experts")), "{info}");
+
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let hs = &reference["seq5.hidden_states"];
+    let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    let body = json!({"inputs": [{"input_ids": reference["seq5.input_ids"].i64}], "layers": [1, -1, 3],
+                      "dtype": "float32", "logprobs": {"top_k": 5, "target": true}});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = common::read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let states = &got["hidden_states"];
+    for (k, idx) in [1, l1 - 1, 3].into_iter().enumerate() {
+        let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+        let ours: Vec<f32> = (0..t).flat_map(|r| states.f32[(r * 3 + k) * h..][..h].to_vec()).collect();
+        let e = rel_err(&ours, want);
+        assert!(e <= F32_TOLERANCE, "index {idx}: relative error {e:.3e}");
+    }
+    assert_eq!(got["topk_ids"].i64, reference["seq5.logprob_ids"].i64);
+    let worst = got["topk_logprobs"]
+        .f32
+        .iter()
+        .zip(&reference["seq5.logprobs"].f32)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(f64::from(worst) <= F32_TOLERANCE, "log-probabilities off by {worst:e}");
+    running.shutdown.cancel();
+}
+
+/// What the CUDA paths would leave out is named for gpt-oss (so it is refused on a CUDA device),
+/// and nothing is for the families the GPU serves.
+#[test]
+fn only_gpt_oss_needs_what_the_cuda_paths_lack() {
+    for name in VARIANTS {
+        let files = ModelFiles::locate(&dir(name).to_string_lossy()).unwrap();
+        let needs = files.config().needs_beyond_cuda();
+        for what in ["attention sinks", "YaRN's attention factor", "top-k-then-softmax routing", "clamped SwiGLU"] {
+            assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
+        }
+    }
+    for d in common::fixture_models() {
+        let files = ModelFiles::locate(&d.to_string_lossy()).unwrap();
+        assert_eq!(files.config().needs_beyond_cuda(), Vec::<&str>::new(), "{}", d.display());
+    }
+}

@@ -15,12 +15,12 @@ fn main() -> candle_core::Result<()> {
     // Each query visits the keys up to itself, in every head: 2 d flops for its score, 2 d for
     // the weighted value.
     let visits: f64 = lens.iter().map(|&l| (l * (l + 1) / 2) as f64).sum::<f64>() * heads as f64;
-    packed_attention(&q, &k, &v, &seqs, 0.125, None)?;
+    packed_attention(&q, &k, &v, &seqs, 0.125, None, None)?;
     for _ in 0..3 {
         let reps = 20;
         let t0 = std::time::Instant::now();
         for _ in 0..reps {
-            packed_attention(&q, &k, &v, &seqs, 0.125, None)?;
+            packed_attention(&q, &k, &v, &seqs, 0.125, None, None)?;
         }
         let dt = t0.elapsed().as_secs_f64() / reps as f64;
         println!(

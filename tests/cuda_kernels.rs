@@ -56,6 +56,7 @@ fn kernel_matches_portable_attention() {
                             &vf.narrow(0, s, l).unwrap(),
                             scale,
                             &masks,
+                            None,
                         )
                         .unwrap();
                         let got = out.narrow(0, s, l).unwrap().reshape((l, heads * d)).unwrap();

@@ -28,13 +28,12 @@ pub struct BatchKernels {
 pub struct BatchCtx {
     /// `(start, len)` of each sequence in the token dimension.
     pub seqs: Vec<(usize, usize)>,
-    /// Attention masks per distinct sequence length, shared by every layer.
-    pub masks: HashMap<usize, Vec<Tensor>>,
+    /// Attention masks per distinct sequence length and attention window, shared by every layer
+    /// of that window.
+    pub masks: HashMap<(usize, Option<usize>), Vec<Tensor>>,
     /// The CUDA kernel's tile list, where the kernel serves this model (then `masks` is empty).
     #[cfg(feature = "cuda")]
     pub tiles: Option<super::cuda::attention::Tiles>,
-    /// Sliding attention window, if the model has one.
-    pub window: Option<usize>,
     /// The rotary tables `(cos, sin)`, `[T, rotary_dim / 2]`, where the fused CUDA kernel does
     /// not serve the model's attention.
     pub tables: Option<(Tensor, Tensor)>,
@@ -161,12 +160,19 @@ impl BatchCtx {
         // The fused CPU kernel (f32 on the CPU) needs no masks either.
         let fused_cpu = device.is_cpu() && dtype == DType::F32;
         #[cfg(feature = "cuda")]
-        let need_masks = tiles.is_none() && !fused_cpu && has(MixerKind::FullAttention);
+        let need_masks = tiles.is_none() && !fused_cpu;
         #[cfg(not(feature = "cuda"))]
-        let need_masks = !fused_cpu && has(MixerKind::FullAttention);
+        let need_masks = !fused_cpu;
+        // The windows of the model's attention layers (None: full attention).
+        let mut windows: Vec<Option<usize>> =
+            cfg.layers.iter().filter(|l| l.mixer.is_attention()).map(|l| cfg.window_of(l)).collect();
+        windows.sort_unstable();
+        windows.dedup();
         for &(_, len) in seqs.iter().filter(|_| need_masks) {
-            if let std::collections::hash_map::Entry::Vacant(e) = masks.entry(len) {
-                e.insert(chunk_masks(len, cfg.sliding_window, QUERY_CHUNK, device)?);
+            for &window in &windows {
+                if let std::collections::hash_map::Entry::Vacant(e) = masks.entry((len, window)) {
+                    e.insert(chunk_masks(len, window, QUERY_CHUNK, device)?);
+                }
             }
         }
         let gdn = match &cfg.linear_attention {
@@ -178,7 +184,6 @@ impl BatchCtx {
             masks,
             #[cfg(feature = "cuda")]
             tiles,
-            window: cfg.sliding_window,
             tables,
             #[cfg(feature = "cuda")]
             rope_inputs,

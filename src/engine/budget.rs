@@ -1,8 +1,8 @@
 //! The batch budget: how many tokens one forward pass can hold in a device's free memory.
 
-use super::{config, layers, DType, Device, ModelConfig};
 #[cfg(feature = "cuda")]
 use super::{cuda, EngineOptions};
+use super::{layers, DType, Device, ModelConfig};
 
 /// How many tokens one forward pass can hold in `free_bytes` of device memory: a conservative
 /// estimate of the activations per token (every layer kept as a tap, plus the working set of
@@ -36,7 +36,7 @@ pub fn tokens_for_memory(
         let _ = device;
         false
     };
-    let has_attention = !on_chip && cfg.layers.iter().any(|l| l.mixer == config::MixerKind::FullAttention);
+    let has_attention = !on_chip && cfg.layers.iter().any(|l| l.mixer.is_attention());
     let chunk = layers::sdpa::QUERY_CHUNK.min(max_input_tokens) as u64;
     let scores = if has_attention {
         cfg.num_attention_heads as u64 * chunk * max_input_tokens as u64 * (4 + 4 + b) * 2

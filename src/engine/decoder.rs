@@ -42,11 +42,13 @@ impl Block {
         let spec = c.layers[i];
         let h = c.hidden_size;
         let norm = |n: &str| {
-            let norm = RmsNorm::load(w, &format!("{p}.{n}"), h, c.rms_norm_eps, c.zero_centred_norms)?;
+            let norm = RmsNorm::load_for(w, c, &format!("{p}.{n}"))?;
             Ok::<_, EngineError>(norm.fusing_add(o.fused_add_norm))
         };
         let mixer = match spec.mixer {
-            MixerKind::FullAttention => Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"), o)?),
+            MixerKind::FullAttention | MixerKind::SlidingAttention => {
+                Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"), c.window_of(&spec), o)?)
+            }
             MixerKind::LinearAttention => {
                 Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"), o)?)
             }
@@ -159,8 +161,7 @@ impl Decoder {
             layers.push(Block::load(w, &cfg, i, options)?);
             progress(i + 1, n);
         }
-        let norm = RmsNorm::load(w, "norm", cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norms)?
-            .fusing_add(options.fused_add_norm);
+        let norm = RmsNorm::load_for(w, &cfg, "norm")?.fusing_add(options.fused_add_norm);
         let rope = Rope::new(&cfg);
         let f32_residual =
             cfg!(feature = "cuda") && embed.device().is_cuda() && embed.dtype() != DType::F32 && options.f32_residual;
@@ -276,7 +277,7 @@ impl Decoder {
 /// attention layers chose at load ([`Attention::load`] asks the same questions).
 fn batch_kernels(cfg: &ModelConfig, device: &candle_core::Device, dtype: DType, o: &EngineOptions) -> BatchKernels {
     #[cfg(feature = "cuda")]
-    if cfg.layers.iter().any(|l| l.mixer == MixerKind::FullAttention) {
+    if cfg.layers.iter().any(|l| l.mixer.is_attention()) {
         use super::cuda::{attention, rope::QkvRope};
         let hd = cfg.head_dim;
         return BatchKernels {

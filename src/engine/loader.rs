@@ -269,7 +269,9 @@ impl ModelFiles {
                     declared.describe()
                 ))),
                 None => {
-                    config.quantization = Some(q.scheme());
+                    let scheme = q.scheme();
+                    super::config::quant::check_family(&scheme, config.family, &config.architecture)?;
+                    config.quantization = Some(scheme);
                     Ok(self)
                 }
             },
@@ -308,6 +310,16 @@ impl ModelFiles {
 
     /// The checkpoint's tensors, read onto `device` in `dtype`, checked before anything is loaded.
     fn weights(&self, device: &Device, dtype: DType) -> Result<Weights, EngineError> {
+        let needs = self.config().needs_beyond_cuda();
+        if device.is_cuda() && !needs.is_empty() {
+            return Err(err(format!(
+                "{} ({}) needs {}, which layertap's GPU kernels do not compute yet; it runs exactly on the CPU \
+                 (--device cpu). layertap refuses it on a CUDA device rather than return wrong hidden states",
+                self.id,
+                self.config().architecture,
+                needs.join(", ")
+            )));
+        }
         let source = match &self.files {
             Files::Hf { shards, .. } => {
                 // SAFETY: the files are memory-mapped read-only; layertap does not modify them while loaded.

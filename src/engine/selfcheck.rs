@@ -97,7 +97,10 @@ impl Probe {
             indices.push(n + 1);
         }
         let routed = cfg.layers[..depth].iter().any(|l| l.ffn == super::config::FfnKind::Moe);
-        Probe { seqs, depth, indices, routed, fp8: cfg.quantization.is_some() }
+        // MXFP4 weights are dequantised exactly: only FP8 quantises activations.
+        let fp8 =
+            cfg.quantization.as_ref().is_some_and(|q| !matches!(q, super::config::quant::Quantization::Mxfp4 { .. }));
+        Probe { seqs, depth, indices, routed, fp8 }
     }
 
     pub fn tokens(&self) -> usize {

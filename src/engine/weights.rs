@@ -129,6 +129,13 @@ const _: () = assert!(FP8_BLOCK == 128, "NOT_WHOLE_GROUPS names the block size")
 /// dtype. Anything else (FP8, packed integers, scales) needs arithmetic the loader does not do.
 const FLOAT_DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::F64];
 
+/// Half of an MXFP4 experts tensor.
+#[derive(Clone, Copy)]
+enum Mxfp4Part {
+    Blocks,
+    Scales,
+}
+
 /// Half of an FP8 projection.
 #[derive(Clone, Copy)]
 enum Fp8Part {
@@ -544,9 +551,18 @@ impl Weights {
             )));
         }
         let mut fp8_weights = 0;
+        let mut mxfp4_blocks = 0;
         for (name, dtype, dtype_name) in &all {
             if !self.must_be_read(name, layers) {
                 continue;
+            }
+            match self.mxfp4_part(tensors, name)? {
+                Some(Mxfp4Part::Blocks) => {
+                    mxfp4_blocks += 1;
+                    continue;
+                }
+                Some(Mxfp4Part::Scales) => continue,
+                None => {}
             }
             match self.fp8_part(tensors, name)? {
                 Some(Fp8Part::Weight) => {
@@ -573,7 +589,83 @@ impl Weights {
                 self.where_from()
             )));
         }
+        if let (Some(q @ Quantization::Mxfp4 { .. }), 0) = (&self.quantization, mxfp4_blocks) {
+            return Err(EngineError::Load(format!(
+                "config.json declares {} but no decoder tensor in {} is an experts' *_blocks with its *_scales; \
+                 layertap reads MXFP4 experts as the checkpoint stores them, so it refuses the checkpoint rather than \
+                 compute something else than the config says (a bf16 release has no quantization_config)",
+                q.describe(),
+                self.where_from()
+            )));
+        }
         Ok(())
+    }
+
+    /// Under [`Quantization::Mxfp4`]: whether `full` is half of an MXFP4 experts tensor, the
+    /// uint8 `{module}_blocks` of `mlp.experts.gate_up_proj` or `mlp.experts.down_proj` with its
+    /// uint8 `{module}_scales`, or that scale; `None` for any other tensor. Either half without
+    /// the other, in another dtype, or of another module, is refused.
+    fn mxfp4_part(&self, tensors: &Store, full: &str) -> Result<Option<Mxfp4Part>, EngineError> {
+        let Some(Quantization::Mxfp4 { .. }) = &self.quantization else { return Ok(None) };
+        let (module, part) = if let Some(m) = full.strip_suffix("_blocks") {
+            (m, Mxfp4Part::Blocks)
+        } else if let Some(m) = full.strip_suffix("_scales") {
+            (m, Mxfp4Part::Scales)
+        } else {
+            return Ok(None);
+        };
+        let (blocks, scales) = (format!("{module}_blocks"), format!("{module}_scales"));
+        let is_u8 = |name: &str| matches!(tensors.dtype(name), Some((Some(DType::U8), _)));
+        let experts = [".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"].iter().any(|e| module.ends_with(e));
+        if !experts || !is_u8(&blocks) || !is_u8(&scales) {
+            let got = |name: &str| tensors.dtype(name).map_or("missing".to_string(), |(_, d)| d);
+            return Err(EngineError::Load(format!(
+                "tensors {blocks:?} ({}) and {scales:?} ({}) in {}: layertap reads MXFP4 as uint8 *_blocks with \
+                 their uint8 *_scales, for the experts' gate_up_proj and down_proj only, so it refuses the \
+                 checkpoint rather than guess",
+                got(&blocks),
+                got(&scales),
+                self.where_from()
+            )));
+        }
+        Ok(Some(part))
+    }
+
+    /// The MXFP4 experts tensor `name` (`layers.N.mlp.experts.gate_up_proj` or `down_proj`)
+    /// dequantised exactly ([`crate::engine::layers::mxfp4`]) to `[E, out, in]` (`shape`) in the
+    /// compute dtype, from its `{name}_blocks` `[E, out, in / 32, 16]` and `{name}_scales`
+    /// `[E, out, in / 32]`; `None` where the checkpoint stores no `{name}_blocks`.
+    pub fn get_mxfp4(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, EngineError> {
+        use crate::engine::layers::mxfp4::{dequantise, BLOCK, BLOCK_BYTES};
+        let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(None) };
+        let (blocks, scales) = (self.full_name(&format!("{name}_blocks")), self.full_name(&format!("{name}_scales")));
+        if !tensors.has(&blocks) {
+            return Ok(None);
+        }
+        let &[e, out, inp] = shape else {
+            return Err(EngineError::Load(format!("{blocks:?}: MXFP4 experts are 3-D tensors")));
+        };
+        if !matches!(self.quantization, Some(Quantization::Mxfp4 { .. })) {
+            return Err(self.unreadable(&blocks, "U8"));
+        }
+        if !inp.is_multiple_of(BLOCK) {
+            return Err(EngineError::Load(format!(
+                "{blocks:?}: {inp} input features are not whole MXFP4 blocks of {BLOCK}"
+            )));
+        }
+        self.check_shape(tensors, &blocks, &[e, out, inp / BLOCK, BLOCK_BYTES])?;
+        self.check_shape(tensors, &scales, &[e, out, inp / BLOCK])?;
+        let (b, sc) = match (tensors.get(&blocks), tensors.get(&scales)) {
+            (Some(b), Some(sc)) if b.dtype == Some(DType::U8) && sc.dtype == Some(DType::U8) => (b, sc),
+            _ => return Err(self.unreadable(&blocks, "not uint8 blocks with uint8 scales")),
+        };
+        let values = dequantise(b.data, sc.data).map_err(|why| {
+            EngineError::Load(format!("{scales:?} in {}: {why}; the checkpoint is damaged", self.where_from()))
+        })?;
+        self.mark_read(&blocks);
+        self.mark_read(&scales);
+        let t = Tensor::from_vec(values, shape, &Device::Cpu)?;
+        Ok(Some(t.to_dtype(self.dtype)?.to_device(&self.device)?))
     }
 
     /// With an FP8 scheme declared: whether `full` is half of an FP8 projection, an `F8_E4M3`
@@ -632,7 +724,7 @@ impl Weights {
     pub fn get_fp8(&self, name: &str, shape: &[usize]) -> Result<Option<Fp8Host<'_>>, EngineError> {
         let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(None) };
         match &self.quantization {
-            None => Ok(None),
+            None | Some(Quantization::Mxfp4 { .. }) => Ok(None),
             Some(Quantization::Fp8AtLoad) => self.quantise_at_load(tensors, name, shape),
             Some(Quantization::Fp8Block { .. }) => self.read_fp8(tensors, name, shape),
         }
@@ -818,7 +910,7 @@ impl Weights {
         let full = self.full_name(name);
         let Some((dtype, _)) = tensors.dtype(&full) else { return false };
         match &self.quantization {
-            None => false,
+            None | Some(Quantization::Mxfp4 { .. }) => false,
             Some(Quantization::Fp8Block { .. }) => dtype == Some(DType::F8E4M3),
             Some(Quantization::Fp8AtLoad) => {
                 quantised_at_load(name)

@@ -168,6 +168,9 @@ pub struct InfoResponse {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct LayerKinds {
     pub full_attention: usize,
+    /// Attention layers over a sliding window.
+    #[serde(default)]
+    pub sliding_attention: usize,
     pub linear_attention: usize,
     pub dense_mlp: usize,
     pub moe: usize,
@@ -185,6 +188,7 @@ impl From<&crate::engine::LayerKinds> for LayerKinds {
     fn from(k: &crate::engine::LayerKinds) -> Self {
         LayerKinds {
             full_attention: k.full_attention,
+            sliding_attention: k.sliding_attention,
             linear_attention: k.linear_attention,
             dense_mlp: k.dense_mlp,
             moe: k.moe,

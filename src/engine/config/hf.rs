@@ -4,7 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    bad, Family, FfnKind, GdnLayout, LayerSpec, LinearAttentionConfig, MixerKind, ModelConfig, MoeConfig, RopeScaling,
+    bad, ExpertActivation, ExpertsLayout, Family, FfnKind, GdnLayout, LayerSpec, LinearAttentionConfig, MixerKind,
+    ModelConfig, MoeConfig, RopeScaling, Routing,
 };
 use crate::engine::EngineError;
 
@@ -32,10 +33,25 @@ fn rope_params(cfg: &Value) -> Option<&Value> {
     cfg.get("rope_parameters").filter(|v| v.is_object()).or_else(|| cfg.get("rope_scaling").filter(|v| v.is_object()))
 }
 
+/// gpt-oss's rotary parameters where its config.json gives none (transformers' defaults).
+fn gpt_oss_default_rope() -> Value {
+    serde_json::json!({
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": false,
+        "original_max_position_embeddings": 4096
+    })
+}
+
 /// Parses `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5).
-fn parse_rope(cfg: &Value) -> Result<(f64, Option<RopeScaling>), EngineError> {
-    let params = rope_params(cfg);
-    let theta = params.and_then(|p| opt_f64(p, "rope_theta")).or_else(|| opt_f64(cfg, "rope_theta")).unwrap_or(10000.0);
+fn parse_rope(cfg: &Value, family: Family) -> Result<(f64, Option<RopeScaling>), EngineError> {
+    let default_params = (family == Family::GptOss).then(gpt_oss_default_rope);
+    let params = rope_params(cfg).or(default_params.as_ref());
+    let default_theta = if family == Family::GptOss { 150000.0 } else { 10000.0 };
+    let theta =
+        params.and_then(|p| opt_f64(p, "rope_theta")).or_else(|| opt_f64(cfg, "rope_theta")).unwrap_or(default_theta);
     let Some(p) = params else {
         return Ok((theta, None));
     };
@@ -52,13 +68,58 @@ fn parse_rope(cfg: &Value) -> Result<(f64, Option<RopeScaling>), EngineError> {
             original_max_position_embeddings: opt_f64(p, "original_max_position_embeddings")
                 .ok_or_else(|| bad("config.json: llama3 rope needs original_max_position_embeddings"))?,
         }),
+        "yarn" if family == Family::GptOss => Some(yarn(cfg, p)?),
+        "yarn" => return Err(bad(
+            "config.json: rope type \"yarn\" is read for GptOssForCausalLM only (the family its fidelity is tested \
+                 on); supported for this architecture: default, linear, llama3",
+        )),
         other => {
             return Err(bad(format!(
-                "config.json: rope type {other:?} is not supported (supported: default, linear, llama3)"
+                "config.json: rope type {other:?} is not supported (supported: default, linear, llama3; yarn for \
+                 GptOssForCausalLM)"
             )))
         }
     };
     Ok((theta, scaling))
+}
+
+/// YaRN's parameters as transformers reads them: `original_max_position_embeddings` from the
+/// top level or else `max_position_embeddings`, `factor` from their ratio when absent,
+/// `beta_fast` and `beta_slow` 32 and 1 when absent or zero, `truncate` true when absent, and the
+/// attention factor given, or from `mscale` and `mscale_all_dim`, or `0.1 ln(factor) + 1`.
+fn yarn(cfg: &Value, p: &Value) -> Result<RopeScaling, EngineError> {
+    let original = opt_f64(cfg, "original_max_position_embeddings")
+        .or_else(|| opt_f64(p, "original_max_position_embeddings"))
+        .or_else(|| opt_f64(cfg, "max_position_embeddings"))
+        .ok_or_else(|| bad("config.json: yarn rope needs original_max_position_embeddings"))?;
+    let factor = match opt_f64(p, "factor") {
+        Some(f) => f,
+        None => {
+            opt_f64(cfg, "max_position_embeddings")
+                .ok_or_else(|| bad("config.json: yarn rope needs \"factor\" or max_position_embeddings"))?
+                / original
+        }
+    };
+    let nonzero = |key: &str, default: f64| opt_f64(p, key).filter(|&v| v != 0.0).unwrap_or(default);
+    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+    let attention_factor = match (opt_f64(p, "attention_factor"), opt_f64(p, "mscale"), opt_f64(p, "mscale_all_dim")) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(factor, m) / mscale(factor, all),
+        _ => mscale(factor, 1.0),
+    };
+    let scaling = RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: nonzero("beta_fast", 32.0),
+        beta_slow: nonzero("beta_slow", 1.0),
+        truncate: opt_bool(p, "truncate").unwrap_or(true),
+        attention_factor,
+    };
+    let finite = [factor, original, attention_factor].iter().all(|v| v.is_finite() && *v > 0.0);
+    if !finite {
+        return Err(bad(format!("config.json: yarn rope parameters must be positive and finite, got {scaling:?}")));
+    }
+    Ok(scaling)
 }
 
 /// `partial_rotary_factor` from `rope_parameters` or the top level; the hybrids default to 0.25
@@ -76,8 +137,9 @@ fn rotary_dim(cfg: &Value, family: Family, head_dim: usize) -> Result<usize, Eng
     Ok((head_dim as f64 * factor) as usize)
 }
 
-/// Layer kinds from `layer_types`, or every `full_attention_interval`-th layer (default 4) full.
-fn mixers(cfg: &Value, n: usize) -> Result<Vec<MixerKind>, EngineError> {
+/// Layer kinds from `layer_types`; without it, for gpt-oss sliding and full layers in turn
+/// (sliding first), for the hybrids every `full_attention_interval`-th layer (default 4) full.
+fn mixers(cfg: &Value, family: Family, n: usize) -> Result<Vec<MixerKind>, EngineError> {
     if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
         let types = types.as_array().ok_or_else(|| bad("config.json: \"layer_types\" must be a list"))?;
         if types.len() != n {
@@ -91,13 +153,20 @@ fn mixers(cfg: &Value, n: usize) -> Result<Vec<MixerKind>, EngineError> {
             .enumerate()
             .map(|(i, t)| match t.as_str() {
                 Some("full_attention") => Ok(MixerKind::FullAttention),
-                Some("linear_attention") => Ok(MixerKind::LinearAttention),
+                Some("linear_attention") if family.is_hybrid() => Ok(MixerKind::LinearAttention),
+                Some("sliding_attention") if family == Family::GptOss => Ok(MixerKind::SlidingAttention),
                 _ => Err(bad(format!(
-                    "config.json: layer_types[{i}] = {t} is not supported (supported: \"full_attention\", \
-                     \"linear_attention\")"
+                    "config.json: layer_types[{i}] = {t} is not supported for {family:?} (supported: \
+                     \"full_attention\", and \"{}\")",
+                    if family.is_hybrid() { "linear_attention" } else { "sliding_attention" }
                 ))),
             })
             .collect();
+    }
+    if family == Family::GptOss {
+        return Ok((0..n)
+            .map(|i| if i % 2 == 0 { MixerKind::SlidingAttention } else { MixerKind::FullAttention })
+            .collect());
     }
     let interval = opt_usize(cfg, "full_attention_interval").unwrap_or(4);
     if interval == 0 {
@@ -128,6 +197,9 @@ fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<M
         Family::Qwen3Moe | Family::Qwen3Next | Family::Qwen3_5Moe => {
             opt_usize(cfg, "num_experts").or_else(|| opt_usize(cfg, "num_local_experts")).unwrap_or(0)
         }
+        Family::GptOss => {
+            return Ok((vec![FfnKind::Moe; n], Some(gpt_oss_moe(cfg)?)));
+        }
         _ => 0,
     };
     if experts == 0 {
@@ -146,6 +218,12 @@ fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<M
             Family::Qwen3Next => opt_bool(cfg, "norm_topk_prob").unwrap_or(true),
             _ => opt_bool(cfg, "norm_topk_prob").unwrap_or(false),
         },
+        routing: Routing::SoftmaxTopK,
+        router: "gate",
+        router_bias: false,
+        layout: ExpertsLayout::GateThenUp,
+        expert_bias: false,
+        activation: ExpertActivation::Silu,
     };
     if family == Family::Qwen3_5Moe {
         return Ok((vec![FfnKind::Moe; n], Some(moe)));
@@ -165,6 +243,37 @@ fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<M
         .map(|i| if !mlp_only.contains(&(i as u64)) && (i + 1) % step == 0 { FfnKind::Moe } else { FfnKind::Dense })
         .collect();
     Ok((kinds, Some(moe)))
+}
+
+/// gpt-oss's experts (every layer): `num_local_experts` (or `num_experts`) of
+/// `intermediate_size`, a router with bias (`mlp.router`) whose k largest logits are
+/// softmaxed, biased experts stored interleaved, the clamped SwiGLU (`swiglu_limit`,
+/// `swiglu_alpha`; 7 and 1.702 by default, as transformers).
+fn gpt_oss_moe(cfg: &Value) -> Result<MoeConfig, EngineError> {
+    let limit = opt_f64(cfg, "swiglu_limit").unwrap_or(7.0);
+    let alpha = opt_f64(cfg, "swiglu_alpha").unwrap_or(1.702);
+    if !(limit.is_finite() && limit > 0.0 && alpha.is_finite()) {
+        return Err(bad(format!(
+            "config.json: swiglu_limit {limit} and swiglu_alpha {alpha} must be finite (the limit positive)"
+        )));
+    }
+    Ok(MoeConfig {
+        num_experts: opt_usize(cfg, "num_local_experts")
+            .or_else(|| opt_usize(cfg, "num_experts"))
+            .ok_or_else(|| bad("config.json: missing or non-integer field \"num_local_experts\""))?,
+        experts_per_token: opt_usize(cfg, "num_experts_per_tok")
+            .or_else(|| opt_usize(cfg, "experts_per_token"))
+            .unwrap_or(4),
+        expert_intermediate_size: req_usize(cfg, "intermediate_size")?,
+        shared_expert_intermediate_size: None,
+        norm_topk_prob: false,
+        routing: Routing::TopKSoftmax,
+        router: "router",
+        router_bias: true,
+        layout: ExpertsLayout::Interleaved,
+        expert_bias: true,
+        activation: ExpertActivation::ClampedSwiglu { limit, alpha },
+    })
 }
 
 impl ModelConfig {
@@ -198,9 +307,10 @@ impl ModelConfig {
                 return Err(bad(format!("config.json: hidden_act {act:?} is not supported (only silu)")));
             }
         }
-        let (rope_theta, rope_scaling) = parse_rope(cfg)?;
+        let (rope_theta, rope_scaling) = parse_rope(cfg, family)?;
         let sliding_window = match family {
             Family::Mistral => opt_usize(cfg, "sliding_window"),
+            Family::GptOss => Some(opt_usize(cfg, "sliding_window").unwrap_or(128)),
             Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe if opt_bool(cfg, "use_sliding_window") == Some(true) => {
                 return Err(bad("config.json: use_sliding_window=true is not supported for Qwen models"))
             }
@@ -212,23 +322,31 @@ impl ModelConfig {
                  attention output)",
             ));
         }
-        let attention_bias = opt_bool(cfg, "attention_bias").unwrap_or(false);
+        let attention_bias = opt_bool(cfg, "attention_bias").unwrap_or(family == Family::GptOss);
         let (qkv_bias, o_bias) = match family {
             Family::Qwen2 => (true, false),
             Family::Mistral => (false, false),
             _ => (attention_bias, attention_bias),
         };
         let n = req_usize(cfg, "num_hidden_layers")?;
-        let mixer_kinds = if family.is_hybrid() { mixers(cfg, n)? } else { vec![MixerKind::FullAttention; n] };
+        let mixer_kinds = match family {
+            _ if family.is_hybrid() || family == Family::GptOss => mixers(cfg, family, n)?,
+            // Mistral's window applies to every layer.
+            Family::Mistral if sliding_window.is_some() => vec![MixerKind::SlidingAttention; n],
+            _ => vec![MixerKind::FullAttention; n],
+        };
         let (ffn_kinds, moe) = ffns(cfg, family, n)?;
         let layers = mixer_kinds.into_iter().zip(ffn_kinds).map(|(mixer, ffn)| LayerSpec { mixer, ffn }).collect();
-        let dense_needed = !matches!(family, Family::Qwen3_5Moe);
+        let dense_needed = !matches!(family, Family::Qwen3_5Moe | Family::GptOss);
         let c = ModelConfig {
             architecture,
             family,
             hidden_size,
             intermediate_size: if dense_needed {
                 req_usize(cfg, "intermediate_size")?
+            } else if family == Family::GptOss {
+                // Every layer's experts are `intermediate_size` wide; there is no dense MLP.
+                0
             } else {
                 opt_usize(cfg, "intermediate_size").unwrap_or(0)
             },
@@ -238,16 +356,18 @@ impl ModelConfig {
             head_dim,
             rotary_dim: rotary_dim(cfg, family, head_dim)?,
             vocab_size: req_usize(cfg, "vocab_size")?,
-            rms_norm_eps: opt_f64(cfg, "rms_norm_eps").unwrap_or(1e-6),
+            rms_norm_eps: opt_f64(cfg, "rms_norm_eps").unwrap_or(if family == Family::GptOss { 1e-5 } else { 1e-6 }),
             rope_theta,
             rope_scaling,
             max_position_embeddings: opt_usize(cfg, "max_position_embeddings").unwrap_or(4096),
             sliding_window,
+            attention_sinks: family == Family::GptOss,
             qkv_bias,
             o_bias,
             mlp_bias: family == Family::Llama && opt_bool(cfg, "mlp_bias").unwrap_or(false),
-            qk_norm: !matches!(family, Family::Llama | Family::Mistral | Family::Qwen2),
+            qk_norm: !matches!(family, Family::Llama | Family::Mistral | Family::Qwen2 | Family::GptOss),
             zero_centred_norms: family.is_hybrid(),
+            f32_norms: family == Family::GptOss,
             attn_output_gate: family.is_hybrid(),
             tie_word_embeddings: opt_bool(root, "tie_word_embeddings")
                 .or_else(|| opt_bool(cfg, "tie_word_embeddings"))

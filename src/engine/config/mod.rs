@@ -22,6 +22,7 @@ pub const ARCHITECTURES: &[(&str, Family)] = &[
     ("Qwen3_5ForCausalLM", Family::Qwen3_5),
     ("Qwen3_5MoeForConditionalGeneration", Family::Qwen3_5Moe),
     ("Qwen3_5MoeForCausalLM", Family::Qwen3_5Moe),
+    ("GptOssForCausalLM", Family::GptOss),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -35,6 +36,7 @@ pub enum Family {
     Qwen3Next,
     Qwen3_5,
     Qwen3_5Moe,
+    GptOss,
 }
 
 impl Family {
@@ -59,18 +61,56 @@ impl Family {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
-    Linear { factor: f64 },
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// YaRN: frequencies blended between interpolated (`/ factor`) and original along a ramp
+    /// between the dimensions that turn `beta_fast` and `beta_slow` times over
+    /// `original_max_position_embeddings` (the ramp's ends rounded outwards when `truncate`), and
+    /// cos/sin scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        truncate: bool,
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// The factor cos and sin are multiplied by (1 but for YaRN).
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+            _ => 1.0,
+        }
+    }
 }
 
 /// A decoder layer's token mixer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MixerKind {
-    /// Softmax attention over the whole sequence (causal, optionally windowed).
+    /// Causal softmax attention over the whole sequence.
     FullAttention,
+    /// Causal softmax attention over the last `sliding_window` positions.
+    SlidingAttention,
     /// Gated DeltaNet: causal conv1d, then the gated delta rule.
     LinearAttention,
+}
+
+impl MixerKind {
+    /// Softmax attention, windowed or not.
+    pub fn is_attention(self) -> bool {
+        matches!(self, MixerKind::FullAttention | MixerKind::SlidingAttention)
+    }
 }
 
 /// A decoder layer's feed-forward block.
@@ -124,6 +164,41 @@ impl LinearAttentionConfig {
     }
 }
 
+/// How a token's experts and their weights are chosen from the router's logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// A softmax over every expert, then the k most probable (renormalised when
+    /// `norm_topk_prob`).
+    SoftmaxTopK,
+    /// The k largest logits, then a softmax over those k.
+    TopKSoftmax,
+}
+
+/// What joins an expert's gate and up projections.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ExpertActivation {
+    /// `silu(gate) * up`.
+    Silu,
+    /// `(u + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)` and
+    /// `u = clamp(up, -limit, limit)`.
+    ClampedSwiglu { limit: f64, alpha: f64 },
+}
+
+/// How the experts' projections are stored when fused into 3-D tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertsLayout {
+    /// `experts.gate_up_proj` `[E, 2I, H]` (each expert's gate rows, then its up rows) and
+    /// `experts.down_proj` `[E, H, I]`, or one module per expert.
+    GateThenUp,
+    /// `experts.gate_up_proj` `[E, H, 2I]` multiplied as `x W`, the gate in the even columns and
+    /// up in the odd ones, and `experts.down_proj` `[E, I, H]`; or both in MXFP4
+    /// (`*_blocks` `[E, out, in / 32, 16]`, `*_scales` `[E, out, in / 32]`, rows `out`).
+    Interleaved,
+}
+
 /// Shape of the sparse mixture-of-experts blocks.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MoeConfig {
@@ -132,8 +207,17 @@ pub struct MoeConfig {
     pub expert_intermediate_size: usize,
     /// A shared expert of this size, scaled by `sigmoid(x . shared_expert_gate)`.
     pub shared_expert_intermediate_size: Option<usize>,
-    /// Renormalise the top-k routing weights to sum to one.
+    /// Renormalise the top-k routing weights to sum to one ([`Routing::SoftmaxTopK`]).
     pub norm_topk_prob: bool,
+    pub routing: Routing,
+    /// The router's module under the layer's `mlp` (`gate`, `router`).
+    pub router: &'static str,
+    /// Bias on the router.
+    pub router_bias: bool,
+    pub layout: ExpertsLayout,
+    /// Biases on the experts' projections (`gate_up_proj_bias`, `down_proj_bias`).
+    pub expert_bias: bool,
+    pub activation: ExpertActivation,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -154,8 +238,12 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     pub rope_scaling: Option<RopeScaling>,
     pub max_position_embeddings: usize,
-    /// Keys further back than this many positions are masked (Mistral's sliding window).
+    /// The window of [`MixerKind::SlidingAttention`] layers: keys this many positions back or
+    /// further are masked.
     pub sliding_window: Option<usize>,
+    /// One learned logit per query head (`self_attn.sinks`) joins every row's softmax and is
+    /// dropped after it.
+    pub attention_sinks: bool,
     /// Bias on the q, k and v projections.
     pub qkv_bias: bool,
     /// Bias on the attention output projection.
@@ -165,6 +253,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// RMSNorms (decoder, final, q/k) scale by `1 + w` instead of `w` (the hybrids).
     pub zero_centred_norms: bool,
+    /// The decoder's RMSNorms (each layer's two and the final one) normalise in f32 with an f32
+    /// weight and round once (transformers keeps gpt-oss's norms in f32 whatever the dtype).
+    pub f32_norms: bool,
     /// `q_proj` also emits a per-head output gate: `attn * sigmoid(gate)` before `o_proj`.
     pub attn_output_gate: bool,
     pub tie_word_embeddings: bool,
@@ -185,6 +276,9 @@ fn bad(msg: impl Into<String>) -> EngineError {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct LayerKinds {
     pub full_attention: usize,
+    /// Attention layers over a sliding window.
+    #[serde(default)]
+    pub sliding_attention: usize,
     pub linear_attention: usize,
     pub dense_mlp: usize,
     pub moe: usize,
@@ -264,6 +358,9 @@ impl ModelConfig {
             )));
         }
         let uses = |m: MixerKind| self.layers.iter().any(|l| l.mixer == m);
+        if uses(MixerKind::SlidingAttention) && self.sliding_window.is_none_or(|w| w == 0) {
+            return Err(bad("model config: sliding-attention layers need a positive sliding_window"));
+        }
         if uses(MixerKind::LinearAttention) {
             let Some(la) = &self.linear_attention else {
                 return Err(bad("model config: linear-attention layers without their dimensions"));
@@ -309,7 +406,7 @@ impl ModelConfig {
         let (nq, nkv, hd) = (self.num_attention_heads as u64, self.num_key_value_heads as u64, self.head_dim as u64);
         let q = if self.attn_output_gate { 2 * nq * hd } else { nq * hd };
         let mixer = match spec.mixer {
-            MixerKind::FullAttention => b * (2 * (q + 2 * nkv * hd) + 2 * nq * hd),
+            MixerKind::FullAttention | MixerKind::SlidingAttention => b * (2 * (q + 2 * nkv * hd) + 2 * nq * hd),
             MixerKind::LinearAttention => self.linear_attention.as_ref().map_or(0, |la| {
                 let (nv, dk, dv) = (la.num_value_heads as u64, la.key_head_dim as u64, la.value_head_dim as u64);
                 let conv = la.conv_dim() as u64;
@@ -337,6 +434,39 @@ impl ModelConfig {
         b * 4 * h + mixer + ffn
     }
 
+    /// What this model computes that layertap's CUDA paths do not (yet): a model that needs any
+    /// of it is refused on a CUDA device, named by these, rather than run with kernels that leave
+    /// it out.
+    pub fn needs_beyond_cuda(&self) -> Vec<&'static str> {
+        let mut needs = Vec::new();
+        if self.attention_sinks {
+            needs.push("attention sinks");
+        }
+        if self.rope_scaling.as_ref().is_some_and(|s| s.attention_factor() != 1.0) {
+            needs.push("YaRN's attention factor on the rotary tables");
+        }
+        if let Some(m) = self.moe.as_ref().filter(|_| self.layers.iter().any(|l| l.ffn == FfnKind::Moe)) {
+            if m.routing == Routing::TopKSoftmax {
+                needs.push("top-k-then-softmax routing");
+            }
+            if m.router_bias || m.expert_bias {
+                needs.push("router and expert biases");
+            }
+            if m.activation != ExpertActivation::Silu {
+                needs.push("the clamped SwiGLU experts");
+            }
+            if m.layout == ExpertsLayout::Interleaved {
+                needs.push("interleaved gate/up experts (MXFP4 or float)");
+            }
+        }
+        needs
+    }
+
+    /// The attention window of a layer of kind `spec`.
+    pub fn window_of(&self, spec: &LayerSpec) -> Option<usize> {
+        (spec.mixer == MixerKind::SlidingAttention).then_some(self.sliding_window).flatten()
+    }
+
     /// Counts of each layer kind (what `/v1/info` reports).
     pub fn layer_kinds(&self) -> LayerKinds {
         let count = |f: &dyn Fn(&LayerSpec) -> bool| self.layers.iter().filter(|l| f(l)).count();
@@ -344,6 +474,7 @@ impl ModelConfig {
         let moe = self.moe.as_ref().filter(|_| moe_layers > 0);
         LayerKinds {
             full_attention: count(&|l| l.mixer == MixerKind::FullAttention),
+            sliding_attention: count(&|l| l.mixer == MixerKind::SlidingAttention),
             linear_attention: count(&|l| l.mixer == MixerKind::LinearAttention),
             dense_mlp: count(&|l| l.ffn == FfnKind::Dense),
             moe: moe_layers,

@@ -16,7 +16,8 @@ pub const FP8_BLOCK: usize = 128;
 /// refusal of every other scheme names it (GGUF files carry their own quantised types, which the
 /// GGUF loader dequantises).
 pub const SUPPORTED_QUANTIZATION: &str = "quant_method \"fp8\" with fmt \"e4m3\", activation_scheme \"dynamic\" and \
-     weight_block_size [128, 128] (Qwen's block-wise FP8 releases)";
+     weight_block_size [128, 128] (Qwen's block-wise FP8 releases); quant_method \"mxfp4\" for the experts of \
+     GptOssForCausalLM (its released checkpoints)";
 
 /// A scheme a float checkpoint's projections can be quantised to at load (`--quantize`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -57,6 +58,12 @@ pub enum Quantization {
     /// features are a multiple of 128, become FP8 projections with the releases' block scheme
     /// (`layers::fp8::quantise_weight`); every other tensor is read as it is stored.
     Fp8AtLoad,
+    /// gpt-oss's released MXFP4 experts: `experts.gate_up_proj` and `experts.down_proj` stored as
+    /// `*_blocks` (uint8 `[E, out, in / 32, 16]`, two e2m1 values a byte, the low nibble first)
+    /// and `*_scales` (uint8 `[E, out, in / 32]`, E8M0: `2^(s - 127)` for each block of 32),
+    /// dequantised exactly to the compute dtype at load (`layers::mxfp4`); every other tensor is
+    /// read as stored. `modules_to_not_convert` is kept as declared (the modules stored in float).
+    Mxfp4 { modules_to_not_convert: Vec<String> },
 }
 
 /// The last part of the names of the projections `--quantize fp8` quantises: those Qwen's FP8
@@ -106,6 +113,9 @@ impl Quantization {
                 "fp8 e4m3 weights in {FP8_BLOCK}x{FP8_BLOCK} blocks quantised at load (--quantize fp8), dynamic \
                  per-token fp8 activations"
             ),
+            Quantization::Mxfp4 { .. } => "mxfp4 experts (e2m1 values in blocks of 32 with E8M0 scales), dequantised \
+                 exactly to the compute dtype at load"
+                .to_string(),
         }
     }
 
@@ -147,11 +157,28 @@ const FP8_FAMILIES: &[Family] = &[
 /// Refuses `q` for a family whose quantised layout is not read yet, naming the architectures
 /// whose FP8 checkpoints are read.
 pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Result<(), EngineError> {
+    if let Quantization::Mxfp4 { .. } = q {
+        if family == Family::GptOss {
+            return Ok(());
+        }
+        return Err(bad(format!(
+            "config.json: quantization_config.quant_method \"mxfp4\" is read for GptOssForCausalLM only (its \
+             released experts), not for {architecture}, and reading its weights as unquantised would return wrong \
+             hidden states; supported quantisation: {SUPPORTED_QUANTIZATION}. Use the model's unquantised (bf16) \
+             release"
+        )));
+    }
     if FP8_FAMILIES.contains(&family) {
         return Ok(());
     }
     let read: Vec<&str> =
         super::ARCHITECTURES.iter().filter(|(_, f)| FP8_FAMILIES.contains(f)).map(|(a, _)| *a).collect();
+    if *q == Quantization::Fp8AtLoad {
+        return Err(bad(format!(
+            "--quantize fp8 does not quantise {architecture} yet (only {}); drop --quantize fp8",
+            read.join(", ")
+        )));
+    }
     Err(bad(format!(
         "config.json: {} checkpoints of {architecture} are not read yet (only those of {}); use the model's \
          unquantised (bf16) release",
@@ -242,10 +269,20 @@ fn read(key: &str, q: &Value) -> Result<Quantization, EngineError> {
             describe_fields(q)
         ))
     };
+    let field = |f: &str| q.get(f).filter(|v| !v.is_null());
+    let modules_to_not_convert = || match field("modules_to_not_convert") {
+        None => Ok(Vec::new()),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(|e| e.as_str().map(String::from)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| bad(format!("config.json: {key}.modules_to_not_convert must be a list of names, got {v}"))),
+    };
+    if key == "quantization_config" && method == "mxfp4" {
+        return Ok(Quantization::Mxfp4 { modules_to_not_convert: modules_to_not_convert()? });
+    }
     if key != "quantization_config" || method != "fp8" {
         return Err(refuse(""));
     }
-    let field = |f: &str| q.get(f).filter(|v| !v.is_null());
     // transformers' FineGrainedFP8Config has no `fmt` (it is always e4m3); Qwen's configs say so.
     if let Some(fmt) = field("fmt") {
         if fmt.as_str() != Some("e4m3") {
@@ -271,16 +308,7 @@ fn read(key: &str, q: &Value) -> Result<Quantization, EngineError> {
     if let Some(f) = field("scale_fmt") {
         return Err(refuse(&format!(" (scale_fmt {f}: only plain float scales are read)")));
     }
-    let modules_to_not_convert = match field("modules_to_not_convert") {
-        None => Vec::new(),
-        Some(v) => v
-            .as_array()
-            .and_then(|a| a.iter().map(|e| e.as_str().map(String::from)).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| {
-                bad(format!("config.json: {key}.modules_to_not_convert must be a list of names, got {v}"))
-            })?,
-    };
-    Ok(Quantization::Fp8Block { modules_to_not_convert })
+    Ok(Quantization::Fp8Block { modules_to_not_convert: modules_to_not_convert()? })
 }
 
 /// ` (fmt "e4m3", activation_scheme "dynamic", ...)`: the fields that tell schemes apart.

@@ -25,6 +25,10 @@ pub struct Attention {
     rotary_dim: usize,
     /// `q_proj` holds, per head, the query then its output gate.
     gated: bool,
+    /// Keys this many positions back or further are masked (a sliding-attention layer).
+    window: Option<usize>,
+    /// One logit per query head that joins each row's softmax and is dropped after it (f32).
+    sinks: Option<Vec<f32>>,
     /// The split, q/k norms and rotary embedding in one kernel, where it serves and
     /// `EngineOptions::fused_rope` leaves it on (chosen at load).
     #[cfg(feature = "cuda")]
@@ -35,7 +39,13 @@ impl Attention {
     /// The layer's weights, and its kernels as `o` chooses them. Whether the attention itself runs
     /// in the CUDA kernel is the decoder's choice, made with the same options, since every layer
     /// shares the batch's tile list ([`BatchCtx::tiles`]).
-    pub fn load(w: &Weights, c: &ModelConfig, prefix: &str, o: &EngineOptions) -> Result<Self, EngineError> {
+    pub fn load(
+        w: &Weights,
+        c: &ModelConfig,
+        prefix: &str,
+        window: Option<usize>,
+        o: &EngineOptions,
+    ) -> Result<Self, EngineError> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let q_out = if c.attn_output_gate { 2 * nq * hd } else { nq * hd };
@@ -45,6 +55,12 @@ impl Attention {
         let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms);
         let q_norm = c.qk_norm.then(|| norm("q_norm")).transpose()?;
         let k_norm = c.qk_norm.then(|| norm("k_norm")).transpose()?;
+        let sinks = match c.attention_sinks {
+            true => {
+                Some(w.get_f32(&format!("{prefix}.sinks"), &[nq])?.to_device(&candle_core::Device::Cpu)?.to_vec1()?)
+            }
+            false => None,
+        };
         #[cfg(not(feature = "cuda"))]
         let _ = o;
         #[cfg(feature = "cuda")]
@@ -79,6 +95,8 @@ impl Attention {
             head_dim: hd,
             rotary_dim: c.rotary_dim,
             gated: c.attn_output_gate,
+            window,
+            sinks,
             #[cfg(feature = "cuda")]
             fused,
         })
@@ -158,22 +176,29 @@ impl Attention {
         let t = q.dim(0)?;
         #[cfg(feature = "cuda")]
         if let Some(tiles) = &ctx.tiles {
-            return crate::engine::cuda::attention::packed_attention(q, k, v, tiles, scale, ctx.window)?
+            if self.sinks.is_some() {
+                candle_core::bail!("attention sinks are not computed by the CUDA attention kernel");
+            }
+            return crate::engine::cuda::attention::packed_attention(q, k, v, tiles, scale, self.window)?
                 .reshape((t, self.heads * self.head_dim));
         }
+        let sinks = self.sinks.as_deref();
         if super::cpu_attention::supported(q) {
-            return super::cpu_attention::packed_attention(q, k, v, &ctx.seqs, scale as f32, ctx.window);
+            return super::cpu_attention::packed_attention(q, k, v, &ctx.seqs, scale as f32, self.window, sinks);
         }
+        let sinks = sinks.map(|s| Tensor::new(s, q.device())).transpose()?;
         let mut outs = Vec::with_capacity(ctx.seqs.len());
         for &(start, len) in &ctx.seqs {
-            let masks =
-                ctx.masks.get(&len).ok_or_else(|| candle_core::Error::Msg(format!("no mask for length {len}")))?;
+            let masks = ctx.masks.get(&(len, self.window)).ok_or_else(|| {
+                candle_core::Error::Msg(format!("no mask for length {len}, window {:?}", self.window))
+            })?;
             outs.push(sequence_attention(
                 &q.narrow(0, start, len)?,
                 &k.narrow(0, start, len)?,
                 &v.narrow(0, start, len)?,
                 scale,
                 masks,
+                sinks.as_ref(),
             )?);
         }
         let out = if outs.len() == 1 { outs.swap_remove(0) } else { Tensor::cat(&outs, 0)? };

@@ -80,9 +80,33 @@ struct Ctx<'a> {
     d: usize,
     scale: f32,
     window: Option<usize>,
+    /// One logit per query head joining each row's softmax (attention sinks).
+    sinks: Option<&'a [f32]>,
 }
 
 impl Ctx<'_> {
+    /// The softmax's maximum of head `h`'s row: its scores' `max`, or the sink where that is larger.
+    #[inline(always)]
+    fn with_sink(&self, h: usize, max: f32) -> f32 {
+        self.sinks.map_or(max, |s| max.max(s[h]))
+    }
+
+    /// The sum of head `h`'s softmax weights `sums` (lane by lane) and of its sink's, all less
+    /// `max`: the row's denominator.
+    #[inline(always)]
+    fn denominator(&self, h: usize, max: f32, sums: &[f32; LANES]) -> f32 {
+        let sum: f32 = sums.iter().sum();
+        match self.sinks {
+            None => sum,
+            Some(s) => {
+                let mut x = [f32::NEG_INFINITY; LANES];
+                x[0] = s[h] - max;
+                exp16(&mut x);
+                sum + x[0]
+            }
+        }
+    }
+
     /// Queries `i0..i0 + n` of the sequence starting at `start`, every head, into `dst`. Compiled
     /// for AVX-512 or AVX2 where the CPU has it, portably otherwise: the same operations in the
     /// same order either way (the compiler neither reassociates nor fuses multiply-adds), so the
@@ -181,7 +205,7 @@ impl Ctx<'_> {
                     }
                     c += m;
                 }
-                let max = maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                let max = self.with_sink(h, maxes.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)));
                 let mut sums = [0f32; LANES];
                 for out in scores.chunks_exact_mut(LANES) {
                     let w: &mut [f32; LANES] = out.try_into().expect("LANES scores");
@@ -193,7 +217,7 @@ impl Ctx<'_> {
                         sums[l] += w[l];
                     }
                 }
-                let sum: f32 = sums.iter().sum();
+                let sum = self.denominator(h, max, &sums);
                 let o = &mut dst[((i - i0) * heads + h) * d..][..d];
                 if d % LANES == 0 {
                     // Up to four 16-column pieces of the output at a time, in registers; each
@@ -265,7 +289,8 @@ fn transpose_keys(ks: &[f32], t: usize, kv_heads: usize, d: usize) -> (Vec<f32>,
 }
 
 /// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]`, f32 on the CPU, rope applied; `seqs`: the
-/// `(start, len)` of each sequence. Returns `[T, heads * d]`.
+/// `(start, len)` of each sequence; `sinks`: one logit per query head that joins each row's
+/// softmax and is dropped after it. Returns `[T, heads * d]`.
 pub fn packed_attention(
     q: &Tensor,
     k: &Tensor,
@@ -273,11 +298,15 @@ pub fn packed_attention(
     seqs: &[(usize, usize)],
     scale: f32,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
 ) -> candle_core::Result<Tensor> {
     let (t, heads, d) = q.dims3()?;
     let kv_heads = k.dim(1)?;
     if kv_heads == 0 || heads % kv_heads != 0 || k.dims() != [t, kv_heads, d] || v.dims() != k.dims() {
         candle_core::bail!("cpu attention: q {:?}, k {:?}, v {:?} do not fit", q.dims(), k.dims(), v.dims());
+    }
+    if sinks.is_some_and(|s| s.len() != heads) {
+        candle_core::bail!("cpu attention: {} sinks for {heads} heads", sinks.map_or(0, <[f32]>::len));
     }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (qg, ql) = q.storage_and_layout();
@@ -307,7 +336,7 @@ pub fn packed_attention(
         rest = tail;
     }
     let (kt, tp) = transpose_keys(ks, t, kv_heads, d);
-    let ctx = Ctx { qs, kt: &kt, tp, vs, heads, kv_heads, d, scale, window };
+    let ctx = Ctx { qs, kt: &kt, tp, vs, heads, kv_heads, d, scale, window, sinks };
     parts.into_par_iter().zip(blocks.par_iter()).for_each(|(dst, &(i0, n, start))| ctx.run(dst, i0, n, start));
     Tensor::from_vec(out, (t, heads * d), q.device())
 }
@@ -330,16 +359,26 @@ mod tests {
             let q = Tensor::randn(0f32, 1.0, (t, heads, d), &dev)?;
             let k = Tensor::randn(0f32, 1.0, (t, kv, d), &dev)?;
             let v = Tensor::randn(0f32, 1.0, (t, kv, d), &dev)?;
-            for window in [None, Some(5)] {
-                let got = packed_attention(&q, &k, &v, &seqs, 0.3, window)?;
+            // Sinks both below and above the rows' largest scores.
+            let sink_values: Vec<f32> = (0..heads).map(|h| [-2.0, 0.5, 3.0][h % 3]).collect();
+            for (window, sinks) in
+                [(None, None), (Some(5), None), (None, Some(&sink_values)), (Some(5), Some(&sink_values))]
+            {
+                let got = packed_attention(&q, &k, &v, &seqs, 0.3, window, sinks.map(|s| s.as_slice()))?;
+                let sink_tensor = sinks.map(|s| Tensor::new(s.as_slice(), &dev)).transpose()?;
                 for &(s, l) in &seqs {
                     let masks = chunk_masks(l, window, 1024, &dev)?;
-                    let want =
-                        sequence_attention(&q.narrow(0, s, l)?, &k.narrow(0, s, l)?, &v.narrow(0, s, l)?, 0.3, &masks)?;
+                    let (qs, ks, vs) = (q.narrow(0, s, l)?, k.narrow(0, s, l)?, v.narrow(0, s, l)?);
+                    let want = sequence_attention(&qs, &ks, &vs, 0.3, &masks, sink_tensor.as_ref())?;
                     let diff = (got.narrow(0, s, l)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                    assert!(diff < 1e-5, "h{heads}/{kv} d{d} window {window:?} seq ({s}, {l}): max diff {diff}");
+                    let case = format!("h{heads}/{kv} d{d} window {window:?} sinks {}", sinks.is_some());
+                    assert!(diff < 1e-5, "{case} seq ({s}, {l}): max diff {diff}");
                 }
             }
+            // The sinks take weight off the values: the output differs from attention without them.
+            let plain = packed_attention(&q, &k, &v, &seqs, 0.3, None, None)?;
+            let sunk = packed_attention(&q, &k, &v, &seqs, 0.3, None, Some(&sink_values))?;
+            assert!((plain - sunk)?.abs()?.max_all()?.to_scalar::<f32>()? > 1e-3);
         }
         Ok(())
     }
@@ -364,7 +403,7 @@ mod tests {
             Ok(o.iter().map(|r| r.iter().any(|x| x.is_nan())).collect())
         };
         let scale = 1.0 / (d as f32).sqrt();
-        let attention = |q: &Tensor, k: &Tensor| packed_attention(q, k, &v, &[(0, t)], scale, None);
+        let attention = |q: &Tensor, k: &Tensor| packed_attention(q, k, &v, &[(0, t)], scale, None, None);
         let out = attention(&poison(&q, 7)?, &k)?;
         let rows = nan_rows(&out)?;
         assert!(rows[7], "the NaN query's row must be NaN");
@@ -421,11 +460,15 @@ mod tests {
             };
             let (q, k, v) = (noise(heads), noise(kv), noise(kv));
             let (kt, tp) = transpose_keys(&k, t, kv, d);
-            for window in [None, Some(20)] {
-                let ctx = Ctx { qs: &q, kt: &kt, tp, vs: &v, heads, kv_heads: kv, d, scale: 0.125, window };
+            let sink_values: Vec<f32> = (0..heads).map(|h| h as f32 - 1.5).collect();
+            for (window, sinks) in [(None, None), (Some(20), None), (Some(20), Some(sink_values.as_slice()))] {
+                let ctx = Ctx { qs: &q, kt: &kt, tp, vs: &v, heads, kv_heads: kv, d, scale: 0.125, window, sinks };
                 // The whole of one sequence, then queries 40..56 of a sequence starting at 30.
                 for (i0, n, start) in [(0, t, 0), (40, 16, 30)] {
-                    let case = format!("heads {heads}/{kv}, d {d}, window {window:?}, queries {i0}+{n} from {start}");
+                    let case = format!(
+                        "heads {heads}/{kv}, d {d}, window {window:?}, sinks {}, queries {i0}+{n} from {start}",
+                        sinks.is_some()
+                    );
                     let mut portable = vec![0f32; n * heads * d];
                     ctx.block(&mut portable, i0, n, start);
                     #[cfg(target_arch = "x86_64")]
@@ -457,10 +500,10 @@ mod tests {
         let q = Tensor::randn(0f32, 1.0, (143, heads, d), &dev)?;
         let k = Tensor::randn(0f32, 1.0, (143, kv, d), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (143, kv, d), &dev)?;
-        let all = packed_attention(&q, &k, &v, &seqs, 0.125, None)?;
+        let all = packed_attention(&q, &k, &v, &seqs, 0.125, None, None)?;
         for &(s, l) in &seqs {
             let part = |x: &Tensor| x.narrow(0, s, l);
-            let alone = packed_attention(&part(&q)?, &part(&k)?, &part(&v)?, &[(0, l)], 0.125, None)?;
+            let alone = packed_attention(&part(&q)?, &part(&k)?, &part(&v)?, &[(0, l)], 0.125, None, None)?;
             let diff = (part(&all)? - alone)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert_eq!(diff, 0.0, "sequence ({s}, {l}) differs alone by {diff}");
         }

@@ -87,7 +87,7 @@ impl Ctx<'_> {
             let mut lane_max = [0f32; LANES];
             // SAFETY: `lane_max` holds 16 values.
             unsafe { _mm512_storeu_ps(lane_max.as_mut_ptr(), maxes[u]) };
-            let max = lane_max.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let max = self.with_sink(h0 + u, lane_max.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)));
             let mut sums = [0f32; LANES];
             for out in scores[u].chunks_exact_mut(LANES) {
                 let w: &mut [f32; LANES] = out.try_into().expect("LANES scores");
@@ -99,7 +99,7 @@ impl Ctx<'_> {
                     sums[l] += w[l];
                 }
             }
-            sums.iter().sum()
+            self.denominator(h0 + u, max, &sums)
         })
     }
 

@@ -3,6 +3,7 @@
 use candle_core::Tensor;
 
 use super::linear::Linear;
+use crate::engine::config::ExpertActivation;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
@@ -24,6 +25,8 @@ pub struct GatedMlp {
     /// computes it (`EngineOptions::fp8_fused`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fp8_fused: bool,
+    /// What joins the gate and up projections.
+    activation: ExpertActivation,
 }
 
 impl GatedMlp {
@@ -49,7 +52,12 @@ impl GatedMlp {
             let _ = fuse;
             GateUp::Separate { gate, up }
         };
-        Ok(GatedMlp { gate_up, down, fp8_fused: true })
+        Ok(GatedMlp { gate_up, down, fp8_fused: true, activation: ExpertActivation::Silu })
+    }
+
+    /// Separate gate, up and down projections joined by `activation`.
+    pub fn with_activation(gate: Linear, up: Linear, down: Linear, activation: ExpertActivation) -> Self {
+        GatedMlp { gate_up: GateUp::Separate { gate, up }, down, fp8_fused: true, activation }
     }
 
     /// The fused gate·up weight (`[2I, H]`, gate rows first) and the down weight, where both are
@@ -64,19 +72,59 @@ impl GatedMlp {
 
     pub fn forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let GateUp::Fused(l) = &self.gate_up {
+        if let (GateUp::Fused(l), ExpertActivation::Silu) = (&self.gate_up, self.activation) {
             return self.down.forward_silu_mul(&l.forward(h)?, self.fp8_fused);
         }
         let act = match &self.gate_up {
             GateUp::Separate { gate, up } => {
                 let (g, u) = (gate.forward(h)?, up.forward(h)?);
-                match super::cpu_ops::silu_mul(&g, &u)? {
-                    Some(act) => act,
-                    None => (candle_nn::ops::silu(&g)? * u)?,
+                match self.activation {
+                    ExpertActivation::Silu => match super::cpu_ops::silu_mul(&g, &u)? {
+                        Some(act) => act,
+                        None => (candle_nn::ops::silu(&g)? * u)?,
+                    },
+                    ExpertActivation::ClampedSwiglu { limit, alpha } => clamped_swiglu(&g, &u, limit, alpha)?,
                 }
             }
             GateUp::Fused(_) => candle_core::bail!("fused gate/up needs the cuda feature"),
         };
         self.down.forward(&act)
+    }
+}
+
+/// `(u + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)` and `u = clamp(up, -limit,
+/// limit)`, in the inputs' dtype. A NaN stays NaN (candle's minimum and maximum would replace it
+/// by the limit; the reference's clamp keeps it).
+pub fn clamped_swiglu(gate: &Tensor, up: &Tensor, limit: f64, alpha: f64) -> candle_core::Result<Tensor> {
+    let keep_nan = |x: &Tensor, clamped: Tensor| x.eq(x)?.where_cond(&clamped, x);
+    let g = keep_nan(gate, gate.minimum(limit)?)?;
+    let u = keep_nan(up, up.clamp(-limit, limit)?)?;
+    let glu = (&g * candle_nn::ops::sigmoid(&g.affine(alpha, 0.0)?)?)?;
+    (u + 1.0)? * glu
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Element by element as written out: the gate clamped above only, up on both sides, the
+    /// `+ 1` on up; a NaN kept.
+    #[test]
+    fn the_clamped_swiglu_follows_its_formula() -> candle_core::Result<()> {
+        let gate = [-9.0f32, -1.0, 0.5, 6.9, 8.0, 20.0, f32::NAN, 1.0];
+        let up = [-9.0f32, 0.3, -0.4, 7.5, -8.0, 2.0, 1.0, f32::NAN];
+        let dev = Device::Cpu;
+        let got = clamped_swiglu(&Tensor::new(&gate, &dev)?, &Tensor::new(&up, &dev)?, 7.0, 1.702)?.to_vec1::<f32>()?;
+        for (i, (&g, &u)) in gate.iter().zip(&up).enumerate() {
+            let (g, u) = (g.min(7.0) as f64, u.clamp(-7.0, 7.0) as f64);
+            let want = (u + 1.0) * g / (1.0 + (-1.702 * g).exp());
+            if gate[i].is_nan() || up[i].is_nan() {
+                assert!(got[i].is_nan(), "{i}: {}", got[i]);
+            } else {
+                assert!((got[i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "{i}: {} vs {want}", got[i]);
+            }
+        }
+        Ok(())
     }
 }

@@ -10,6 +10,7 @@ pub mod gdn;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
+pub mod mxfp4;
 pub mod norm;
 pub mod rope;
 pub mod sdpa;

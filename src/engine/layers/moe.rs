@@ -1,12 +1,14 @@
-//! Sparse mixture of experts: a softmax router (f32), top-k experts per token (renormalised
-//! when the config says so), SwiGLU experts run once each over the rows routed to them, and
-//! an optional shared expert scaled by `sigmoid(x . shared_expert_gate)`.
+//! Sparse mixture of experts: a router (f32) choosing k experts per token and their weights as
+//! the config's [`Routing`] says (a softmax then the top k, renormalised when the config says
+//! so; or the top k logits then their softmax), gated experts (SwiGLU or the clamped SwiGLU,
+//! with or without biases) run once each over the rows routed to them, and an optional shared
+//! expert scaled by `sigmoid(x . shared_expert_gate)`.
 
 use candle_core::{DType, Tensor, D};
 
 use super::linear::Linear;
 use super::mlp::GatedMlp;
-use crate::engine::config::MoeConfig;
+use crate::engine::config::{ExpertsLayout, MoeConfig, Routing};
 use crate::engine::options::EngineOptions;
 use crate::engine::profile::Profiler;
 use crate::engine::weights::Weights;
@@ -37,6 +39,7 @@ pub struct SparseMoe {
     shared: Option<(GatedMlp, Tensor)>,
     top_k: usize,
     norm_topk_prob: bool,
+    routing: Routing,
 }
 
 /// The experts of `{prefix}.experts`, stored either fused (`gate_up_proj` [E, 2I, H] with the
@@ -51,6 +54,9 @@ fn load_experts(
 ) -> Result<Experts, EngineError> {
     #[cfg(not(feature = "cuda"))]
     let _ = o;
+    if m.layout == ExpertsLayout::Interleaved {
+        return Ok(Experts::PerExpert(load_interleaved(w, prefix, m, hidden)?));
+    }
     // FP8 experts (stored so, or quantised at load by `--quantize fp8`, fused ones included) run
     // in the grouped FP8 kernel where it serves (whole 128-blocks, a GPU with FP8 tensor cores,
     // the FP8 GEMMs on); otherwise one FP8 projection chain per expert.
@@ -159,6 +165,47 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
     (0..e).map(|x| GatedMlp::load(w, &format!("{prefix}.experts.{x}"), hidden, i, false)).collect()
 }
 
+/// The experts of [`ExpertsLayout::Interleaved`]: `gate_up_proj` and `down_proj` from their
+/// MXFP4 blocks (rows `out`: `[E, 2I, H]`, `[E, H, I]`) or as floats multiplied as `x W`
+/// (`[E, H, 2I]`, `[E, I, H]`); each expert's gate is column (or row) `2j` of `gate_up_proj`, its
+/// up `2j + 1`, and so are the halves of `gate_up_proj_bias` `[E, 2I]`; `down_proj_bias` `[E, H]`.
+fn load_interleaved(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Vec<GatedMlp>, EngineError> {
+    let (e, i) = (m.num_experts, m.expert_intermediate_size);
+    let p = format!("{prefix}.experts");
+    // Both as `[E, out, in]` (a transposed view of the float tensors).
+    let rows = |name: &str, out: usize, inp: usize| -> Result<Tensor, EngineError> {
+        let name = format!("{p}.{name}");
+        match w.get_mxfp4(&name, &[e, out, inp])? {
+            Some(t) => Ok(t),
+            None => Ok(w.get(&name, &[e, inp, out])?.transpose(1, 2)?),
+        }
+    };
+    let gate_up = rows("gate_up_proj", 2 * i, hidden)?;
+    let down = rows("down_proj", hidden, i)?;
+    let bias = |name: &str, n: usize| w.get_opt(&format!("{p}.{name}"), &[e, n], m.expert_bias);
+    let (gate_up_bias, down_bias) = (bias("gate_up_proj_bias", 2 * i)?, bias("down_proj_bias", hidden)?);
+    // Row (or bias entry) `2j + part` of `[2I, ..]` as `[I, ..]`.
+    let half = |t: Tensor, part: usize| -> candle_core::Result<Tensor> {
+        let mut dims = t.dims().to_vec();
+        dims[0] = i;
+        dims.insert(1, 2);
+        t.contiguous()?.reshape(dims)?.narrow(1, part, 1)?.squeeze(1)?.contiguous()
+    };
+    (0..e)
+        .map(|x| {
+            let gu = gate_up.get(x)?;
+            let gu_bias = gate_up_bias.as_ref().map(|b| b.get(x)).transpose()?;
+            let part = |k: usize| -> Result<Linear, EngineError> {
+                let bias = gu_bias.clone().map(|b| half(b, k)).transpose()?;
+                Ok(Linear::from_weight(half(gu.clone(), k)?, bias)?)
+            };
+            let down_bias = down_bias.as_ref().map(|b| b.get(x)).transpose()?;
+            let down = Linear::from_weight(down.get(x)?.contiguous()?, down_bias)?;
+            Ok(GatedMlp::with_activation(part(0)?, part(1)?, down, m.activation))
+        })
+        .collect()
+}
+
 /// A tensor of experts fused along its first dimension (`[E, parts * N, K]`: `gate_up_proj`
 /// holds each expert's gate rows then its up rows, `down_proj` one projection per expert).
 enum Fused<'a> {
@@ -204,17 +251,27 @@ impl SparseMoe {
             None => None,
         };
         Ok(SparseMoe {
-            router: Linear::load(w, &format!("{prefix}.gate"), m.num_experts, hidden, false)?,
+            router: Linear::load(w, &format!("{prefix}.{}", m.router), m.num_experts, hidden, m.router_bias)?,
             experts: load_experts(w, prefix, m, hidden, o)?,
             shared,
             top_k: m.experts_per_token,
             norm_topk_prob: m.norm_topk_prob,
+            routing: m.routing,
         })
     }
 
     /// `[T, k]` expert indices and routing weights (in `x`'s dtype), best first.
     fn route(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        let probs = candle_nn::ops::softmax_last_dim(&self.router.forward(x)?.to_dtype(DType::F32)?)?;
+        let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
+        if self.routing == Routing::TopKSoftmax {
+            // The k largest logits (a NaN sorted below every logit, as below), then a softmax
+            // over those k, gathered from the logits themselves so a NaN row stays NaN.
+            let keys = logits.eq(&logits)?.where_cond(&logits, &logits.ones_like()?.affine(0.0, f64::NEG_INFINITY)?)?;
+            let idx = keys.arg_sort_last_dim(false)?.narrow(D::Minus1, 0, self.top_k)?.contiguous()?;
+            let top = candle_nn::ops::softmax_last_dim(&logits.gather(&idx, D::Minus1)?)?;
+            return Ok((idx, top.to_dtype(x.dtype())?));
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&logits)?;
         // A non-finite state makes its row's probabilities NaN. The sort's keys put a NaN below
         // every probability (a NaN is unordered, and a comparison that is no total order may
         // panic), while the weights are gathered from `probs`, so they stay NaN and the row's

@@ -4,13 +4,15 @@
 use candle_core::{DType, Tensor};
 
 use super::linear::residual;
+use crate::engine::config::ModelConfig;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
 pub struct RmsNorm {
     weight: Tensor,
     eps: f32,
-    /// Zero-centred norms keep `1 + w` in f32 and round once, to this dtype, at the end.
+    /// Norms computed in f32 keep their weight in f32 (zero-centred norms `1 + w`) and round
+    /// once, to this dtype, at the end.
     zero_centred: Option<DType>,
     /// Whether [`RmsNorm::add_forward`] may run the fused kernel (`EngineOptions::fused_add_norm`,
     /// through [`RmsNorm::fusing_add`]; off unless set).
@@ -27,6 +29,16 @@ impl RmsNorm {
             return Ok(RmsNorm { weight, eps, zero_centred: Some(w.dtype), fuse_add: false });
         }
         Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps, zero_centred: None, fuse_add: false })
+    }
+
+    /// A decoder norm of `hidden_size` (`{name}.weight`) as the config says: zero-centred, in
+    /// f32 ([`ModelConfig::f32_norms`]), or plain.
+    pub fn load_for(w: &Weights, c: &ModelConfig, name: &str) -> Result<Self, EngineError> {
+        if c.f32_norms && !c.zero_centred_norms {
+            let weight = w.get_f32(&format!("{name}.weight"), &[c.hidden_size])?;
+            return Ok(RmsNorm { weight, eps: c.rms_norm_eps as f32, zero_centred: Some(w.dtype), fuse_add: false });
+        }
+        Self::load(w, name, c.hidden_size, c.rms_norm_eps, c.zero_centred_norms)
     }
 
     /// The same norm, its residual add fused where the kernel serves when `on` (the norms a

@@ -7,13 +7,16 @@ use crate::engine::config::{ModelConfig, RopeScaling};
 pub struct Rope {
     /// Inverse frequencies, `rotary_dim / 2` of them.
     inv_freq: Vec<f32>,
+    /// What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
+    attention_factor: f32,
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> Self {
         let d = cfg.rotary_dim;
         let base = cfg.rope_theta as f32;
-        let mut inv_freq: Vec<f32> = (0..d).step_by(2).map(|i| 1.0f32 / base.powf(i as f32 / d as f32)).collect();
+        let pos_freqs: Vec<f32> = (0..d).step_by(2).map(|i| base.powf(i as f32 / d as f32)).collect();
+        let mut inv_freq: Vec<f32> = pos_freqs.iter().map(|p| 1.0f32 / p).collect();
         match &cfg.rope_scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => {
@@ -44,8 +47,32 @@ impl Rope {
                     *x = if medium { smoothed } else { scaled };
                 }
             }
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            }) => {
+                let (low, high) = yarn_ramp(
+                    (*beta_fast, *beta_slow),
+                    d as f64,
+                    cfg.rope_theta,
+                    *original_max_position_embeddings,
+                    *truncate,
+                );
+                let f = *factor as f32;
+                for (i, (x, p)) in inv_freq.iter_mut().zip(&pos_freqs).enumerate() {
+                    let ramp = ((i as f32 - low as f32) / ((high - low) as f32)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    let interpolated = 1.0 / (f * p);
+                    *x = interpolated * (1.0 - extrapolation) + *x * extrapolation;
+                }
+            }
         }
-        Rope { inv_freq }
+        let attention_factor = cfg.rope_scaling.as_ref().map_or(1.0, |s| s.attention_factor() as f32);
+        Rope { inv_freq, attention_factor }
     }
 
     /// cos and sin tables `[positions.len(), rotary_dim / 2]` for the given positions.
@@ -61,8 +88,13 @@ impl Rope {
         for &p in positions {
             for &f in &self.inv_freq {
                 let a = f * p as f32;
-                cos.push(a.cos());
-                sin.push(a.sin());
+                if self.attention_factor == 1.0 {
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                } else {
+                    cos.push(a.cos() * self.attention_factor);
+                    sin.push(a.sin() * self.attention_factor);
+                }
             }
         }
         let shape = (positions.len(), h);
@@ -70,4 +102,22 @@ impl Rope {
         let sin = Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?;
         Ok((cos, sin))
     }
+}
+
+/// The ends of YaRN's ramp over the `dim / 2` frequencies (transformers'
+/// `find_correction_range`, in f64): the dimensions that turn `beta_fast` and `beta_slow` times
+/// over `original` positions, rounded outwards when `truncate`, clamped to `[0, dim - 1]`, and
+/// kept 0.001 apart.
+fn yarn_ramp((beta_fast, beta_slow): (f64, f64), dim: f64, base: f64, original: f64, truncate: bool) -> (f64, f64) {
+    let at = |rotations: f64| dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+    let (mut low, mut high) = (at(beta_fast), at(beta_slow));
+    if truncate {
+        low = low.floor();
+        high = high.ceil();
+    }
+    let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    (low, high)
 }

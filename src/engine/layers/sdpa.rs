@@ -33,13 +33,15 @@ pub fn chunk_masks(t: usize, window: Option<usize>, chunk: usize, device: &Devic
 }
 
 /// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]` (one sequence, rope applied); `masks` from
-/// [`chunk_masks`] for this length. Returns `[T, heads * d]`.
+/// [`chunk_masks`] for this length; `sinks`: one f32 logit per head `[heads]` that joins each
+/// row's softmax and is dropped after it. Returns `[T, heads * d]`.
 pub fn sequence_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
     masks: &[Tensor],
+    sinks: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
     let (t, heads, d) = q.dims3()?;
     let kv_heads = k.dim(1)?;
@@ -64,8 +66,16 @@ pub fn sequence_attention(
         // [h, d, k_len] as a transposed view of the first k_len keys: no copy, and a layout
         // cuBLAS takes directly (batch stride T*d, leading dimension d).
         let kc = k.narrow(1, 0, k_len)?.t()?;
-        let scores = (matmul(&qc, &kc)? * scale)?.to_dtype(DType::F32)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(m)?)?.to_dtype(dtype)?;
+        let scores = (matmul(&qc, &kc)? * scale)?.to_dtype(DType::F32)?.broadcast_add(m)?;
+        let probs = match sinks {
+            None => candle_nn::ops::softmax_last_dim(&scores)?,
+            Some(s) => {
+                let column = s.reshape((heads, 1, 1))?.broadcast_as((heads, q_len, 1))?;
+                candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&scores, &column.contiguous()?], 2)?)?
+                    .narrow(2, 0, k_len)?
+            }
+        }
+        .to_dtype(dtype)?;
         outs.push(matmul(&probs, &v.narrow(1, 0, k_len)?)?);
         q0 += q_len;
     }
@@ -89,16 +99,16 @@ mod tests {
         let k = Tensor::randn(0f32, 1.0, (t, kv, d), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (t, kv, d), &dev)?;
         for window in [None, Some(5)] {
-            let whole = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, window, 1024, &dev)?)?;
+            let whole = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, window, 1024, &dev)?, None)?;
             for chunk in [1, 4, 16] {
-                let parts = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, window, chunk, &dev)?)?;
+                let parts = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, window, chunk, &dev)?, None)?;
                 let diff = (&whole - &parts)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 assert!(diff < 1e-5, "chunk {chunk} window {window:?}: max diff {diff}");
             }
         }
         // And the window really masks: the last query differs from full causal attention.
-        let full = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, None, 1024, &dev)?)?;
-        let windowed = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, Some(5), 1024, &dev)?)?;
+        let full = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, None, 1024, &dev)?, None)?;
+        let windowed = sequence_attention(&q, &k, &v, 0.3, &chunk_masks(t, Some(5), 1024, &dev)?, None)?;
         let diff = (&full - &windowed)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff > 1e-3);
         Ok(())

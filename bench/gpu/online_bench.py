@@ -7,7 +7,7 @@ CPU seconds per GB of states, its peak resident memory, and the source's peak bu
 against the bound it was given.
 
     python3 bench/gpu/online_bench.py --url http://127.0.0.1:18080 --workload W/workload.json \
-        [--workers 0|1|4] [--step-ms 0] [--max-requests 8] [--request-tokens 16384] \
+        [--workers 0|1|4] [--step-ms 0] [--max-requests 32] [--request-tokens 16384] \
         [--max-buffered-mb 2048] [--encoding zstd|identity] [--device cuda:0]
 
 --workers 0 iterates the source in this process; N > 0 runs N torch DataLoader workers over
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--workload", required=True)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--step-ms", type=float, default=0.0)
-    ap.add_argument("--max-requests", type=int, default=8)
+    ap.add_argument("--max-requests", type=int, default=32)
     ap.add_argument("--request-tokens", type=int, default=16384)
     ap.add_argument("--max-buffered-mb", type=int, default=2048)
     ap.add_argument("--dtype", default=None, help="the answer dtype (default: the workload's)")

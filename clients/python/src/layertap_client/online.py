@@ -1492,7 +1492,7 @@ class OnlineSource:
         num_workers: Optional[int] = None,
         batch_size: int = 1,
         request_tokens: int = 8192,
-        max_requests: int = 8,
+        max_requests: int = 32,
         max_buffered_bytes: int = 2 << 30,
         encoding: str = "zstd",
         device: Any = None,

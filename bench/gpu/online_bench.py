@@ -88,7 +88,7 @@ def main() -> None:
     if a.device:
         kw["device"] = a.device
     cpu0, own0, t0 = cpu_seconds(), own_cpu_seconds(), time.perf_counter()
-    waited = 0.0
+    waited = first_wait = 0.0
     tokens = nbytes = n = 0
     src = None
     try:
@@ -115,6 +115,8 @@ def main() -> None:
         except StopIteration:
             break
         waited += time.perf_counter() - w
+        if n == 0:
+            first_wait = waited
         touch(s)
         if a.step_ms:
             time.sleep(a.step_ms / 1000)
@@ -135,6 +137,8 @@ def main() -> None:
         "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else ""),
         "samples": n, "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
         "consumer_waited_s": round(waited, 3), "waited_share": round(waited / wall, 4),
+        # after the first sample: the steady state, without the wait for the first answers
+        "waited_after_first_share": round((waited - first_wait) / max(wall - first_wait, 1e-9), 4),
         "state_gb": round(nbytes / 1e9, 3), "client_cpu_s_per_gb": round(cpu / max(nbytes / 1e9, 1e-9), 2),
         "main_process_cpu_s_per_gb": round(own / max(nbytes / 1e9, 1e-9), 2),
         # ru_maxrss of this process (KiB on Linux); DataLoader workers are separate processes

@@ -33,6 +33,9 @@ fn load(d: &Path, dtype: DType) -> ModelEngine {
     ModelFiles::locate(&d.to_string_lossy()).expect("locate").load(&Device::Cpu, dtype).expect("load").engine
 }
 
+/// An edit of a config.json.
+type ConfigEdit = fn(&mut serde_json::Value);
+
 /// The decoder's fields of a config.json: `text_config` where the model nests them.
 fn text(c: &mut serde_json::Value) -> &mut serde_json::Value {
     if c.get("text_config").is_some() {
@@ -218,7 +221,7 @@ fn each_feature_of_the_family_matters() {
         let hs = &reference["seq5.hidden_states"];
         let want = &hs.f32[n * hs.shape[1] * hs.shape[2]..];
         let last = |engine: &mut ModelEngine| run(engine, std::slice::from_ref(&seq), &[n]).remove(0);
-        let mut edits: Vec<(&str, fn(&mut serde_json::Value))> = vec![
+        let mut edits: Vec<(&str, ConfigEdit)> = vec![
             ("window", |c| text(c)["sliding_window"] = 100_000.into()),
             ("proportional rotary", |c| {
                 text(c)["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 1.0.into()
@@ -296,7 +299,7 @@ fn the_config_forms_read_alike() {
 /// features its kernels lack.
 #[test]
 fn what_is_not_built_is_refused() {
-    type Edit = (&'static str, fn(&mut serde_json::Value), &'static str);
+    type Edit = (&'static str, ConfigEdit, &'static str);
     let edits: [Edit; 5] = [
         ("per-layer embeddings", |c| c["hidden_size_per_layer_input"] = 16.into(), "hidden_size_per_layer_input 16"),
         ("kv sharing", |c| c["num_kv_shared_layers"] = 2.into(), "num_kv_shared_layers 2"),

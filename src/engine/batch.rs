@@ -132,8 +132,7 @@ impl GdnPlan {
 impl BatchCtx {
     pub fn new(
         cfg: &ModelConfig,
-        rope: &Rope,
-        full_rope: Option<&Rope>,
+        (rope, full_rope): (&Rope, Option<&Rope>),
         cu_seqlens: &[usize],
         dtype: DType,
         device: &Device,

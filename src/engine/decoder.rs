@@ -273,8 +273,7 @@ impl Decoder {
     pub fn packing(&self, cu_seqlens: &[usize]) -> candle_core::Result<BatchCtx> {
         BatchCtx::new(
             &self.cfg,
-            &self.rope,
-            self.full_rope.as_ref(),
+            (&self.rope, self.full_rope.as_ref()),
             cu_seqlens,
             self.dtype(),
             self.device(),

@@ -323,6 +323,11 @@ fn what_is_not_built_is_refused() {
     });
     let e = common::refusal(copy.path()).expect("per-layer embeddings by default");
     assert!(e.contains("hidden_size_per_layer_input 256"), "{e}");
+    // null (or 0) is none, as in transformers.
+    let copy = common::with_config("gemma4/gemma4_moe", |c| {
+        c["text_config"]["hidden_size_per_layer_input"] = serde_json::Value::Null;
+    });
+    assert_eq!(common::refusal(copy.path()), None);
     for name in VARIANTS {
         let files = ModelFiles::locate(&dir(name).to_string_lossy()).unwrap();
         let needs = files.config().needs_beyond_cuda();
@@ -337,4 +342,53 @@ fn what_is_not_built_is_refused() {
         let e = files.quantize(Some(layertap::engine::config::quant::Quantize::Fp8)).err().expect("fp8").to_string();
         assert!(e.contains("--quantize fp8 does not quantise"), "{e}");
     }
+}
+
+/// A real server on the release with experts: `/v1/info` reports its layer kinds, and the answer
+/// for the 100-token sequence (past the window) equals transformers at the indices asked, with
+/// its softcapped log-probabilities.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reports_layer_kinds_and_returns_exact_states_and_logprobs() {
+    use serde_json::{json, Value};
+    let name = "gemma4_moe";
+    let d = dir(name);
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("gemma4/gemma4_moe", limits).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    let kinds = &info["layer_kinds"];
+    assert_eq!(info["architecture"], "Gemma4ForConditionalGeneration");
+    assert_eq!((kinds["sliding_attention"].as_u64(), kinds["full_attention"].as_u64()), (Some(4), Some(2)), "{info}");
+    assert_eq!(
+        (kinds["dense_mlp"].as_u64(), kinds["moe"].as_u64(), kinds["experts"].as_u64()),
+        (Some(6), Some(6), Some(6))
+    );
+
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let hs = &reference["seq5.hidden_states"];
+    let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    let body = json!({"inputs": [{"input_ids": reference["seq5.input_ids"].i64}], "layers": [1, -1, 3],
+                      "dtype": "float32", "logprobs": {"top_k": 5, "target": true}});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = common::read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let states = &got["hidden_states"];
+    let drift = facts(name)["f32_vs_f64_relative_error_per_index"].clone();
+    for (k, idx) in [1, l1 - 1, 3].into_iter().enumerate() {
+        let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+        let ours: Vec<f32> = (0..t).flat_map(|r| states.f32[(r * 3 + k) * h..][..h].to_vec()).collect();
+        let e = rel_err(&ours, want);
+        let allowed = F32_TOLERANCE.max(2.0 * drift[idx].as_f64().unwrap());
+        assert!(e <= allowed, "index {idx}: relative error {e:.3e}");
+    }
+    assert_eq!(got["topk_ids"].i64, reference["seq5.logprob_ids"].i64);
+    let worst = got["topk_logprobs"]
+        .f32
+        .iter()
+        .zip(&reference["seq5.logprobs"].f32)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let allowed = F32_TOLERANCE.max(2.0 * facts(name)["logprobs_f32_vs_f64_max_abs"].as_f64().unwrap());
+    assert!(f64::from(worst) <= allowed, "log-probabilities off by {worst:e}");
+    running.shutdown.cancel();
 }

@@ -288,7 +288,12 @@ fn gpt_oss_moe(cfg: &Value) -> Result<MoeConfig, EngineError> {
 fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig, EngineError> {
     let family = Family::Gemma4;
     let refuse = |what: String| Err(bad(format!("config.json: {what} is not supported for {architecture} yet")));
-    let ple = opt_usize(cfg, "hidden_size_per_layer_input").unwrap_or(256);
+    // Absent: transformers' default, 256; null: none.
+    let ple = match cfg.get("hidden_size_per_layer_input") {
+        None => 256,
+        Some(Value::Null) => 0,
+        Some(v) => v.as_u64().map_or(usize::MAX, |v| v as usize),
+    };
     if ple > 0 {
         return refuse(format!(
             "hidden_size_per_layer_input {ple} (per-layer embeddings, as in Gemma 4 E2B and E4B; transformers' \
@@ -305,7 +310,7 @@ fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig
         Some(v) => return refuse(format!("use_bidirectional_attention {v}")),
     }
     if let Some(act) = cfg.get("hidden_activation").and_then(Value::as_str) {
-        if !matches!(act, "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast") {
+        if act != "gelu_pytorch_tanh" {
             return refuse(format!("hidden_activation {act:?} (supported: \"gelu_pytorch_tanh\")"));
         }
     }

@@ -392,3 +392,27 @@ async fn serve_reports_layer_kinds_and_returns_exact_states_and_logprobs() {
     assert!(f64::from(worst) <= allowed, "log-probabilities off by {worst:e}");
     running.shutdown.cancel();
 }
+
+/// The vision and audio towers of `Gemma4ForConditionalGeneration` are never read: NaN tensors
+/// of any shape under their prefixes leave the decoder's states as they were.
+#[test]
+fn the_towers_are_never_read() {
+    let nan = f32::NAN.to_le_bytes().to_vec();
+    let copy = common::with_tensors("gemma4/gemma4_moe", |t| {
+        for name in [
+            "model.vision_tower.encoder.weight",
+            "model.embed_vision.embedding_projection.weight",
+            "model.audio_tower.layers.0.weight",
+        ] {
+            t.push((name.to_string(), safetensors::Dtype::F32, vec![1], nan.clone()));
+        }
+    });
+    let reference = read_safetensors(&dir("gemma4_moe").join("reference.safetensors"));
+    let mut engine = load(copy.path(), DType::F32);
+    let n = engine.decoder.cfg.num_hidden_layers;
+    let got = run(&mut engine, &[ids(&reference, 5)], &[n]).remove(0);
+    let hs = &reference["seq5.hidden_states"];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    let e = rel_err(&got, &hs.f32[n * t * h..(n + 1) * t * h]);
+    assert!(e <= F32_TOLERANCE, "relative error {e:.3e}");
+}

@@ -37,6 +37,9 @@ pub struct BatchCtx {
     /// The rotary tables `(cos, sin)`, `[T, rotary_dim / 2]`, where the fused CUDA kernel does
     /// not serve the model's attention.
     pub tables: Option<(Tensor, Tensor)>,
+    /// The full-attention layers' own rotary tables, where the config shapes them apart
+    /// (`[T, head_dim / 2]` of those layers).
+    pub full_tables: Option<(Tensor, Tensor)>,
     /// For the fused CUDA kernel (`cuda::rope::QkvRope`), which computes the rotation itself: each
     /// token's position `[T]` (u32) and the inverse frequencies `[rotary_dim / 2]` (f32).
     #[cfg(feature = "cuda")]
@@ -129,7 +132,7 @@ impl GdnPlan {
 impl BatchCtx {
     pub fn new(
         cfg: &ModelConfig,
-        rope: &Rope,
+        (rope, full_rope): (&Rope, Option<&Rope>),
         cu_seqlens: &[usize],
         dtype: DType,
         device: &Device,
@@ -151,6 +154,10 @@ impl BatchCtx {
         let tables = if rope_inputs.is_none() { Some(rope.tables(&positions, dtype, device)?) } else { None };
         #[cfg(not(feature = "cuda"))]
         let tables = Some(rope.tables(&positions, dtype, device)?);
+        let full_tables = match full_rope.filter(|_| has(MixerKind::FullAttention)) {
+            Some(r) => Some(r.tables(&positions, dtype, device)?),
+            None => None,
+        };
         let mut masks = HashMap::new();
         #[cfg(feature = "cuda")]
         let tiles = match kernels.attention {
@@ -185,6 +192,7 @@ impl BatchCtx {
             #[cfg(feature = "cuda")]
             tiles,
             tables,
+            full_tables,
             #[cfg(feature = "cuda")]
             rope_inputs,
             gdn,

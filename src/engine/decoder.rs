@@ -26,14 +26,37 @@ pub enum Mixer {
 pub enum Ffn {
     Dense(GatedMlp),
     Moe(SparseMoe),
+    DenseAndMoe(Box<DenseAndMoe>),
 }
 
-/// One decoder layer: `x + mixer(norm(x))`, then `x + ffn(norm(x))`.
+/// A dense MLP and experts side by side ([`FfnKind::DenseAndMoe`]): `post_mlp(mlp(h)) +
+/// post_moe(experts(pre_moe(x)))`, the experts routed from the residual stream `x` itself.
+pub struct DenseAndMoe {
+    mlp: GatedMlp,
+    post_mlp: RmsNorm,
+    pre_moe: RmsNorm,
+    moe: SparseMoe,
+    post_moe: RmsNorm,
+}
+
+/// The norms after each sublayer and the layer's scalar ([`ModelConfig::sandwich_norms`]).
+struct Sandwich {
+    post_attention: RmsNorm,
+    post_ffn: RmsNorm,
+    /// `layer_scalar` `[1]`, in the compute dtype.
+    scalar: Tensor,
+}
+
+/// One decoder layer: `x + mixer(norm(x))`, then `x + ffn(norm(x))`; with sandwich norms
+/// `x + post_attn(mixer(norm(x)))`, then `(x + post_ffn(ffn(pre_ffn(x)))) * layer_scalar`.
 pub struct Block {
     input_norm: RmsNorm,
     mixer: Mixer,
+    /// The norm before the feed-forward block (`post_attention_layernorm`, or
+    /// `pre_feedforward_layernorm` with sandwich norms).
     post_norm: RmsNorm,
     ffn: Ffn,
+    sandwich: Option<Sandwich>,
 }
 
 impl Block {
@@ -47,19 +70,41 @@ impl Block {
         };
         let mixer = match spec.mixer {
             MixerKind::FullAttention | MixerKind::SlidingAttention => {
-                Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"), c.window_of(&spec), o)?)
+                Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"), spec.mixer, o)?)
             }
             MixerKind::LinearAttention => {
                 Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"), o)?)
             }
         };
         let m = format!("{p}.mlp");
-        let ffn = match (spec.ffn, &c.moe) {
-            (FfnKind::Dense, _) => Ffn::Dense(GatedMlp::load(w, &m, h, c.intermediate_size, c.mlp_bias)?),
-            (FfnKind::Moe, Some(moe)) => Ffn::Moe(SparseMoe::load(w, &m, moe, h, o)?),
-            (FfnKind::Moe, None) => return Err(EngineError::Load(format!("layer {i}: MoE without num_experts"))),
+        let mlp = || {
+            Ok::<_, EngineError>(GatedMlp::load(w, &m, h, c.intermediate_size, c.mlp_bias)?.activated(c.mlp_activation))
         };
-        Ok(Block { input_norm: norm("input_layernorm")?, mixer, post_norm: norm("post_attention_layernorm")?, ffn })
+        let eps = c.rms_norm_eps;
+        let ffn = match (spec.ffn, &c.moe) {
+            (FfnKind::Dense, _) => Ffn::Dense(mlp()?),
+            (FfnKind::Moe, Some(moe)) => Ffn::Moe(SparseMoe::load(w, &m, moe, h, eps, o)?),
+            (FfnKind::DenseAndMoe, Some(moe)) => Ffn::DenseAndMoe(Box::new(DenseAndMoe {
+                mlp: mlp()?,
+                post_mlp: norm("post_feedforward_layernorm_1")?,
+                pre_moe: norm("pre_feedforward_layernorm_2")?,
+                moe: SparseMoe::load(w, &p, moe, h, eps, o)?,
+                post_moe: norm("post_feedforward_layernorm_2")?,
+            })),
+            (FfnKind::Moe | FfnKind::DenseAndMoe, None) => {
+                return Err(EngineError::Load(format!("layer {i}: MoE without num_experts")))
+            }
+        };
+        let sandwich = match c.sandwich_norms {
+            true => Some(Sandwich {
+                post_attention: norm("post_attention_layernorm")?,
+                post_ffn: norm("post_feedforward_layernorm")?,
+                scalar: w.get(&format!("{p}.layer_scalar"), &[1])?,
+            }),
+            false => None,
+        };
+        let post_norm = norm(if c.sandwich_norms { "pre_feedforward_layernorm" } else { "post_attention_layernorm" })?;
+        Ok(Block { input_norm: norm("input_layernorm")?, mixer, post_norm, ffn, sandwich })
     }
 
     /// One layer on `x`, given `h`, its input norm of `x`. Returns the layer's output and, where
@@ -78,7 +123,10 @@ impl Block {
             Mixer::Attention(a) => a.forward(h, ctx)?,
             Mixer::GatedDeltaNet(g) => g.forward(h, ctx)?,
         };
-        let (x, h) = self.post_norm.add_forward(x, &mixed)?;
+        let (x, h) = match &self.sandwich {
+            Some(s) => self.post_norm.add_forward(x, &s.post_attention.forward(&mixed)?)?,
+            None => self.post_norm.add_forward(x, &mixed)?,
+        };
         let y = match &self.ffn {
             Ffn::Dense(m) => m.forward(&h)?,
             Ffn::Moe(m) => {
@@ -87,7 +135,20 @@ impl Block {
                 profile.mark(Phase::Moe);
                 y
             }
+            Ffn::DenseAndMoe(d) => {
+                let dense = d.post_mlp.forward(&d.mlp.forward(&h)?)?;
+                profile.mark(Phase::OProjMlp);
+                let experts = d.moe.forward_routed(&d.pre_moe.forward(&x)?, &x, profile)?;
+                profile.mark(Phase::Moe);
+                (dense + d.post_moe.forward(&experts)?)?
+            }
         };
+        if let Some(s) = &self.sandwich {
+            let out = residual(&x, &s.post_ffn.forward(&y)?)?;
+            let out = out.broadcast_mul(&s.scalar.to_dtype(out.dtype())?)?;
+            profile.mark(Phase::OProjMlp);
+            return Ok((out, None));
+        }
         // Where no kernel fuses them, the next norm waits for the next layer (this layer's
         // temporaries are gone by then, as they always were).
         let out = match next.filter(|n| n.fuses_add(&x, &y)) {
@@ -112,6 +173,10 @@ pub struct Decoder {
     layers: Vec<Block>,
     norm: RmsNorm,
     rope: Rope,
+    /// The full-attention layers' own rotary embedding, where the config shapes them apart.
+    full_rope: Option<Rope>,
+    /// What the embeddings are multiplied by (`[1]`, in the compute dtype).
+    embed_scale: Option<Tensor>,
     /// The output head `[vocab, hidden]` (the embeddings where the model ties them); `None` for
     /// a checkpoint that has none, or a decoder loaded for a few tokens only.
     head: Option<Tensor>,
@@ -163,10 +228,28 @@ impl Decoder {
         }
         let norm = RmsNorm::load_for(w, &cfg, "norm")?.fusing_add(options.fused_add_norm);
         let rope = Rope::new(&cfg);
+        let full_rope = Rope::full_attention(&cfg);
+        let embed_scale = match cfg.embed_scale {
+            // Rounded to the compute dtype first, as transformers does.
+            Some(s) => Some(Tensor::new(&[s as f32], embed.device())?.to_dtype(embed.dtype())?),
+            None => None,
+        };
         let f32_residual =
             cfg!(feature = "cuda") && embed.device().is_cuda() && embed.dtype() != DType::F32 && options.f32_residual;
         let kernels = batch_kernels(&cfg, embed.device(), embed.dtype(), options);
-        Ok(Decoder { cfg, options: options.clone(), embed, layers, norm, rope, f32_residual, kernels, head: None })
+        Ok(Decoder {
+            cfg,
+            options: options.clone(),
+            embed,
+            layers,
+            norm,
+            rope,
+            full_rope,
+            embed_scale,
+            f32_residual,
+            kernels,
+            head: None,
+        })
     }
 
     /// The output head `[vocab, hidden]`, where the model has one.
@@ -190,7 +273,7 @@ impl Decoder {
     pub fn packing(&self, cu_seqlens: &[usize]) -> candle_core::Result<BatchCtx> {
         BatchCtx::new(
             &self.cfg,
-            &self.rope,
+            (&self.rope, self.full_rope.as_ref()),
             cu_seqlens,
             self.dtype(),
             self.device(),
@@ -219,6 +302,9 @@ impl Decoder {
         let deepest = taps.iter().copied().max().unwrap_or(0).min(n);
         let mut kept: Vec<Option<Tensor>> = vec![None; n + 2];
         let mut x = embed(&self.embed, ids)?;
+        if let Some(s) = &self.embed_scale {
+            x = x.broadcast_mul(s)?;
+        }
         if self.f32_residual {
             x = super::large::map_rows(&x, |x| x.to_dtype(DType::F32))?;
         }

@@ -133,6 +133,18 @@ pub fn chunk_rows(vocab: usize) -> usize {
 /// the compute dtype) through `head` (`[vocab, hidden]`), with `targets[i]` the next token of
 /// row `i` (`-1`: none).
 pub fn top_k(states: &Tensor, head: &Tensor, k: usize, targets: &[i32]) -> Result<DeviceTopK, EngineError> {
+    top_k_capped(states, head, k, targets, None)
+}
+
+/// [`top_k`] with the logits softcapped first where `softcap` is given: `cap * tanh(logits /
+/// cap)` in f32.
+pub fn top_k_capped(
+    states: &Tensor,
+    head: &Tensor,
+    k: usize,
+    targets: &[i32],
+    softcap: Option<f64>,
+) -> Result<DeviceTopK, EngineError> {
     let (rows, hidden) = states.dims2()?;
     let (vocab, h2) = head.dims2()?;
     if hidden != h2 || targets.len() != rows || k == 0 || k > MAX_TOP_K.min(vocab) {
@@ -159,7 +171,7 @@ pub fn top_k(states: &Tensor, head: &Tensor, k: usize, targets: &[i32]) -> Resul
         let n = step.min(rows - r0);
         let x = states.narrow(0, r0, n)?;
         let t = &targets[r0..r0 + n];
-        let part = chunk(&x, head, k, t)?;
+        let part = chunk(&x, head, k, t, softcap)?;
         ids.push(part.ids);
         lps.push(part.logprobs);
         tgt.push(part.target);
@@ -167,10 +179,24 @@ pub fn top_k(states: &Tensor, head: &Tensor, k: usize, targets: &[i32]) -> Resul
     Ok(TopK { top_k: k, ids: Tensor::cat(&ids, 0)?, logprobs: Tensor::cat(&lps, 0)?, target: Tensor::cat(&tgt, 0)? })
 }
 
-fn chunk(x: &Tensor, head: &Tensor, k: usize, targets: &[i32]) -> Result<DeviceTopK, EngineError> {
+/// `cap * tanh(logits / cap)` where a cap is given.
+fn capped(logits: Tensor, softcap: Option<f64>) -> candle_core::Result<Tensor> {
+    match softcap {
+        Some(cap) => (logits / cap)?.tanh()? * cap,
+        None => Ok(logits),
+    }
+}
+
+fn chunk(
+    x: &Tensor,
+    head: &Tensor,
+    k: usize,
+    targets: &[i32],
+    softcap: Option<f64>,
+) -> Result<DeviceTopK, EngineError> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        let logits = super::cuda::logprobs::logits_f32(x, head)?;
+        let logits = capped(super::cuda::logprobs::logits_f32(x, head)?, softcap)?;
         let t = Tensor::new(targets, x.device())?;
         let (ids, logprobs, target) = super::cuda::logprobs::top_k_logprobs(&logits, k, &t)?;
         return Ok(TopK { top_k: k, ids, logprobs, target });
@@ -190,7 +216,7 @@ fn chunk(x: &Tensor, head: &Tensor, k: usize, targets: &[i32]) -> Result<DeviceT
         }
         blocks.push(b.matmul(&w.t()?)?.narrow(0, 0, n)?);
     }
-    let logits = Tensor::cat(&blocks, 0)?;
+    let logits = capped(Tensor::cat(&blocks, 0)?, softcap)?;
     top_k_of_logits(&logits, k, targets)
 }
 
@@ -280,7 +306,9 @@ mod tests {
         let whole = top_k(&x, &head, 5, &targets).unwrap().to_host().unwrap();
         let mut parts = Vec::new();
         for r in 0..21 {
-            parts.push(chunk(&x.narrow(0, r, 1).unwrap(), &head, 5, &targets[r..r + 1]).unwrap().to_host().unwrap());
+            parts.push(
+                chunk(&x.narrow(0, r, 1).unwrap(), &head, 5, &targets[r..r + 1], None).unwrap().to_host().unwrap(),
+            );
         }
         assert_eq!(whole.ids, parts.iter().flat_map(|p| p.ids.clone()).collect::<Vec<_>>());
         assert_eq!(whole.logprobs, parts.iter().flat_map(|p| p.logprobs.clone()).collect::<Vec<_>>());

@@ -126,7 +126,7 @@ impl ModelEngine {
             output::Rows::All => last.clone(),
             output::Rows::Only(_) => last.index_select(&Tensor::new(rows.as_slice(), last.device())?, 0)?,
         };
-        logprobs::top_k(&states, head, l.top_k, &targets)
+        logprobs::top_k_capped(&states, head, l.top_k, &targets, self.decoder.cfg.final_logit_softcapping)
     }
 }
 

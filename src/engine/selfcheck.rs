@@ -96,7 +96,7 @@ impl Probe {
         if depth == n {
             indices.push(n + 1);
         }
-        let routed = cfg.layers[..depth].iter().any(|l| l.ffn == super::config::FfnKind::Moe);
+        let routed = cfg.layers[..depth].iter().any(|l| l.ffn.has_moe());
         // MXFP4 weights are dequantised exactly: only FP8 quantises activations.
         let fp8 =
             cfg.quantization.as_ref().is_some_and(|q| !matches!(q, super::config::quant::Quantization::Mxfp4 { .. }));

@@ -252,9 +252,15 @@ const IGNORED_PREFIXES: &[&str] = &[
 /// Name parts of the tensors quantisation methods add (scales, packed weights, zero points).
 const QUANT_MARKERS: &[&str] = &["_scale", "scale_inv", "qweight", "qzeros", "scales", "g_idx", "absmax", "quant_"];
 
+/// Model parameters whose names carry a quantisation marker but which are plain floats (Gemma 4's
+/// router multiplies each expert's weight by its `per_expert_scale`).
+const FLOAT_PARAMETERS: &[&str] = &["per_expert_scale"];
+
 /// Whether the last part of a tensor name marks it as quantisation data.
 fn is_quant_data(full: &str) -> bool {
-    full.rsplit('.').next().is_some_and(|last| QUANT_MARKERS.iter().any(|m| last.contains(m)))
+    full.rsplit('.')
+        .next()
+        .is_some_and(|last| !FLOAT_PARAMETERS.contains(&last) && QUANT_MARKERS.iter().any(|m| last.contains(m)))
 }
 
 /// The index of the first value of `data` (little-endian `dtype`) that is not finite: a float

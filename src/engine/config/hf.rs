@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    bad, ExpertActivation, ExpertsLayout, Family, FfnKind, GdnLayout, LayerSpec, LinearAttentionConfig, MixerKind,
-    ModelConfig, MoeConfig, RopeScaling, Routing,
+    bad, ExpertActivation, ExpertsLayout, Family, FfnKind, FullAttentionShape, GdnLayout, LayerSpec,
+    LinearAttentionConfig, MixerKind, ModelConfig, MoeConfig, RopeScaling, Routing,
 };
 use crate::engine::EngineError;
 
@@ -224,6 +224,7 @@ fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<M
         layout: ExpertsLayout::GateThenUp,
         expert_bias: false,
         activation: ExpertActivation::Silu,
+        router_norm: false,
     };
     if family == Family::Qwen3_5Moe {
         return Ok((vec![FfnKind::Moe; n], Some(moe)));
@@ -273,7 +274,238 @@ fn gpt_oss_moe(cfg: &Value) -> Result<MoeConfig, EngineError> {
         layout: ExpertsLayout::Interleaved,
         expert_bias: true,
         activation: ExpertActivation::ClampedSwiglu { limit, alpha },
+        router_norm: false,
     })
+}
+
+/// Gemma 4's text decoder (`Gemma4ForCausalLM`, or the `text_config` of
+/// `Gemma4ForConditionalGeneration`), read with transformers' defaults: sliding and full layers
+/// from `layer_types` (5:1 by default, the last layer full), full layers with `global_head_dim`
+/// (512 by default) and, when `attention_k_eq_v`, `num_global_key_value_heads` (or as
+/// `per_layer_config` gives them), default rotary on sliding layers and proportional rotary on
+/// full ones, norms in f32 with plain weights, sandwich norms, GELU-tanh, the experts beside the
+/// MLP when `enable_moe_block`. Per-layer embeddings and KV sharing are refused by name.
+fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig, EngineError> {
+    let family = Family::Gemma4;
+    let refuse = |what: String| Err(bad(format!("config.json: {what} is not supported for {architecture} yet")));
+    // Absent: transformers' default, 256; null: none.
+    let ple = match cfg.get("hidden_size_per_layer_input") {
+        None => 256,
+        Some(Value::Null) => 0,
+        Some(v) => v.as_u64().map_or(usize::MAX, |v| v as usize),
+    };
+    if ple > 0 {
+        return refuse(format!(
+            "hidden_size_per_layer_input {ple} (per-layer embeddings, as in Gemma 4 E2B and E4B; transformers' \
+             default is 256)"
+        ));
+    }
+    if let Some(n) = opt_usize(cfg, "num_kv_shared_layers").filter(|&n| n > 0) {
+        return refuse(format!("num_kv_shared_layers {n} (key-value sharing across layers)"));
+    }
+    match cfg.get("use_bidirectional_attention").filter(|v| !v.is_null()) {
+        None => {}
+        // Bidirectional among vision tokens only: text is causal.
+        Some(v) if v.as_str() == Some("vision") => {}
+        Some(v) => return refuse(format!("use_bidirectional_attention {v}")),
+    }
+    if let Some(act) = cfg.get("hidden_activation").and_then(Value::as_str) {
+        if act != "gelu_pytorch_tanh" {
+            return refuse(format!("hidden_activation {act:?} (supported: \"gelu_pytorch_tanh\")"));
+        }
+    }
+    let hidden_size = req_usize(cfg, "hidden_size")?;
+    let num_attention_heads = req_usize(cfg, "num_attention_heads")?;
+    let num_key_value_heads = opt_usize(cfg, "num_key_value_heads").unwrap_or(num_attention_heads);
+    let head_dim = opt_usize(cfg, "head_dim").unwrap_or(256);
+    let n = req_usize(cfg, "num_hidden_layers")?;
+    let mut mixers = match cfg.get("layer_types").filter(|v| !v.is_null()) {
+        None => (0..n)
+            .map(|i| if (i + 1) % 6 == 0 { MixerKind::FullAttention } else { MixerKind::SlidingAttention })
+            .collect(),
+        Some(types) => {
+            let types = types.as_array().ok_or_else(|| bad("config.json: \"layer_types\" must be a list"))?;
+            if types.len() != n {
+                return Err(bad(format!(
+                    "config.json: \"layer_types\" has {} entries for num_hidden_layers {n}",
+                    types.len()
+                )));
+            }
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    Some("full_attention") => Ok(MixerKind::FullAttention),
+                    Some("sliding_attention") => Ok(MixerKind::SlidingAttention),
+                    _ => Err(bad(format!(
+                        "config.json: layer_types[{i}] = {t} is not supported for {architecture} (supported: \
+                         \"full_attention\", \"sliding_attention\")"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+    };
+    // transformers forces the last layer to full attention.
+    if let Some(last) = mixers.last_mut() {
+        *last = MixerKind::FullAttention;
+    }
+    // Rotary parameters per layer type.
+    let rope = cfg.get("rope_parameters").filter(|v| !v.is_null());
+    let rope_of = |kind: &str| -> Result<Option<&Value>, EngineError> {
+        match rope {
+            None => Ok(None),
+            Some(r) => match r.get(kind) {
+                Some(p) if p.is_object() => Ok(Some(p)),
+                Some(p) if p.is_null() => Ok(None),
+                None => Ok(None),
+                Some(p) => Err(bad(format!("config.json: rope_parameters.{kind} must be an object, got {p}"))),
+            },
+        }
+    };
+    let rope_type = |p: Option<&Value>, default: &'static str| -> String {
+        p.and_then(|p| p.get("rope_type")).and_then(Value::as_str).unwrap_or(default).to_string()
+    };
+    let sliding_rope = rope_of("sliding_attention")?;
+    if rope_type(sliding_rope, "default") != "default" {
+        return refuse(format!(
+            "rope_parameters.sliding_attention.rope_type {:?} (supported: \"default\")",
+            rope_type(sliding_rope, "default")
+        ));
+    }
+    let rope_theta = sliding_rope.and_then(|p| opt_f64(p, "rope_theta")).unwrap_or(10_000.0);
+    let full_rope = rope_of("full_attention")?;
+    // transformers' defaults where rope_parameters is absent.
+    let full_kind = if rope.is_none() { "proportional".to_string() } else { rope_type(full_rope, "default") };
+    let full_theta =
+        full_rope.and_then(|p| opt_f64(p, "rope_theta")).unwrap_or(if rope.is_none() { 1_000_000.0 } else { 10_000.0 });
+    // Full layers' head size and key-value heads: `per_layer_config` (written by newer
+    // transformers) or `global_head_dim` and `num_global_key_value_heads`.
+    let k_eq_v = opt_bool(cfg, "attention_k_eq_v").unwrap_or(false);
+    let (mut full_hd, mut full_kv) = (opt_usize(cfg, "global_head_dim").unwrap_or(512), None);
+    if k_eq_v {
+        full_kv = opt_usize(cfg, "num_global_key_value_heads");
+    }
+    if let Some(per_layer) = cfg.get("per_layer_config").filter(|v| !v.is_null()) {
+        let per_layer =
+            per_layer.as_object().ok_or_else(|| bad("config.json: \"per_layer_config\" must be an object"))?;
+        let (mut hd, mut kv) = (None, None);
+        for (i, kind) in mixers.iter().enumerate() {
+            let entry = per_layer.get(&i.to_string());
+            if *kind == MixerKind::SlidingAttention {
+                if entry.is_some_and(|e| e.as_object().is_some_and(|o| !o.is_empty())) {
+                    return refuse(format!("per_layer_config for sliding layer {i}"));
+                }
+                continue;
+            }
+            let e = entry.and_then(Value::as_object).cloned().unwrap_or_default();
+            if let Some(k) = e.keys().find(|k| !matches!(k.as_str(), "head_dim" | "num_key_value_heads")) {
+                return refuse(format!("per_layer_config[{i}].{k}"));
+            }
+            let this =
+                (e.get("head_dim").and_then(Value::as_u64), e.get("num_key_value_heads").and_then(Value::as_u64));
+            if hd.is_some_and(|h| (h, kv) != this) {
+                return refuse(format!("per_layer_config[{i}] differing from the other full-attention layers"));
+            }
+            (hd, kv) = (Some(this.0), this.1);
+        }
+        full_hd = hd.flatten().map_or(head_dim, |h| h as usize);
+        full_kv = kv.map(|k| k as usize);
+    }
+    let full_kv = full_kv.unwrap_or(num_key_value_heads);
+    let (rotated_pairs, rope_factor) = match full_kind.as_str() {
+        "default" => (full_hd / 2, 1.0),
+        "proportional" => {
+            let p = opt_f64_in(full_rope, "partial_rotary_factor").unwrap_or(if rope.is_none() { 0.25 } else { 1.0 });
+            if !(p > 0.0 && p <= 1.0) {
+                return refuse(format!("rope_parameters.full_attention.partial_rotary_factor {p}"));
+            }
+            // transformers: int(partial_rotary_factor * head_dim // 2).
+            (((p * full_hd as f64) / 2.0).floor() as usize, opt_f64_in(full_rope, "factor").unwrap_or(1.0))
+        }
+        other => {
+            return refuse(format!(
+                "rope_parameters.full_attention.rope_type {other:?} (supported: \"proportional\", \"default\")"
+            ))
+        }
+    };
+    let moe_on = opt_bool(cfg, "enable_moe_block").unwrap_or(false);
+    let moe = if moe_on {
+        Some(MoeConfig {
+            num_experts: req_usize(cfg, "num_experts")?,
+            experts_per_token: req_usize(cfg, "top_k_experts")?,
+            expert_intermediate_size: req_usize(cfg, "moe_intermediate_size")?,
+            shared_expert_intermediate_size: None,
+            norm_topk_prob: true,
+            routing: Routing::SoftmaxTopK,
+            router: "router.proj",
+            router_bias: false,
+            layout: ExpertsLayout::GateThenUp,
+            expert_bias: false,
+            activation: ExpertActivation::GeluTanh,
+            router_norm: true,
+        })
+    } else {
+        None
+    };
+    let ffn = if moe_on { FfnKind::DenseAndMoe } else { FfnKind::Dense };
+    let layers = mixers.into_iter().map(|mixer| LayerSpec { mixer, ffn }).collect();
+    let softcap = opt_f64(cfg, "final_logit_softcapping").or_else(|| opt_f64(root, "final_logit_softcapping"));
+    if softcap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+        return refuse(format!("final_logit_softcapping {softcap:?}"));
+    }
+    let attention_bias = opt_bool(cfg, "attention_bias").unwrap_or(false);
+    let c = ModelConfig {
+        architecture,
+        family,
+        hidden_size,
+        intermediate_size: req_usize(cfg, "intermediate_size")?,
+        num_hidden_layers: n,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        rotary_dim: head_dim,
+        vocab_size: req_usize(cfg, "vocab_size")?,
+        rms_norm_eps: opt_f64(cfg, "rms_norm_eps").unwrap_or(1e-6),
+        rope_theta,
+        rope_scaling: None,
+        max_position_embeddings: opt_usize(cfg, "max_position_embeddings").unwrap_or(131_072),
+        sliding_window: Some(opt_usize(cfg, "sliding_window").unwrap_or(512)),
+        attention_sinks: false,
+        qkv_bias: attention_bias,
+        o_bias: attention_bias,
+        mlp_bias: false,
+        qk_norm: true,
+        zero_centred_norms: false,
+        f32_norms: true,
+        attn_output_gate: false,
+        full_attention: Some(FullAttentionShape {
+            head_dim: full_hd,
+            num_key_value_heads: full_kv,
+            k_eq_v,
+            rope_theta: full_theta,
+            rotated_pairs,
+            rope_factor,
+        }),
+        v_norm: true,
+        attention_scale: Some(1.0),
+        sandwich_norms: true,
+        embed_scale: Some((hidden_size as f64).sqrt()),
+        mlp_activation: ExpertActivation::GeluTanh,
+        final_logit_softcapping: softcap,
+        tie_word_embeddings: opt_bool(root, "tie_word_embeddings")
+            .or_else(|| opt_bool(cfg, "tie_word_embeddings"))
+            .unwrap_or(true),
+        linear_attention: None,
+        moe,
+        layers,
+        quantization: None,
+    };
+    c.validate()?;
+    Ok(c)
+}
+
+fn opt_f64_in(p: Option<&Value>, key: &str) -> Option<f64> {
+    p.and_then(|p| opt_f64(p, key))
 }
 
 impl ModelConfig {
@@ -289,7 +521,7 @@ impl ModelConfig {
             .to_string();
         let family = Family::from_architecture(&architecture)?;
         let cfg = match root.get("text_config").filter(|v| v.is_object()) {
-            Some(text) if matches!(family, Family::Qwen3_5 | Family::Qwen3_5Moe) => text,
+            Some(text) if matches!(family, Family::Qwen3_5 | Family::Qwen3_5Moe | Family::Gemma4) => text,
             _ => root,
         };
         // Declared beside or inside text_config, whatever the family.
@@ -297,6 +529,9 @@ impl ModelConfig {
         let quantization = super::quant::parse(&[root, text])?;
         if let Some(q) = &quantization {
             super::quant::check_family(q, family, &architecture)?;
+        }
+        if family == Family::Gemma4 {
+            return gemma4(root, cfg, architecture);
         }
         let hidden_size = req_usize(cfg, "hidden_size")?;
         let num_attention_heads = req_usize(cfg, "num_attention_heads")?;
@@ -369,6 +604,13 @@ impl ModelConfig {
             zero_centred_norms: family.is_hybrid(),
             f32_norms: family == Family::GptOss,
             attn_output_gate: family.is_hybrid(),
+            full_attention: None,
+            v_norm: false,
+            attention_scale: None,
+            sandwich_norms: false,
+            embed_scale: None,
+            mlp_activation: ExpertActivation::Silu,
+            final_logit_softcapping: None,
             tie_word_embeddings: opt_bool(root, "tie_word_embeddings")
                 .or_else(|| opt_bool(cfg, "tie_word_embeddings"))
                 .unwrap_or(false),

@@ -23,6 +23,8 @@ pub const ARCHITECTURES: &[(&str, Family)] = &[
     ("Qwen3_5MoeForConditionalGeneration", Family::Qwen3_5Moe),
     ("Qwen3_5MoeForCausalLM", Family::Qwen3_5Moe),
     ("GptOssForCausalLM", Family::GptOss),
+    ("Gemma4ForCausalLM", Family::Gemma4),
+    ("Gemma4ForConditionalGeneration", Family::Gemma4),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -37,6 +39,7 @@ pub enum Family {
     Qwen3_5,
     Qwen3_5Moe,
     GptOss,
+    Gemma4,
 }
 
 impl Family {
@@ -121,6 +124,19 @@ pub enum FfnKind {
     Dense,
     /// Sparse mixture of experts ([`MoeConfig`]).
     Moe,
+    /// The dense MLP and the experts side by side, both fed from the residual stream, each
+    /// output normed, the two added (`MoeConfig::router_norm` routes from the stream).
+    DenseAndMoe,
+}
+
+impl FfnKind {
+    pub fn has_dense(self) -> bool {
+        matches!(self, FfnKind::Dense | FfnKind::DenseAndMoe)
+    }
+
+    pub fn has_moe(self) -> bool {
+        matches!(self, FfnKind::Moe | FfnKind::DenseAndMoe)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -184,6 +200,8 @@ pub enum ExpertActivation {
     /// `(u + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)` and
     /// `u = clamp(up, -limit, limit)`.
     ClampedSwiglu { limit: f64, alpha: f64 },
+    /// `gelu_tanh(gate) * up` (GELU's tanh approximation).
+    GeluTanh,
 }
 
 /// How the experts' projections are stored when fused into 3-D tensors.
@@ -218,6 +236,26 @@ pub struct MoeConfig {
     /// Biases on the experts' projections (`gate_up_proj_bias`, `down_proj_bias`).
     pub expert_bias: bool,
     pub activation: ExpertActivation,
+    /// The router reads the residual stream through a scale-free RMSNorm times `router.scale`
+    /// times `hidden^-1/2`, and each chosen expert's weight (after the renormalisation) is
+    /// multiplied by its `router.per_expert_scale`.
+    pub router_norm: bool,
+}
+
+/// The shape of the full-attention layers where it differs from the sliding ones': their own
+/// head size and key-value heads, their own rotary embedding, and values that may be the keys.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FullAttentionShape {
+    pub head_dim: usize,
+    pub num_key_value_heads: usize,
+    /// No `v_proj`: the values are the key projection's output (before the key norm).
+    pub k_eq_v: bool,
+    pub rope_theta: f64,
+    /// "Proportional" rotary: the first `rotated_pairs` of the `head_dim / 2` frequency pairs
+    /// turn at `theta^(-2i / head_dim)` (divided by `rope_factor`), the rest not at all; halves
+    /// of the whole head rotate.
+    pub rotated_pairs: usize,
+    pub rope_factor: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -258,6 +296,21 @@ pub struct ModelConfig {
     pub f32_norms: bool,
     /// `q_proj` also emits a per-head output gate: `attn * sigmoid(gate)` before `o_proj`.
     pub attn_output_gate: bool,
+    /// Full-attention layers shaped apart from the rest ([`FullAttentionShape`]).
+    pub full_attention: Option<FullAttentionShape>,
+    /// A scale-free RMSNorm on each value head.
+    pub v_norm: bool,
+    /// The softmax scale of attention (None: `head_dim^-1/2`).
+    pub attention_scale: Option<f64>,
+    /// Norms around both sublayers: `x + post_attn(attn(norm(x)))`, then
+    /// `x + post_ffn(ffn(pre_ffn(x)))`, the layer's output times its `layer_scalar`.
+    pub sandwich_norms: bool,
+    /// The embeddings are multiplied by this (rounded to the compute dtype first).
+    pub embed_scale: Option<f64>,
+    /// What joins the dense MLP's gate and up projections.
+    pub mlp_activation: ExpertActivation,
+    /// Logits become `cap * tanh(logits / cap)` before the log-softmax.
+    pub final_logit_softcapping: Option<f64>,
     pub tie_word_embeddings: bool,
     pub linear_attention: Option<LinearAttentionConfig>,
     pub moe: Option<MoeConfig>,
@@ -377,7 +430,25 @@ impl ModelConfig {
                 )));
             }
         }
-        if self.layers.iter().any(|l| l.ffn == FfnKind::Moe) {
+        if let Some(f) = &self.full_attention {
+            if f.head_dim == 0 || !f.head_dim.is_multiple_of(2) || f.head_dim > MAX_DIMENSION {
+                return Err(bad(format!(
+                    "model config: the full-attention head_dim {} must be even and positive",
+                    f.head_dim
+                )));
+            }
+            if f.num_key_value_heads == 0 || !self.num_attention_heads.is_multiple_of(f.num_key_value_heads) {
+                return Err(bad(format!(
+                    "model config: num_attention_heads ({}) is not a multiple of the full-attention layers' key-value \
+                     heads ({})",
+                    self.num_attention_heads, f.num_key_value_heads
+                )));
+            }
+            if f.rotated_pairs > f.head_dim / 2 || !(f.rope_theta > 0.0 && f.rope_factor > 0.0) {
+                return Err(bad("model config: the full-attention rotary parameters are out of range"));
+            }
+        }
+        if self.layers.iter().any(|l| l.ffn.has_moe()) {
             let Some(m) = &self.moe else { return Err(bad("model config: MoE layers without their dimensions")) };
             if m.num_experts == 0 || m.experts_per_token == 0 || m.expert_intermediate_size == 0 {
                 return Err(bad("model config: num_experts, num_experts_per_tok and moe_intermediate_size must be \
@@ -390,7 +461,7 @@ impl ModelConfig {
                 )));
             }
         }
-        if self.layers.iter().any(|l| l.ffn == FfnKind::Dense) && self.intermediate_size == 0 {
+        if self.layers.iter().any(|l| l.ffn.has_dense()) && self.intermediate_size == 0 {
             return Err(bad("model config: dense MLP layers need a positive intermediate_size"));
         }
         Ok(())
@@ -404,6 +475,10 @@ impl ModelConfig {
     pub fn layer_bytes_per_token(&self, spec: &LayerSpec, b: u64) -> u64 {
         let h = self.hidden_size as u64;
         let (nq, nkv, hd) = (self.num_attention_heads as u64, self.num_key_value_heads as u64, self.head_dim as u64);
+        let (nkv, hd) = match (&self.full_attention, spec.mixer) {
+            (Some(f), MixerKind::FullAttention) => (nkv.max(f.num_key_value_heads as u64), hd.max(f.head_dim as u64)),
+            _ => (nkv, hd),
+        };
         let q = if self.attn_output_gate { 2 * nq * hd } else { nq * hd };
         let mixer = match spec.mixer {
             MixerKind::FullAttention | MixerKind::SlidingAttention => b * (2 * (q + 2 * nkv * hd) + 2 * nq * hd),
@@ -418,19 +493,21 @@ impl ModelConfig {
                 projections + conv_f32 + (chunk_rows + matrices) * 3 / 2 + 4 * 3 * nv * dv
             }),
         };
-        let ffn = match (spec.ffn, &self.moe) {
-            (FfnKind::Dense, _) => 3 * self.intermediate_size as u64 * b,
-            (FfnKind::Moe, Some(m)) => {
-                let k = m.experts_per_token as u64;
-                let router = 3 * 4 * m.num_experts as u64 + 8 * k;
-                let experts = k * b * (2 * h + 3 * m.expert_intermediate_size as u64);
-                let shared = m.shared_expert_intermediate_size.map_or(0, |s| b * (3 * s as u64 + h));
-                // The rows gathered back per token and slot, then weighted and summed in f32.
-                let gathered = k * h * (b + 8);
-                router + experts + shared + 2 * h * b + gathered
-            }
-            (FfnKind::Moe, None) => 0,
-        };
+        let dense = if spec.ffn.has_dense() { 3 * self.intermediate_size as u64 * b } else { 0 };
+        let ffn = dense
+            + match (spec.ffn, &self.moe) {
+                (FfnKind::Dense, _) => 0,
+                (FfnKind::Moe | FfnKind::DenseAndMoe, Some(m)) => {
+                    let k = m.experts_per_token as u64;
+                    let router = 3 * 4 * m.num_experts as u64 + 8 * k;
+                    let experts = k * b * (2 * h + 3 * m.expert_intermediate_size as u64);
+                    let shared = m.shared_expert_intermediate_size.map_or(0, |s| b * (3 * s as u64 + h));
+                    // The rows gathered back per token and slot, then weighted and summed in f32.
+                    let gathered = k * h * (b + 8);
+                    router + experts + shared + 2 * h * b + gathered
+                }
+                (FfnKind::Moe | FfnKind::DenseAndMoe, None) => 0,
+            };
         b * 4 * h + mixer + ffn
     }
 
@@ -445,21 +522,61 @@ impl ModelConfig {
         if self.rope_scaling.as_ref().is_some_and(|s| s.attention_factor() != 1.0) {
             needs.push("YaRN's attention factor on the rotary tables");
         }
-        if let Some(m) = self.moe.as_ref().filter(|_| self.layers.iter().any(|l| l.ffn == FfnKind::Moe)) {
+        if self.full_attention.is_some() {
+            needs.push("full-attention layers with their own head size, key-value heads and proportional rotary");
+        }
+        if self.v_norm {
+            needs.push("the value norm");
+        }
+        if self.attention_scale.is_some() {
+            needs.push("an attention scale other than head_dim^-1/2");
+        }
+        if self.sandwich_norms {
+            needs.push("sandwich norms and the per-layer scalar");
+        }
+        if self.embed_scale.is_some() {
+            needs.push("the embedding scale");
+        }
+        if self.mlp_activation != ExpertActivation::Silu {
+            needs.push("the GELU-tanh MLP");
+        }
+        if self.final_logit_softcapping.is_some() {
+            needs.push("final-logit softcapping");
+        }
+        if self.layers.iter().any(|l| l.ffn == FfnKind::DenseAndMoe) {
+            needs.push("a dense MLP beside the experts");
+        }
+        if let Some(m) = self.moe.as_ref().filter(|_| self.layers.iter().any(|l| l.ffn.has_moe())) {
+            if m.router_norm {
+                needs.push("the normed, scaled router with per-expert scales");
+            }
             if m.routing == Routing::TopKSoftmax {
                 needs.push("top-k-then-softmax routing");
             }
             if m.router_bias || m.expert_bias {
                 needs.push("router and expert biases");
             }
-            if m.activation != ExpertActivation::Silu {
+            if matches!(m.activation, ExpertActivation::ClampedSwiglu { .. }) {
                 needs.push("the clamped SwiGLU experts");
+            }
+            if m.activation == ExpertActivation::GeluTanh {
+                needs.push("GELU-tanh experts");
             }
             if m.layout == ExpertsLayout::Interleaved {
                 needs.push("interleaved gate/up experts (MXFP4 or float)");
             }
         }
         needs
+    }
+
+    /// The key-value heads, head size and rotated dimensions of an attention layer of kind
+    /// `mixer`, whether its values are its keys, and whether it takes the full-attention rotary
+    /// tables ([`FullAttentionShape`]; they rotate the whole head).
+    pub fn attention_shape(&self, mixer: MixerKind) -> (usize, usize, usize, bool, bool) {
+        match (&self.full_attention, mixer) {
+            (Some(f), MixerKind::FullAttention) => (f.num_key_value_heads, f.head_dim, f.head_dim, f.k_eq_v, true),
+            _ => (self.num_key_value_heads, self.head_dim, self.rotary_dim, false, false),
+        }
     }
 
     /// The attention window of a layer of kind `spec`.
@@ -470,13 +587,13 @@ impl ModelConfig {
     /// Counts of each layer kind (what `/v1/info` reports).
     pub fn layer_kinds(&self) -> LayerKinds {
         let count = |f: &dyn Fn(&LayerSpec) -> bool| self.layers.iter().filter(|l| f(l)).count();
-        let moe_layers = count(&|l| l.ffn == FfnKind::Moe);
+        let moe_layers = count(&|l| l.ffn.has_moe());
         let moe = self.moe.as_ref().filter(|_| moe_layers > 0);
         LayerKinds {
             full_attention: count(&|l| l.mixer == MixerKind::FullAttention),
             sliding_attention: count(&|l| l.mixer == MixerKind::SlidingAttention),
             linear_attention: count(&|l| l.mixer == MixerKind::LinearAttention),
-            dense_mlp: count(&|l| l.ffn == FfnKind::Dense),
+            dense_mlp: count(&|l| l.ffn.has_dense()),
             moe: moe_layers,
             experts: moe.map(|m| m.num_experts),
             experts_per_token: moe.map(|m| m.experts_per_token),

@@ -8,7 +8,7 @@ use super::linear::{Linear, Projections};
 use super::norm::RmsNorm;
 use super::sdpa::sequence_attention;
 use crate::engine::batch::BatchCtx;
-use crate::engine::config::ModelConfig;
+use crate::engine::config::{MixerKind, ModelConfig};
 use crate::engine::options::EngineOptions;
 use crate::engine::profile::Phase;
 use crate::engine::weights::Weights;
@@ -19,6 +19,15 @@ pub struct Attention {
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// A scale-free norm on each value head.
+    v_norm: Option<RmsNorm>,
+    /// No value projection: the values are the key projection's output (before the key norm).
+    k_eq_v: bool,
+    /// The rotary tables of the full-attention layers (`BatchCtx::full_tables`), not the
+    /// model's default ones.
+    full_rope: bool,
+    /// The softmax scale.
+    scale: f64,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -43,18 +52,27 @@ impl Attention {
         w: &Weights,
         c: &ModelConfig,
         prefix: &str,
-        window: Option<usize>,
+        mixer: MixerKind,
         o: &EngineOptions,
     ) -> Result<Self, EngineError> {
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let window = (mixer == MixerKind::SlidingAttention).then_some(c.sliding_window).flatten();
+        let (nkv, hd, rotary_dim, k_eq_v, full_rope) = c.attention_shape(mixer);
+        let h = c.hidden_size;
+        let nq = c.num_attention_heads;
         let q_out = if c.attn_output_gate { 2 * nq * hd } else { nq * hd };
         let q = Linear::load(w, &format!("{prefix}.q_proj"), q_out, h, c.qkv_bias)?;
         let k = Linear::load(w, &format!("{prefix}.k_proj"), nkv * hd, h, c.qkv_bias)?;
-        let v = Linear::load(w, &format!("{prefix}.v_proj"), nkv * hd, h, c.qkv_bias)?;
-        let norm = |n: &str| RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms);
+        let mut qkv = vec![q, k];
+        if !k_eq_v {
+            qkv.push(Linear::load(w, &format!("{prefix}.v_proj"), nkv * hd, h, c.qkv_bias)?);
+        }
+        let norm = |n: &str| match c.f32_norms && !c.zero_centred_norms {
+            true => RmsNorm::load_f32(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps),
+            false => RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms),
+        };
         let q_norm = c.qk_norm.then(|| norm("q_norm")).transpose()?;
         let k_norm = c.qk_norm.then(|| norm("k_norm")).transpose()?;
+        let v_norm = c.v_norm.then(|| RmsNorm::scale_free(w, hd, c.rms_norm_eps)).transpose()?;
         let sinks = match c.attention_sinks {
             true => {
                 Some(w.get_f32(&format!("{prefix}.sinks"), &[nq])?.to_device(&candle_core::Device::Cpu)?.to_vec1()?)
@@ -64,36 +82,44 @@ impl Attention {
         #[cfg(not(feature = "cuda"))]
         let _ = o;
         #[cfg(feature = "cuda")]
-        let fused =
-            if o.fused_rope && crate::engine::cuda::rope::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim) {
-                let norms = match (&q_norm, &k_norm) {
-                    (Some(qn), Some(kn)) => {
-                        let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
-                        Some((qw, kw, eps))
-                    }
-                    _ => None,
-                };
-                Some(crate::engine::cuda::rope::QkvRope {
-                    heads: nq,
-                    kv_heads: nkv,
-                    head_dim: hd,
-                    rotary_dim: c.rotary_dim,
-                    gated: c.attn_output_gate,
-                    norms,
-                })
-            } else {
-                None
+        let fused = if o.fused_rope
+            && v_norm.is_none()
+            && !k_eq_v
+            && !full_rope
+            && crate::engine::cuda::rope::QkvRope::supported(&w.device, w.dtype, hd, c.rotary_dim)
+        {
+            let norms = match (&q_norm, &k_norm) {
+                (Some(qn), Some(kn)) => {
+                    let ((qw, eps), (kw, _)) = (qn.f32_parts()?, kn.f32_parts()?);
+                    Some((qw, kw, eps))
+                }
+                _ => None,
             };
+            Some(crate::engine::cuda::rope::QkvRope {
+                heads: nq,
+                kv_heads: nkv,
+                head_dim: hd,
+                rotary_dim: c.rotary_dim,
+                gated: c.attn_output_gate,
+                norms,
+            })
+        } else {
+            None
+        };
         Ok(Attention {
             // On CUDA, fewer and larger matmuls; on the CPU the layout stays as the reference's.
-            qkv: Projections::new(vec![q, k, v], w.device.is_cuda())?,
+            qkv: Projections::new(qkv, w.device.is_cuda())?,
             o: Linear::load(w, &format!("{prefix}.o_proj"), h, nq * hd, c.o_bias)?,
             q_norm,
             k_norm,
+            v_norm,
+            k_eq_v,
+            full_rope,
+            scale: c.attention_scale.unwrap_or(1.0 / (hd as f64).sqrt()),
             heads: nq,
             kv_heads: nkv,
             head_dim: hd,
-            rotary_dim: c.rotary_dim,
+            rotary_dim,
             gated: c.attn_output_gate,
             window,
             sinks,
@@ -104,7 +130,8 @@ impl Attention {
 
     /// Rotary embedding of `[T, heads, head_dim]` on the first `rotary_dim` dimensions.
     fn rope(&self, x: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
-        let (cos, sin) = ctx.tables.as_ref().ok_or_else(|| candle_core::Error::Msg("no rotary tables".into()))?;
+        let tables = if self.full_rope { ctx.full_tables.as_ref() } else { ctx.tables.as_ref() };
+        let (cos, sin) = tables.ok_or_else(|| candle_core::Error::Msg("no rotary tables".into()))?;
         let rot = |x: &Tensor| candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0);
         if self.rotary_dim == self.head_dim {
             return rot(x);
@@ -127,8 +154,13 @@ impl Attention {
         let t = h.dim(0)?;
         let (hd, nq) = (self.head_dim, self.heads);
         let mut parts = self.qkv.forward(h)?.into_iter();
-        let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
-            candle_core::bail!("attention: the q/k/v projections returned fewer than three parts");
+        let (Some(q), Some(k)) = (parts.next(), parts.next()) else {
+            candle_core::bail!("attention: the q/k/v projections returned fewer than two parts");
+        };
+        let v = match (self.k_eq_v, parts.next()) {
+            (true, _) => k.clone(),
+            (false, Some(v)) => v,
+            (false, None) => candle_core::bail!("attention: the q/k/v projections returned no values"),
         };
         let (mut q, gate) = if self.gated {
             // Per head: the query, then its gate (interleaved by head, not two halves).
@@ -139,7 +171,10 @@ impl Attention {
             (q.reshape((t, nq, hd))?, None)
         };
         let mut k = k.reshape((t, self.kv_heads, hd))?;
-        let v = v.reshape((t, self.kv_heads, hd))?;
+        let mut v = v.reshape((t, self.kv_heads, hd))?;
+        if let Some(vn) = &self.v_norm {
+            v = vn.forward(&v)?;
+        }
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -160,8 +195,7 @@ impl Attention {
         gate: Option<Tensor>,
         ctx: &BatchCtx,
     ) -> candle_core::Result<Tensor> {
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let attn = self.attend(q, k, v, scale, ctx)?;
+        let attn = self.attend(q, k, v, self.scale, ctx)?;
         ctx.profile.mark(Phase::Attention);
         let attn = match gate {
             Some(g) => gate_output(&attn, &g)?,

@@ -55,6 +55,11 @@ impl GatedMlp {
         Ok(GatedMlp { gate_up, down, fp8_fused: true, activation: ExpertActivation::Silu })
     }
 
+    /// The same MLP with `activation` joining its gate and up projections.
+    pub fn activated(self, activation: ExpertActivation) -> Self {
+        GatedMlp { activation, ..self }
+    }
+
     /// Separate gate, up and down projections joined by `activation`.
     pub fn with_activation(gate: Linear, up: Linear, down: Linear, activation: ExpertActivation) -> Self {
         GatedMlp { gate_up: GateUp::Separate { gate, up }, down, fp8_fused: true, activation }
@@ -84,6 +89,7 @@ impl GatedMlp {
                         None => (candle_nn::ops::silu(&g)? * u)?,
                     },
                     ExpertActivation::ClampedSwiglu { limit, alpha } => clamped_swiglu(&g, &u, limit, alpha)?,
+                    ExpertActivation::GeluTanh => (g.gelu()? * u)?,
                 }
             }
             GateUp::Fused(_) => candle_core::bail!("fused gate/up needs the cuda feature"),

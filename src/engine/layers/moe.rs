@@ -32,8 +32,20 @@ enum Experts {
     },
 }
 
+/// The router's input transform and per-expert scales (`MoeConfig::router_norm`).
+struct RouterNorm {
+    norm: super::norm::RmsNorm,
+    /// `router.scale` `[hidden]`, in the compute dtype.
+    scale: Tensor,
+    /// `hidden^-1/2`.
+    root: f64,
+    /// `router.per_expert_scale` `[experts]`, f32.
+    per_expert: Tensor,
+}
+
 pub struct SparseMoe {
     router: Linear,
+    router_norm: Option<RouterNorm>,
     experts: Experts,
     /// The shared expert and its gate's weight row `[1, hidden]`.
     shared: Option<(GatedMlp, Tensor)>,
@@ -150,7 +162,7 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
         return (0..e)
             .map(|x| {
                 let (gate, up) = (gate_up.projection(w, x, 0)?, gate_up.projection(w, x, 1)?);
-                GatedMlp::new(gate, up, down.projection(w, x, 0)?, fuse)
+                Ok(GatedMlp::new(gate, up, down.projection(w, x, 0)?, fuse)?.activated(m.activation))
             })
             .collect();
     }
@@ -162,7 +174,9 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
              config.json"
         )));
     }
-    (0..e).map(|x| GatedMlp::load(w, &format!("{prefix}.experts.{x}"), hidden, i, false)).collect()
+    (0..e)
+        .map(|x| Ok(GatedMlp::load(w, &format!("{prefix}.experts.{x}"), hidden, i, false)?.activated(m.activation)))
+        .collect()
 }
 
 /// The experts of [`ExpertsLayout::Interleaved`]: `gate_up_proj` and `down_proj` from their
@@ -235,12 +249,15 @@ impl<'a> Fused<'a> {
 }
 
 impl SparseMoe {
-    /// `{prefix}` is the layer's `mlp`: router `gate`, `experts`, `shared_expert(_gate)`.
+    /// `{prefix}` is the layer's `mlp`: router `gate`, `experts`, `shared_expert(_gate)` (or the
+    /// layer itself, for experts beside a dense MLP: `router`, `experts`). `eps`: the router
+    /// norm's epsilon.
     pub fn load(
         w: &Weights,
         prefix: &str,
         m: &MoeConfig,
         hidden: usize,
+        eps: f64,
         o: &EngineOptions,
     ) -> Result<Self, EngineError> {
         let shared = match m.shared_expert_intermediate_size {
@@ -250,8 +267,18 @@ impl SparseMoe {
             )),
             None => None,
         };
+        let router_norm = match m.router_norm {
+            true => Some(RouterNorm {
+                norm: super::norm::RmsNorm::scale_free(w, hidden, eps)?,
+                scale: w.get(&format!("{prefix}.router.scale"), &[hidden])?,
+                root: (hidden as f64).powf(-0.5),
+                per_expert: w.get_f32(&format!("{prefix}.router.per_expert_scale"), &[m.num_experts])?,
+            }),
+            false => None,
+        };
         Ok(SparseMoe {
             router: Linear::load(w, &format!("{prefix}.{}", m.router), m.num_experts, hidden, m.router_bias)?,
+            router_norm,
             experts: load_experts(w, prefix, m, hidden, o)?,
             shared,
             top_k: m.experts_per_token,
@@ -262,7 +289,16 @@ impl SparseMoe {
 
     /// `[T, k]` expert indices and routing weights (in `x`'s dtype), best first.
     fn route(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        let logits = self.router.forward(x)?.to_dtype(DType::F32)?;
+        let logits = match &self.router_norm {
+            // norm(x) * scale (in the compute dtype), then * hidden^-1/2 (in f32, rounded once).
+            Some(r) => {
+                let scaled = r.norm.forward(x)?.broadcast_mul(&r.scale)?;
+                let scaled = scaled.to_dtype(DType::F32)?.affine(r.root, 0.0)?.to_dtype(x.dtype())?;
+                self.router.forward(&scaled)?
+            }
+            None => self.router.forward(x)?,
+        }
+        .to_dtype(DType::F32)?;
         if self.routing == Routing::TopKSoftmax {
             // The k largest logits (a NaN sorted below every logit, as below), then a softmax
             // over those k, gathered from the logits themselves so a NaN row stays NaN.
@@ -282,6 +318,10 @@ impl SparseMoe {
         if self.norm_topk_prob {
             top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?;
         }
+        if let Some(r) = &self.router_norm {
+            let (t, k) = idx.dims2()?;
+            top = (top * r.per_expert.index_select(&idx.flatten_all()?, 0)?.reshape((t, k))?)?;
+        }
         Ok((idx, top.to_dtype(x.dtype())?))
     }
 
@@ -289,6 +329,15 @@ impl SparseMoe {
     /// `profile`: the forward pass's clock, whose phase the CUDA kernels' path splits (it marks
     /// `moe_route`, `moe_experts` and `moe_combine` on a clock of its own).
     pub fn forward(&self, x: &Tensor, profile: &Profiler) -> candle_core::Result<Tensor> {
+        self.forward_routed(x, x, profile)
+    }
+
+    /// As [`SparseMoe::forward`], the tokens routed by `r` (`[T, hidden]`; the router's own
+    /// input where it differs from the experts').
+    pub fn forward_routed(&self, x: &Tensor, r: &Tensor, profile: &Profiler) -> candle_core::Result<Tensor> {
+        if self.router_norm.is_some() && !matches!(self.experts, Experts::PerExpert(_)) {
+            candle_core::bail!("the normed router runs with the per-expert path only");
+        }
         match &self.experts {
             #[cfg(feature = "cuda")]
             Experts::Stacked { gate_up, down } => self.forward_stacked(x, gate_up, down, profile),
@@ -299,7 +348,7 @@ impl SparseMoe {
             }
             #[cfg(feature = "cuda")]
             Experts::StackedFp8 { gate_up, down } => self.forward_stacked_fp8(x, gate_up, down, profile),
-            Experts::PerExpert(experts) => self.forward_per_expert(x, experts),
+            Experts::PerExpert(experts) => self.forward_per_expert(x, r, experts),
         }
     }
 
@@ -382,10 +431,10 @@ impl SparseMoe {
     /// that order, so each expert runs one matmul chain over a contiguous block of rows; the
     /// results are gathered back slot by slot and summed over the slots, best first, in f32 (a
     /// fixed order: a token's sum does not depend on its batch mates).
-    fn forward_per_expert(&self, x: &Tensor, experts: &[GatedMlp]) -> candle_core::Result<Tensor> {
+    fn forward_per_expert(&self, x: &Tensor, r: &Tensor, experts: &[GatedMlp]) -> candle_core::Result<Tensor> {
         let t = x.dim(0)?;
         let k = self.top_k;
-        let (idx, weights) = self.route(x)?;
+        let (idx, weights) = self.route(r)?;
         let choices = idx.to_vec2::<u32>()?;
         let mut counts = vec![0usize; experts.len()];
         for &e in choices.iter().flatten() {

@@ -31,12 +31,24 @@ impl RmsNorm {
         Ok(RmsNorm { weight: w.get(&format!("{name}.weight"), &[size])?, eps, zero_centred: None, fuse_add: false })
     }
 
+    /// `x_f32 * rsqrt(mean(x^2) + eps) * w_f32`, rounded once to the compute dtype (the weight
+    /// read in f32).
+    pub fn load_f32(w: &Weights, name: &str, size: usize, eps: f64) -> Result<Self, EngineError> {
+        let weight = w.get_f32(&format!("{name}.weight"), &[size])?;
+        Ok(RmsNorm { weight, eps: eps as f32, zero_centred: Some(w.dtype), fuse_add: false })
+    }
+
+    /// An RMSNorm without a weight, in f32, rounded once to the compute dtype.
+    pub fn scale_free(w: &Weights, size: usize, eps: f64) -> Result<Self, EngineError> {
+        let weight = Tensor::ones(size, DType::F32, &w.device)?;
+        Ok(RmsNorm { weight, eps: eps as f32, zero_centred: Some(w.dtype), fuse_add: false })
+    }
+
     /// A decoder norm of `hidden_size` (`{name}.weight`) as the config says: zero-centred, in
     /// f32 ([`ModelConfig::f32_norms`]), or plain.
     pub fn load_for(w: &Weights, c: &ModelConfig, name: &str) -> Result<Self, EngineError> {
         if c.f32_norms && !c.zero_centred_norms {
-            let weight = w.get_f32(&format!("{name}.weight"), &[c.hidden_size])?;
-            return Ok(RmsNorm { weight, eps: c.rms_norm_eps as f32, zero_centred: Some(w.dtype), fuse_add: false });
+            return Self::load_f32(w, name, c.hidden_size, c.rms_norm_eps);
         }
         Self::load(w, name, c.hidden_size, c.rms_norm_eps, c.zero_centred_norms)
     }

@@ -75,6 +75,19 @@ impl Rope {
         Rope { inv_freq, attention_factor }
     }
 
+    /// The rotary embedding of the full-attention layers where the config shapes them apart
+    /// ([`crate::engine::config::FullAttentionShape`]): `head_dim / 2` frequencies, the first
+    /// `rotated_pairs` at `theta^(-2i / head_dim) / factor` (as transformers computes them, in
+    /// f32), the rest zero (those pairs do not turn).
+    pub fn full_attention(cfg: &ModelConfig) -> Option<Self> {
+        let f = cfg.full_attention.as_ref()?;
+        let (d, base, factor) = (f.head_dim, f.rope_theta as f32, f.rope_factor as f32);
+        let inv_freq = (0..d / 2)
+            .map(|i| if i < f.rotated_pairs { 1.0f32 / base.powf((2 * i) as f32 / d as f32) / factor } else { 0.0 })
+            .collect();
+        Some(Rope { inv_freq, attention_factor: 1.0 })
+    }
+
     /// cos and sin tables `[positions.len(), rotary_dim / 2]` for the given positions.
     /// The inverse frequencies, scaling applied: angle `i` of position `p` is `p * inv_freq[i]`.
     pub fn inv_freq(&self) -> &[f32] {

@@ -1,0 +1,418 @@
+//! Gemma 4 (`Gemma4ForCausalLM`, and the text decoder of `Gemma4ForConditionalGeneration`) on the
+//! CPU against transformers, on the tiny checkpoints of scripts/make_gemma4_fixtures.py
+//! (tests/fixtures/gemma4): a dense release and one with `attention_k_eq_v` and the experts beside
+//! the MLP, every index within 1e-5 of transformers-f32 (or twice its own distance from float64),
+//! packed sequences the same bits as alone, next-token log-probabilities through the softcapped
+//! head, `/v1/info`'s layer kinds and the self-check, each feature moving the states, the config
+//! forms read alike, and the refusals: what is not built (per-layer embeddings, key-value
+//! sharing), other rotary types, a CUDA device.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use common::{fixtures, read_safetensors, rel_err, Read};
+use layertap::engine::config::{FfnKind, MixerKind, ModelConfig};
+use layertap::engine::loader::ModelFiles;
+use layertap::engine::selfcheck::{check, Probe, Reference};
+use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, OutDType, Rows};
+
+const F32_TOLERANCE: f64 = 1e-5;
+const VARIANTS: [&str; 2] = ["gemma4_dense", "gemma4_moe"];
+
+fn dir(name: &str) -> PathBuf {
+    fixtures().join("gemma4").join(name)
+}
+
+fn facts(name: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir(name).join("reference.json")).unwrap()).unwrap()
+}
+
+fn load(d: &Path, dtype: DType) -> ModelEngine {
+    ModelFiles::locate(&d.to_string_lossy()).expect("locate").load(&Device::Cpu, dtype).expect("load").engine
+}
+
+/// An edit of a config.json.
+type ConfigEdit = fn(&mut serde_json::Value);
+
+/// The decoder's fields of a config.json: `text_config` where the model nests them.
+fn text(c: &mut serde_json::Value) -> &mut serde_json::Value {
+    if c.get("text_config").is_some() {
+        &mut c["text_config"]
+    } else {
+        c
+    }
+}
+
+fn ids(reference: &HashMap<String, Read>, i: usize) -> Vec<u32> {
+    reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()
+}
+
+fn sequences(reference: &HashMap<String, Read>) -> usize {
+    (0..).take_while(|i| reference.contains_key(&format!("seq{i}.input_ids"))).count()
+}
+
+/// `[T, layers, H]` of each sequence, all packed in one batch.
+fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<f32>> {
+    let batch = Batch::pack(seqs.iter().map(Vec::as_slice), layers.iter().copied());
+    let cu = batch.cu_seqlens.clone();
+    let taps = engine.forward(&batch).unwrap();
+    (0..seqs.len()).map(|i| taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).unwrap().to_f32()).collect()
+}
+
+/// Every index of every sequence within 1e-5 of transformers-f32 (or, where transformers-f32 is
+/// itself farther than half that from its float64 run, within twice that distance), and the last
+/// layer's output before the final norm held to the last index's bound.
+#[test]
+fn every_index_matches_transformers() {
+    for name in VARIANTS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let drift: Vec<f64> = facts(name)["f32_vs_f64_relative_error_per_index"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let mut engine = load(&d, DType::F32);
+        let n = engine.decoder.cfg.num_hidden_layers;
+        assert_eq!(drift.len(), n + 1);
+        let all: Vec<usize> = (0..=n + 1).collect();
+        let mut worst = vec![0f64; n + 2];
+        for i in 0..sequences(&reference) {
+            let hs = &reference[&format!("seq{i}.hidden_states")];
+            let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
+            let (t, h) = (hs.shape[1], hs.shape[2]);
+            let got = run(&mut engine, &[ids(&reference, i)], &all).remove(0);
+            for layer in 0..=n + 1 {
+                let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
+                let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
+                let e = rel_err(&ours, want);
+                worst[layer] = worst[layer].max(e);
+                let allowed = F32_TOLERANCE.max(2.0 * drift[layer.min(n)]);
+                assert!(e <= allowed, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e} > {allowed:.1e}");
+            }
+        }
+        let per_index: Vec<String> = worst.iter().map(|e| format!("{e:.1e}")).collect();
+        println!("{name}: worst relative error per index 0..={n} and final_prenorm: {}", per_index.join(" "));
+    }
+}
+
+/// Sequences packed together (short and long, across the window) give the bits they give alone.
+#[test]
+fn packed_sequences_equal_solo_runs_bitwise() {
+    for name in VARIANTS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let mut engine = load(&d, DType::F32);
+        let n = engine.decoder.cfg.num_hidden_layers;
+        let layers = vec![n, 0, 1, 3, n + 1];
+        let order = [5, 3, 0, 4, 2, 1];
+        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| ids(&reference, i)).collect();
+        let packed = run(&mut engine, &seqs, &layers);
+        for (p, s) in seqs.iter().enumerate() {
+            let alone = run(&mut engine, std::slice::from_ref(s), &layers).remove(0);
+            assert!(
+                packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name}: sequence {} differs when packed",
+                order[p]
+            );
+        }
+    }
+}
+
+/// The top-k of every position's next-token log-probabilities through the head (its logits
+/// softcapped), with the target's; returns the largest error against the reference.
+fn logprob_error(engine: &mut ModelEngine, reference: &HashMap<String, Read>, name: &str) -> f64 {
+    let mut worst = 0f64;
+    for i in 0..sequences(reference) {
+        let seq = ids(reference, i);
+        let (want_ids, want) = (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
+        let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
+        let k = want_ids.shape[1];
+        let mut batch = Batch::pack([&seq[..]], []);
+        batch.output.logprobs = Some(LogprobRows { rows: Rows::All, top_k: k });
+        let lp = engine.forward(&batch).unwrap().logprobs.expect("log-probabilities");
+        let (got_ids, got, target) = lp.slice(0, seq.len(), k).unwrap();
+        for at in 0..seq.len() * k {
+            if got_ids[at] != want_ids.i64[at] {
+                return f64::INFINITY;
+            }
+            worst = worst.max(f64::from((got[at] - want.f32[at]).abs()));
+        }
+        for (r, (&g, &w)) in target.iter().zip(want_target).enumerate() {
+            if w.is_nan() {
+                assert_eq!(r + 1, seq.len(), "{name}: only the last position has no target");
+            } else {
+                worst = worst.max(f64::from((g - w).abs()));
+            }
+        }
+    }
+    worst
+}
+
+/// Next-token log-probabilities of every position: transformers' top ids, their values and the
+/// target's within 1e-5 (or twice transformers-f32's own distance from float64), through the
+/// tied head with the final-logit softcapping; without the cap they are far off.
+#[test]
+fn log_probabilities_match_transformers_through_the_softcap() {
+    for name in VARIANTS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let f = facts(name);
+        let allowed = F32_TOLERANCE.max(2.0 * f["logprobs_f32_vs_f64_max_abs"].as_f64().unwrap());
+        assert!(f["largest_logit_over_cap"].as_f64().unwrap() > 1.5, "the cap bites");
+        let files = ModelFiles::locate(&d.to_string_lossy()).unwrap();
+        assert!(files.config().tie_word_embeddings);
+        assert_eq!(files.config().final_logit_softcapping, Some(5.0));
+        let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
+        assert!(loaded.info.lm_head, "{name}: a head for log-probabilities");
+        let mut engine = loaded.engine;
+        let worst = logprob_error(&mut engine, &reference, name);
+        println!("{name}: largest log-probability error {worst:.2e} (allowed {allowed:.1e})");
+        assert!(worst <= allowed, "{name}: log-probabilities off by {worst:.3e}");
+        let uncapped = common::with_config(&format!("gemma4/{name}"), |c| {
+            text(c)["final_logit_softcapping"] = serde_json::Value::Null;
+        });
+        let e = logprob_error(&mut load(uncapped.path(), DType::F32), &reference, name);
+        assert!(e > 1e-2, "{name}: without the cap the log-probabilities move by only {e:.1e}");
+    }
+}
+
+/// `/v1/info`'s layer kinds, and the start-up self-check in f32 and bf16.
+#[test]
+fn info_and_selfcheck() {
+    for name in VARIANTS {
+        let files = ModelFiles::locate(&dir(name).to_string_lossy()).unwrap();
+        let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
+        let k = &loaded.info.layer_kinds;
+        assert_eq!((k.full_attention, k.sliding_attention, k.linear_attention), (2, 4, 0), "{k:?}");
+        let moe = name == "gemma4_moe";
+        assert_eq!(
+            (k.dense_mlp, k.moe, k.experts, k.experts_per_token, k.shared_expert),
+            if moe { (6, 6, Some(6), Some(3), false) } else { (6, 0, None, None, false) }
+        );
+        let probe = Probe::new(files.config());
+        assert_eq!(probe.routed, moe);
+        let portable = Reference::portable(&files, &probe).unwrap();
+        let mut engine = loaded.engine;
+        let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
+        assert!(r.passed() && r.worst().1 < 1e-5, "{name}: {:?}", r.errors);
+        let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
+        let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
+        assert!(b.passed(), "{name}: bf16 {:?}", b.errors);
+    }
+}
+
+/// The window, the proportional rotary of the full layers, the default rotary's theta on the
+/// sliding ones, the number of experts per token, and the per-layer scalars, the router's scales
+/// and the norms' weights each change the states: a decoder without them would not pass the
+/// fidelity test.
+#[test]
+fn each_feature_of_the_family_matters() {
+    for name in VARIANTS {
+        let d = dir(name);
+        let model = format!("gemma4/{name}");
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let seq = ids(&reference, 5);
+        let base = load(&d, DType::F32);
+        let n = base.decoder.cfg.num_hidden_layers;
+        let hs = &reference["seq5.hidden_states"];
+        let want = &hs.f32[n * hs.shape[1] * hs.shape[2]..];
+        let last = |engine: &mut ModelEngine| run(engine, std::slice::from_ref(&seq), &[n]).remove(0);
+        let mut edits: Vec<(&str, ConfigEdit)> = vec![
+            ("window", |c| text(c)["sliding_window"] = 100_000.into()),
+            ("proportional rotary", |c| {
+                text(c)["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 1.0.into()
+            }),
+            ("sliding rotary theta", |c| text(c)["rope_parameters"]["sliding_attention"]["rope_theta"] = 1000.0.into()),
+        ];
+        if name == "gemma4_moe" {
+            edits.push(("top-k", |c| text(c)["top_k_experts"] = 2.into()));
+        }
+        for (what, edit) in edits {
+            let copy = common::with_config(&model, edit);
+            let got = last(&mut load(copy.path(), DType::F32));
+            let e = rel_err(&got, want);
+            assert!(e > 1e-3, "{name} {what}: changing it moves the last state by only {e:.1e}");
+        }
+        // bf16 1.0 in place of each of these tensors' values.
+        let one = |suffix: &'static str| {
+            move |tensors: &mut Vec<common::OwnedTensor>| {
+                for (name, _, _, data) in tensors.iter_mut() {
+                    if name.ends_with(suffix) {
+                        data.chunks_mut(2).for_each(|b| b.copy_from_slice(&[0x80, 0x3F]));
+                    }
+                }
+            }
+        };
+        let mut ones = vec!["layer_scalar", "post_attention_layernorm.weight", "post_feedforward_layernorm.weight"];
+        if name == "gemma4_moe" {
+            ones.extend(["router.scale", "router.per_expert_scale", "post_feedforward_layernorm_2.weight"]);
+        }
+        for suffix in ones {
+            let copy = common::with_tensors(&model, one(suffix));
+            let got = last(&mut load(copy.path(), DType::F32));
+            let e = rel_err(&got, want);
+            assert!(e > 1e-3, "{name}: {suffix} set to 1 moves the last state by only {e:.1e}");
+        }
+    }
+}
+
+/// The config as read: layer kinds, the full layers' own shape; transformers' defaults where
+/// `rope_parameters` is absent; the released form (`global_head_dim`,
+/// `num_global_key_value_heads`, no `per_layer_config`) reads as the written one.
+#[test]
+fn the_config_forms_read_alike() {
+    let read = |name: &str| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir(name).join("config.json")).unwrap()).unwrap()
+    };
+    let moe = read("gemma4_moe");
+    let cfg = ModelConfig::from_hf_json(&moe).unwrap();
+    let kinds: Vec<MixerKind> = cfg.layers.iter().map(|l| l.mixer).collect();
+    use MixerKind::{FullAttention as F, SlidingAttention as S};
+    assert_eq!(kinds, vec![S, S, F, S, S, F]);
+    assert!(cfg.layers.iter().all(|l| l.ffn == FfnKind::DenseAndMoe));
+    let full = cfg.full_attention.clone().unwrap();
+    assert_eq!((full.head_dim, full.num_key_value_heads, full.k_eq_v, full.rotated_pairs), (32, 1, true, 4));
+    assert_eq!((cfg.head_dim, cfg.num_key_value_heads, cfg.sliding_window), (16, 2, Some(12)));
+    assert_eq!((cfg.rope_theta, full.rope_theta), (10_000.0, 1_000_000.0));
+    assert_eq!(cfg.embed_scale, Some(48f64.sqrt()));
+    let mut released = moe.clone();
+    let text = released["text_config"].as_object_mut().unwrap();
+    text.remove("per_layer_config");
+    text.insert("global_head_dim".into(), 32.into());
+    text.insert("num_global_key_value_heads".into(), 1.into());
+    assert_eq!(ModelConfig::from_hf_json(&released).unwrap().full_attention, Some(full.clone()));
+    // No rope_parameters: transformers' defaults, the same as written here.
+    released["text_config"].as_object_mut().unwrap().remove("rope_parameters");
+    assert_eq!(ModelConfig::from_hf_json(&released).unwrap().full_attention, Some(full));
+    let dense = ModelConfig::from_hf_json(&read("gemma4_dense")).unwrap();
+    let f = dense.full_attention.unwrap();
+    assert_eq!((f.head_dim, f.num_key_value_heads, f.k_eq_v), (32, 2, false));
+    assert!(dense.moe.is_none() && dense.layers.iter().all(|l| l.ffn == FfnKind::Dense));
+}
+
+/// Refused by name: per-layer embeddings and key-value sharing (not built), bidirectional
+/// attention, other rotary types and activations, `--quantize fp8`; and on a CUDA device, the
+/// features its kernels lack.
+#[test]
+fn what_is_not_built_is_refused() {
+    type Edit = (&'static str, ConfigEdit, &'static str);
+    let edits: [Edit; 5] = [
+        ("per-layer embeddings", |c| c["hidden_size_per_layer_input"] = 16.into(), "hidden_size_per_layer_input 16"),
+        ("kv sharing", |c| c["num_kv_shared_layers"] = 2.into(), "num_kv_shared_layers 2"),
+        ("bidirectional", |c| c["use_bidirectional_attention"] = "all".into(), "use_bidirectional_attention"),
+        (
+            "yarn",
+            |c| c["rope_parameters"]["full_attention"]["rope_type"] = "yarn".into(),
+            "rope_parameters.full_attention.rope_type \"yarn\"",
+        ),
+        ("activation", |c| c["hidden_activation"] = "silu".into(), "hidden_activation \"silu\""),
+    ];
+    for (what, edit, named) in edits {
+        let copy = common::with_config("gemma4/gemma4_dense", edit);
+        let e = common::refusal(copy.path()).unwrap_or_else(|| panic!("{what}: not refused"));
+        assert!(e.contains(named) && e.contains("Gemma4ForCausalLM"), "{what}: {e}");
+    }
+    // Per-layer embeddings are on by default in transformers' config: a config that leaves the
+    // field out is refused too.
+    let copy = common::with_config("gemma4/gemma4_moe", |c| {
+        c["text_config"].as_object_mut().unwrap().remove("hidden_size_per_layer_input");
+    });
+    let e = common::refusal(copy.path()).expect("per-layer embeddings by default");
+    assert!(e.contains("hidden_size_per_layer_input 256"), "{e}");
+    // null (or 0) is none, as in transformers.
+    let copy = common::with_config("gemma4/gemma4_moe", |c| {
+        c["text_config"]["hidden_size_per_layer_input"] = serde_json::Value::Null;
+    });
+    assert_eq!(common::refusal(copy.path()), None);
+    for name in VARIANTS {
+        let files = ModelFiles::locate(&dir(name).to_string_lossy()).unwrap();
+        let needs = files.config().needs_beyond_cuda();
+        for what in ["own head size", "value norm", "sandwich norms", "embedding scale", "GELU-tanh", "softcapping"] {
+            assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
+        }
+        if name == "gemma4_moe" {
+            for what in ["dense MLP beside the experts", "normed, scaled router"] {
+                assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
+            }
+        }
+        let e = files.quantize(Some(layertap::engine::config::quant::Quantize::Fp8)).err().expect("fp8").to_string();
+        assert!(e.contains("--quantize fp8 does not quantise"), "{e}");
+    }
+}
+
+/// A real server on the release with experts: `/v1/info` reports its layer kinds, and the answer
+/// for the 100-token sequence (past the window) equals transformers at the indices asked, with
+/// its softcapped log-probabilities.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reports_layer_kinds_and_returns_exact_states_and_logprobs() {
+    use serde_json::{json, Value};
+    let name = "gemma4_moe";
+    let d = dir(name);
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("gemma4/gemma4_moe", limits).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    let kinds = &info["layer_kinds"];
+    assert_eq!(info["architecture"], "Gemma4ForConditionalGeneration");
+    assert_eq!((kinds["sliding_attention"].as_u64(), kinds["full_attention"].as_u64()), (Some(4), Some(2)), "{info}");
+    assert_eq!(
+        (kinds["dense_mlp"].as_u64(), kinds["moe"].as_u64(), kinds["experts"].as_u64()),
+        (Some(6), Some(6), Some(6))
+    );
+
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let hs = &reference["seq5.hidden_states"];
+    let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    let body = json!({"inputs": [{"input_ids": reference["seq5.input_ids"].i64}], "layers": [1, -1, 3],
+                      "dtype": "float32", "logprobs": {"top_k": 5, "target": true}});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = common::read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let states = &got["hidden_states"];
+    let drift = facts(name)["f32_vs_f64_relative_error_per_index"].clone();
+    for (k, idx) in [1, l1 - 1, 3].into_iter().enumerate() {
+        let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+        let ours: Vec<f32> = (0..t).flat_map(|r| states.f32[(r * 3 + k) * h..][..h].to_vec()).collect();
+        let e = rel_err(&ours, want);
+        let allowed = F32_TOLERANCE.max(2.0 * drift[idx].as_f64().unwrap());
+        assert!(e <= allowed, "index {idx}: relative error {e:.3e}");
+    }
+    assert_eq!(got["topk_ids"].i64, reference["seq5.logprob_ids"].i64);
+    let worst = got["topk_logprobs"]
+        .f32
+        .iter()
+        .zip(&reference["seq5.logprobs"].f32)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let allowed = F32_TOLERANCE.max(2.0 * facts(name)["logprobs_f32_vs_f64_max_abs"].as_f64().unwrap());
+    assert!(f64::from(worst) <= allowed, "log-probabilities off by {worst:e}");
+    running.shutdown.cancel();
+}
+
+/// The vision and audio towers of `Gemma4ForConditionalGeneration` are never read: NaN tensors
+/// of any shape under their prefixes leave the decoder's states as they were.
+#[test]
+fn the_towers_are_never_read() {
+    let nan = f32::NAN.to_le_bytes().to_vec();
+    let copy = common::with_tensors("gemma4/gemma4_moe", |t| {
+        for name in [
+            "model.vision_tower.encoder.weight",
+            "model.embed_vision.embedding_projection.weight",
+            "model.audio_tower.layers.0.weight",
+        ] {
+            t.push((name.to_string(), safetensors::Dtype::F32, vec![1], nan.clone()));
+        }
+    });
+    let reference = read_safetensors(&dir("gemma4_moe").join("reference.safetensors"));
+    let mut engine = load(copy.path(), DType::F32);
+    let n = engine.decoder.cfg.num_hidden_layers;
+    let got = run(&mut engine, &[ids(&reference, 5)], &[n]).remove(0);
+    let hs = &reference["seq5.hidden_states"];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    let e = rel_err(&got, &hs.f32[n * t * h..(n + 1) * t * h]);
+    assert!(e <= F32_TOLERANCE, "relative error {e:.3e}");
+}

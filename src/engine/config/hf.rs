@@ -58,28 +58,29 @@ fn parse_rope(cfg: &Value, family: Family) -> Result<(f64, Option<RopeScaling>),
     let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
     let factor =
         || opt_f64(p, "factor").ok_or_else(|| bad(format!("config.json: rope type {kind:?} needs \"factor\"")));
-    let scaling = match kind {
-        "default" => None,
-        "linear" => Some(RopeScaling::Linear { factor: factor()? }),
-        "llama3" => Some(RopeScaling::Llama3 {
-            factor: factor()?,
-            low_freq_factor: opt_f64(p, "low_freq_factor").unwrap_or(1.0),
-            high_freq_factor: opt_f64(p, "high_freq_factor").unwrap_or(4.0),
-            original_max_position_embeddings: opt_f64(p, "original_max_position_embeddings")
-                .ok_or_else(|| bad("config.json: llama3 rope needs original_max_position_embeddings"))?,
-        }),
-        "yarn" if family == Family::GptOss || family.is_mla() => Some(yarn(cfg, p)?),
-        "yarn" => return Err(bad(
-            "config.json: rope type \"yarn\" is read for GptOssForCausalLM and the latent-attention families only \
+    let scaling =
+        match kind {
+            "default" => None,
+            "linear" => Some(RopeScaling::Linear { factor: factor()? }),
+            "llama3" => Some(RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: opt_f64(p, "low_freq_factor").unwrap_or(1.0),
+                high_freq_factor: opt_f64(p, "high_freq_factor").unwrap_or(4.0),
+                original_max_position_embeddings: opt_f64(p, "original_max_position_embeddings")
+                    .ok_or_else(|| bad("config.json: llama3 rope needs original_max_position_embeddings"))?,
+            }),
+            "yarn" if family == Family::GptOss || family.is_mla() => Some(yarn(cfg, p)?),
+            "yarn" => return Err(bad(
+                "config.json: rope type \"yarn\" is read for GptOssForCausalLM and the latent-attention families only \
                  (those its fidelity is tested on); supported for this architecture: default, linear, llama3",
-        )),
-        other => {
-            return Err(bad(format!(
-                "config.json: rope type {other:?} is not supported (supported: default, linear, llama3; yarn for \
+            )),
+            other => {
+                return Err(bad(format!(
+                    "config.json: rope type {other:?} is not supported (supported: default, linear, llama3; yarn for \
                  GptOssForCausalLM and the latent-attention families)"
-            )))
-        }
-    };
+                )))
+            }
+        };
     Ok((theta, scaling))
 }
 
@@ -432,10 +433,15 @@ fn mla(cfg: &Value, family: Family) -> Result<MlaConfig, EngineError> {
         None => return Err(bad("config.json: missing field \"q_lora_rank\" (null for a plain q_proj)")),
         Some(Value::Null) => None,
         Some(v) => Some(
-            v.as_u64().map(|v| v as usize).ok_or_else(|| bad(format!("config.json: q_lora_rank must be an integer, got {v}")))?,
+            v.as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| bad(format!("config.json: q_lora_rank must be an integer, got {v}")))?,
         ),
     };
-    if let Some(f) = rope_params(cfg).and_then(|p| opt_f64(p, "partial_rotary_factor")).or_else(|| opt_f64(cfg, "partial_rotary_factor")) {
+    if let Some(f) = rope_params(cfg)
+        .and_then(|p| opt_f64(p, "partial_rotary_factor"))
+        .or_else(|| opt_f64(cfg, "partial_rotary_factor"))
+    {
         if f != 1.0 {
             return Err(bad(format!(
                 "config.json: partial_rotary_factor {f} is not supported for {family:?} (only 1: all \

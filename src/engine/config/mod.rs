@@ -480,7 +480,8 @@ impl ModelConfig {
             let Some(m) = &self.mla else {
                 return Err(bad("model config: latent-attention layers without their dimensions"));
             };
-            let dims = [m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank.unwrap_or(1)];
+            let dims =
+                [m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank.unwrap_or(1)];
             if dims.contains(&0) || dims.iter().any(|&d| d > MAX_DIMENSION) {
                 return Err(bad(format!(
                     "model config: kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must \
@@ -488,7 +489,10 @@ impl ModelConfig {
                 )));
             }
             if !(m.softmax_scale.is_finite() && m.softmax_scale > 0.0) {
-                return Err(bad(format!("model config: the attention's softmax scale {} is not positive", m.softmax_scale)));
+                return Err(bad(format!(
+                    "model config: the attention's softmax scale {} is not positive",
+                    m.softmax_scale
+                )));
             }
         }
         if let Some(r) = self.moe.as_ref().and_then(|m| m.deepseek.as_ref().map(|r| (m, r))) {

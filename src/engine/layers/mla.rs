@@ -103,13 +103,7 @@ impl LatentAttention {
         Ok(LatentAttention {
             q,
             kv_a,
-            kv_a_norm: RmsNorm::load(
-                w,
-                &format!("{prefix}.kv_a_layernorm"),
-                m.kv_lora_rank,
-                LATENT_NORM_EPS,
-                false,
-            )?,
+            kv_a_norm: RmsNorm::load(w, &format!("{prefix}.kv_a_layernorm"), m.kv_lora_rank, LATENT_NORM_EPS, false)?,
             kv_b: Linear::load(
                 w,
                 &format!("{prefix}.kv_b_proj"),

@@ -32,6 +32,10 @@ enum Experts {
     },
 }
 
+/// [`Routing::Deepseek`]'s parameters, the router's f32 weight transposed `[hidden, E]` and its
+/// f32 score correction bias.
+type DeepseekRouter = (DeepseekRouting, Tensor, Option<Vec<f32>>);
+
 pub struct SparseMoe {
     router: Linear,
     experts: Experts,
@@ -42,9 +46,9 @@ pub struct SparseMoe {
     routing: Routing,
     /// [`Routing::Deepseek`]: its parameters, the router's weight transposed `[hidden, E]` and
     /// its score correction bias, both f32 (transformers keeps them in f32 whatever the dtype).
-    deepseek: Option<(DeepseekRouting, Tensor, Option<Vec<f32>>)>,
+    deepseek: Option<Box<DeepseekRouter>>,
     /// Shared experts added without a gate (`shared_experts`, DeepSeek).
-    plain_shared: Option<GatedMlp>,
+    plain_shared: Option<Box<GatedMlp>>,
 }
 
 /// The experts of `{prefix}.experts`, stored either fused (`gate_up_proj` [E, 2I, H] with the
@@ -262,7 +266,7 @@ impl SparseMoe {
                     ),
                     false => None,
                 };
-                Some((r.clone(), router.t()?.contiguous()?, bias))
+                Some(Box::new((r.clone(), router.t()?.contiguous()?, bias)))
             }
             (None, Routing::Deepseek) => {
                 return Err(EngineError::Load("DeepSeek's routing without its parameters".into()));
@@ -270,7 +274,9 @@ impl SparseMoe {
             _ => None,
         };
         let plain_shared = match (m.ungated_shared_experts, m.shared_expert_intermediate_size) {
-            (true, Some(s)) => Some(GatedMlp::load(w, &format!("{prefix}.shared_experts"), hidden, s, false)?),
+            (true, Some(s)) => {
+                Some(Box::new(GatedMlp::load(w, &format!("{prefix}.shared_experts"), hidden, s, false)?))
+            }
             _ => None,
         };
         let shared = match m.shared_expert_intermediate_size.filter(|_| !m.ungated_shared_experts) {
@@ -320,7 +326,7 @@ impl SparseMoe {
 
     /// `[T, k]` expert indices and routing weights (in `x`'s dtype), best first.
     fn route(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        if let Some((r, router_t, bias)) = &self.deepseek {
+        if let Some((r, router_t, bias)) = self.deepseek.as_deref() {
             return self.route_deepseek(x, r, router_t, bias.as_deref());
         }
         let logits = self.router.forward(x)?.to_dtype(DType::F32)?;

@@ -306,7 +306,8 @@ fn the_mtp_layer_is_ignored_only_where_the_config_declares_it() {
 /// on a CUDA device naming what the GPU paths lack.
 #[test]
 fn what_is_not_built_is_refused() {
-    let cases: [(&str, Edit, &str); 11] = [
+    let cases: [(&str, Edit, &str); 12] = [
+        ("deepseek_v3", ("", &|c| c["num_key_value_heads"] = 2.into()), "num_key_value_heads"),
         ("deepseek_v2_lite", ("", &|c| c["norm_topk_prob"] = true.into()), "norm_topk_prob"),
         ("deepseek_v2_lite", ("", &|c| c["topk_method"] = "noaux_tc".into()), "topk_method"),
         ("deepseek_v2_lite", ("", &|c| c["rope_interleave"] = false.into()), "rope_interleave"),

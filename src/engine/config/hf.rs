@@ -509,7 +509,13 @@ impl ModelConfig {
         let num_key_value_heads = opt_usize(cfg, "num_key_value_heads").unwrap_or(num_attention_heads);
         let mla = if family.is_mla() { Some(mla(cfg, family)?) } else { None };
         // Latent attention: every query head has a key and value of its own after the expansion.
-        let num_key_value_heads = if mla.is_some() { num_attention_heads } else { num_key_value_heads };
+        if mla.is_some() && num_key_value_heads != num_attention_heads {
+            return Err(bad(format!(
+                "config.json: num_key_value_heads {num_key_value_heads} is not supported for {architecture} (latent \
+                 attention expands keys and values for every one of the {num_attention_heads} heads; transformers \
+                 builds no other grouping for it)"
+            )));
+        }
         let head_dim = match &mla {
             Some(m) => m.qk_nope_head_dim + m.qk_rope_head_dim,
             None => opt_usize(cfg, "head_dim").unwrap_or(hidden_size / num_attention_heads.max(1)),

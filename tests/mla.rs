@@ -4,7 +4,7 @@
 //! layer in the file), DeepSeek-V2-Lite's shape (a plain q_proj, softmax scores, greedy and
 //! group-limited routing) and GLM-4.7-Flash's (V larger than Q/K, tied head): every index within
 //! 1e-5 of transformers-f32 (or twice its own distance from float64), packed sequences the same bits
-//! as alone, next-token log-probabilities, `/v1/info`'s layer kinds and the self-check, each
+//! as alone, next-token log-probabilities (also served over HTTP), `/v1/info`'s layer kinds and the self-check, each
 //! feature changing the states, and the refusals: on CUDA, and every config field not built.
 
 mod common;
@@ -332,4 +332,47 @@ fn what_is_not_built_is_refused() {
             assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
         }
     }
+}
+
+/// A real server on DeepSeek-V3's fixture: `/v1/info` reports the latent-attention layers, and the
+/// answer for the longest sequence equals transformers at the indices asked, with its
+/// log-probabilities.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reports_layer_kinds_and_returns_exact_states_and_logprobs() {
+    use serde_json::{json, Value};
+    let d = dir("deepseek_v3");
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("mla/deepseek_v3", limits).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    let kinds = &info["layer_kinds"];
+    assert_eq!(info["architecture"], "DeepseekV3ForCausalLM");
+    assert_eq!((kinds["latent_attention"].as_u64(), kinds["full_attention"].as_u64()), (Some(3), Some(0)), "{info}");
+    assert_eq!((kinds["moe"].as_u64(), kinds["dense_mlp"].as_u64()), (Some(2), Some(1)), "{info}");
+
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let last = sequences(&reference) - 1;
+    let hs = &reference[&format!("seq{last}.hidden_states")];
+    let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    let body = json!({"inputs": [{"input_ids": reference[&format!("seq{last}.input_ids")].i64}], "layers": [1, -1, 2],
+                      "dtype": "float32", "logprobs": {"top_k": 5, "target": true}});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = common::read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let states = &got["hidden_states"];
+    for (k, idx) in [1, l1 - 1, 2].into_iter().enumerate() {
+        let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+        let ours: Vec<f32> = (0..t).flat_map(|r| states.f32[(r * 3 + k) * h..][..h].to_vec()).collect();
+        let e = rel_err(&ours, want);
+        assert!(e <= F32_TOLERANCE, "index {idx}: relative error {e:.3e}");
+    }
+    assert_eq!(got["topk_ids"].i64, reference[&format!("seq{last}.logprob_ids")].i64);
+    let worst = got["topk_logprobs"]
+        .f32
+        .iter()
+        .zip(&reference[&format!("seq{last}.logprobs")].f32)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(f64::from(worst) <= F32_TOLERANCE, "log-probabilities off by {worst:e}");
+    running.shutdown.cancel();
 }

@@ -4,9 +4,9 @@
 //! layer in the file), DeepSeek-V2-Lite's shape (a plain q_proj, softmax scores, greedy and
 //! group-limited routing) and GLM-4.7-Flash's (V larger than Q/K, tied head): every index within
 //! 1e-5 of transformers-f32 (or twice its own distance from float64), packed sequences the same bits
-//! as alone, next-token log-probabilities (also served over HTTP), `/v1/info`'s layer kinds and the self-check, each
-//! feature changing the states, and the refusals: on CUDA, and every config field not built.
-
+//! as alone, next-token log-probabilities (also served over HTTP), `/v1/info`'s layer kinds and the
+//! self-check, each feature changing the states, and the refusals: on CUDA, and every config field
+//! not built.
 mod common;
 
 use std::collections::HashMap;

@@ -7,6 +7,7 @@
 //! as alone, next-token log-probabilities (also served over HTTP), `/v1/info`'s layer kinds and the
 //! self-check, each feature changing the states, and the refusals: on CUDA, and every config field
 //! not built.
+
 mod common;
 
 use std::collections::HashMap;

@@ -294,7 +294,7 @@ fn what_is_not_read_is_refused() {
         c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0});
     });
     let e = common::refusal(qwen_yarn.path()).expect("yarn on qwen3");
-    assert!(e.contains("yarn") && e.contains("GptOssForCausalLM only"), "{e}");
+    assert!(e.contains("yarn") && e.contains("GptOssForCausalLM and the latent-attention families only"), "{e}");
     // Scales of a block set to 0xFF (NaN in E8M0): refused at load, naming the tensor.
     let nan = common::with_tensors("gpt_oss/gpt_oss_mxfp4", |tensors| {
         for (name, _, _, data) in tensors.iter_mut() {

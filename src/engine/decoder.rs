@@ -9,6 +9,7 @@ use super::config::{FfnKind, MixerKind, ModelConfig};
 use super::layers::attention::Attention;
 use super::layers::gdn::GatedDeltaNet;
 use super::layers::linear::residual;
+use super::layers::mla::LatentAttention;
 use super::layers::mlp::GatedMlp;
 use super::layers::moe::SparseMoe;
 use super::layers::norm::RmsNorm;
@@ -21,6 +22,7 @@ use super::{Cancel, EngineError};
 pub enum Mixer {
     Attention(Attention),
     GatedDeltaNet(GatedDeltaNet),
+    LatentAttention(LatentAttention),
 }
 
 pub enum Ffn {
@@ -75,6 +77,9 @@ impl Block {
             MixerKind::LinearAttention => {
                 Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"), o)?)
             }
+            MixerKind::LatentAttention => {
+                Mixer::LatentAttention(LatentAttention::load(w, c, &format!("{p}.self_attn"))?)
+            }
         };
         let m = format!("{p}.mlp");
         let mlp = || {
@@ -122,6 +127,7 @@ impl Block {
         let mixed = match &self.mixer {
             Mixer::Attention(a) => a.forward(h, ctx)?,
             Mixer::GatedDeltaNet(g) => g.forward(h, ctx)?,
+            Mixer::LatentAttention(a) => a.forward(h, ctx)?,
         };
         let (x, h) = match &self.sandwich {
             Some(s) => self.post_norm.add_forward(x, &s.post_attention.forward(&mixed)?)?,

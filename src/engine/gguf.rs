@@ -133,6 +133,8 @@ impl GgufFile {
             f32_norms: false,
             attn_output_gate: false,
             linear_attention: None,
+            mla: None,
+            mtp_layers: 0,
             moe: None,
             layers: vec![LayerSpec::DENSE_ATTENTION; num_hidden_layers],
             quantization: None,

@@ -352,7 +352,7 @@ impl ModelFiles {
         };
         let quantization = self.config().quantization.clone();
         let weights = Weights::new(source, device.clone(), dtype).with_quantization(quantization);
-        weights.check_before_load(self.config().num_hidden_layers)?;
+        weights.check_before_load(self.config().num_hidden_layers, self.config().mtp_layers)?;
         Ok(weights)
     }
 

@@ -532,8 +532,9 @@ impl Weights {
     /// loader does not read (FP8, packed integers) or quantisation data (a scale, packed weights,
     /// zero points) outside the parts that are never read ([`IGNORED_PREFIXES`]), naming the first.
     /// So a quantised checkpoint is refused at once, not after minutes of loading. Layers from
-    /// `layers` on (past the config's `num_hidden_layers`) never run and are not checked.
-    pub fn check_before_load(&self, layers: usize) -> Result<(), EngineError> {
+    /// `layers` on (past the config's `num_hidden_layers`) never run and are not checked; the
+    /// `mtp_layers` right after them are the checkpoint's multi-token-prediction layers, ignored.
+    pub fn check_before_load(&self, layers: usize, mtp_layers: usize) -> Result<(), EngineError> {
         let TensorSource::Safetensors { tensors, .. } = &self.source else {
             return Ok(());
         };
@@ -543,7 +544,7 @@ impl Weights {
         // weights its model does not have, and serving the fewer layers would answer for
         // another model than the checkpoint holds.
         let extra: std::collections::BTreeSet<usize> =
-            all.iter().filter_map(|(name, _, _)| self.layer_of(name)).filter(|&i| i >= layers).collect();
+            all.iter().filter_map(|(name, _, _)| self.layer_of(name)).filter(|&i| i >= layers + mtp_layers).collect();
         if let (Some(first), Some(last)) = (extra.first(), extra.last()) {
             let example = all.iter().find(|(name, _, _)| self.layer_of(name) == Some(*first)).map(|t| t.0.clone());
             return Err(EngineError::Load(format!(

@@ -171,6 +171,9 @@ pub struct LayerKinds {
     /// Attention layers over a sliding window.
     #[serde(default)]
     pub sliding_attention: usize,
+    /// Multi-head latent attention layers (DeepSeek-V2 and later).
+    #[serde(default)]
+    pub latent_attention: usize,
     pub linear_attention: usize,
     pub dense_mlp: usize,
     pub moe: usize,
@@ -189,6 +192,7 @@ impl From<&crate::engine::LayerKinds> for LayerKinds {
         LayerKinds {
             full_attention: k.full_attention,
             sliding_attention: k.sliding_attention,
+            latent_attention: k.latent_attention,
             linear_attention: k.linear_attention,
             dense_mlp: k.dense_mlp,
             moe: k.moe,

@@ -4,8 +4,9 @@
 use serde_json::Value;
 
 use super::{
-    bad, ExpertActivation, ExpertsLayout, Family, FfnKind, FullAttentionShape, GdnLayout, LayerSpec,
-    LinearAttentionConfig, MixerKind, ModelConfig, MoeConfig, RopeScaling, Routing,
+    bad, DeepseekRouting, ExpertActivation, ExpertsLayout, Family, FfnKind, FullAttentionShape, GdnLayout, GroupScore,
+    LayerSpec, LinearAttentionConfig, MixerKind, MlaConfig, ModelConfig, MoeConfig, RopeScaling, Routing,
+    ScoreFunction,
 };
 use crate::engine::EngineError;
 
@@ -58,28 +59,29 @@ fn parse_rope(cfg: &Value, family: Family) -> Result<(f64, Option<RopeScaling>),
     let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
     let factor =
         || opt_f64(p, "factor").ok_or_else(|| bad(format!("config.json: rope type {kind:?} needs \"factor\"")));
-    let scaling = match kind {
-        "default" => None,
-        "linear" => Some(RopeScaling::Linear { factor: factor()? }),
-        "llama3" => Some(RopeScaling::Llama3 {
-            factor: factor()?,
-            low_freq_factor: opt_f64(p, "low_freq_factor").unwrap_or(1.0),
-            high_freq_factor: opt_f64(p, "high_freq_factor").unwrap_or(4.0),
-            original_max_position_embeddings: opt_f64(p, "original_max_position_embeddings")
-                .ok_or_else(|| bad("config.json: llama3 rope needs original_max_position_embeddings"))?,
-        }),
-        "yarn" if family == Family::GptOss => Some(yarn(cfg, p)?),
-        "yarn" => return Err(bad(
-            "config.json: rope type \"yarn\" is read for GptOssForCausalLM only (the family its fidelity is tested \
-                 on); supported for this architecture: default, linear, llama3",
-        )),
-        other => {
-            return Err(bad(format!(
-                "config.json: rope type {other:?} is not supported (supported: default, linear, llama3; yarn for \
-                 GptOssForCausalLM)"
-            )))
-        }
-    };
+    let scaling =
+        match kind {
+            "default" => None,
+            "linear" => Some(RopeScaling::Linear { factor: factor()? }),
+            "llama3" => Some(RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: opt_f64(p, "low_freq_factor").unwrap_or(1.0),
+                high_freq_factor: opt_f64(p, "high_freq_factor").unwrap_or(4.0),
+                original_max_position_embeddings: opt_f64(p, "original_max_position_embeddings")
+                    .ok_or_else(|| bad("config.json: llama3 rope needs original_max_position_embeddings"))?,
+            }),
+            "yarn" if family == Family::GptOss || family.is_mla() => Some(yarn(cfg, p)?),
+            "yarn" => return Err(bad(
+                "config.json: rope type \"yarn\" is read for GptOssForCausalLM and the latent-attention families only \
+                 (those its fidelity is tested on); supported for this architecture: default, linear, llama3",
+            )),
+            other => {
+                return Err(bad(format!(
+                    "config.json: rope type {other:?} is not supported (supported: default, linear, llama3; yarn for \
+                 GptOssForCausalLM and the latent-attention families)"
+                )))
+            }
+        };
     Ok((theta, scaling))
 }
 
@@ -200,6 +202,7 @@ fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<M
         Family::GptOss => {
             return Ok((vec![FfnKind::Moe; n], Some(gpt_oss_moe(cfg)?)));
         }
+        _ if family.is_mla() => return deepseek_ffns(cfg, family, n),
         _ => 0,
     };
     if experts == 0 {
@@ -225,6 +228,8 @@ fn ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<M
         expert_bias: false,
         activation: ExpertActivation::Silu,
         router_norm: false,
+        deepseek: None,
+        ungated_shared_experts: false,
     };
     if family == Family::Qwen3_5Moe {
         return Ok((vec![FfnKind::Moe; n], Some(moe)));
@@ -275,6 +280,209 @@ fn gpt_oss_moe(cfg: &Value) -> Result<MoeConfig, EngineError> {
         expert_bias: true,
         activation: ExpertActivation::ClampedSwiglu { limit, alpha },
         router_norm: false,
+        deepseek: None,
+        ungated_shared_experts: false,
+    })
+}
+
+/// A field as a float, or `default` where absent (null counts as absent only where `null_ok`).
+fn f64_or(cfg: &Value, key: &str, default: f64) -> Result<f64, EngineError> {
+    match cfg.get(key) {
+        None => Ok(default),
+        Some(v) => v.as_f64().ok_or_else(|| bad(format!("config.json: {key:?} must be a number, got {v}"))),
+    }
+}
+
+fn usize_or(cfg: &Value, key: &str, default: usize) -> Result<usize, EngineError> {
+    match cfg.get(key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| bad(format!("config.json: {key:?} must be a non-negative integer, got {v}"))),
+    }
+}
+
+/// A string field that, where present, must be one of `allowed` (what transformers builds).
+fn check_str(cfg: &Value, key: &str, allowed: &[&str], family: Family) -> Result<Option<String>, EngineError> {
+    match cfg.get(key).filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(v) => match v.as_str() {
+            Some(s) if allowed.contains(&s) => Ok(Some(s.to_string())),
+            _ => Err(bad(format!(
+                "config.json: {key} = {v} is not supported for {family:?} (supported: {})",
+                allowed.join(", ")
+            ))),
+        },
+    }
+}
+
+/// DeepSeek-style feed-forward blocks: dense MLPs (`intermediate_size`) in the first
+/// `first_k_dense_replace` layers (GLM-4.7-Flash: where `mlp_layer_types` says "dense"), then
+/// `n_routed_experts` experts of `moe_intermediate_size` with `n_shared_experts` shared ones as
+/// one MLP, routed as [`DeepseekRouting`] says, with transformers' defaults for each family.
+fn deepseek_ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<MoeConfig>), EngineError> {
+    let v2 = family == Family::DeepseekV2;
+    let kinds: Vec<FfnKind> = if family == Family::Glm4MoeLite {
+        let kinds = match cfg.get("mlp_layer_types").filter(|v| !v.is_null()) {
+            None => (0..n).map(|i| if i == 0 { FfnKind::Dense } else { FfnKind::Moe }).collect::<Vec<_>>(),
+            Some(v) => {
+                let a = v.as_array().filter(|a| a.len() == n).ok_or_else(|| {
+                    bad(format!("config.json: \"mlp_layer_types\" must list num_hidden_layers ({n}) entries, got {v}"))
+                })?;
+                a.iter()
+                    .enumerate()
+                    .map(|(i, t)| match t.as_str() {
+                        Some("dense") => Ok(FfnKind::Dense),
+                        Some("sparse") => Ok(FfnKind::Moe),
+                        _ => Err(bad(format!(
+                            "config.json: mlp_layer_types[{i}] = {t} is not supported (\"dense\" or \"sparse\")"
+                        ))),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+        };
+        // transformers builds GLM-4.7-Flash's layers from mlp_layer_types alone; a
+        // first_k_dense_replace that says otherwise leaves the checkpoint ambiguous.
+        if let Some(k) = opt_usize(cfg, "first_k_dense_replace") {
+            let agrees = kinds.iter().enumerate().all(|(i, f)| (*f == FfnKind::Dense) == (i < k));
+            if !agrees {
+                return Err(bad(format!(
+                    "config.json: first_k_dense_replace = {k} disagrees with the dense/sparse layers of \
+                     mlp_layer_types (transformers builds the latter); refused as ambiguous"
+                )));
+            }
+        }
+        kinds
+    } else {
+        let k = usize_or(cfg, "first_k_dense_replace", if v2 { 0 } else { 3 })?;
+        if let Some(freq) = cfg.get("moe_layer_freq").filter(|v| !v.is_null()) {
+            if freq.as_u64() != Some(1) {
+                return Err(bad(format!(
+                    "config.json: moe_layer_freq = {freq} is not supported (only 1: every layer from \
+                     first_k_dense_replace on has experts, as transformers builds it)"
+                )));
+            }
+        }
+        (0..n).map(|i| if i >= k { FfnKind::Moe } else { FfnKind::Dense }).collect()
+    };
+    if v2 && opt_bool(cfg, "mlp_bias") == Some(true) {
+        return Err(bad("config.json: mlp_bias = true is not supported for DeepseekV2ForCausalLM"));
+    }
+    let experts = req_usize(cfg, "n_routed_experts")?;
+    let shared = usize_or(cfg, "n_shared_experts", if v2 { 2 } else { 1 })?;
+    let inter = req_usize(cfg, "moe_intermediate_size")?;
+    let routing = if v2 {
+        check_str(cfg, "scoring_func", &["softmax"], family)?;
+        if opt_bool(cfg, "norm_topk_prob") == Some(true) {
+            return Err(bad(
+                "config.json: norm_topk_prob = true is not supported for DeepseekV2ForCausalLM (transformers ignores \
+                 it, DeepSeek's own code renormalises: the two disagree)",
+            ));
+        }
+        let method = check_str(cfg, "topk_method", &["greedy", "group_limited_greedy"], family)?;
+        let groups = match method.as_deref().unwrap_or("greedy") {
+            "greedy" => None,
+            _ => Some((req_usize(cfg, "n_group")?, req_usize(cfg, "topk_group")?, GroupScore::Max)),
+        };
+        DeepseekRouting {
+            scores: ScoreFunction::Softmax,
+            correction_bias: false,
+            groups,
+            routed_scaling_factor: f64_or(cfg, "routed_scaling_factor", 1.0)?,
+        }
+    } else {
+        check_str(cfg, "scoring_func", &["sigmoid"], family)?;
+        check_str(cfg, "topk_method", &["noaux_tc"], family)?;
+        let glm = family == Family::Glm4MoeLite;
+        DeepseekRouting {
+            scores: ScoreFunction::Sigmoid,
+            correction_bias: true,
+            groups: Some((
+                usize_or(cfg, "n_group", if glm { 1 } else { 8 })?,
+                usize_or(cfg, "topk_group", if glm { 1 } else { 4 })?,
+                GroupScore::TopTwoSum,
+            )),
+            routed_scaling_factor: f64_or(cfg, "routed_scaling_factor", if glm { 1.8 } else { 2.5 })?,
+        }
+    };
+    let moe = MoeConfig {
+        num_experts: experts,
+        experts_per_token: opt_usize(cfg, "num_experts_per_tok")
+            .ok_or_else(|| bad("config.json: missing or non-integer field \"num_experts_per_tok\""))?,
+        expert_intermediate_size: inter,
+        shared_expert_intermediate_size: Some(shared * inter).filter(|&s| s > 0),
+        norm_topk_prob: !v2 && opt_bool(cfg, "norm_topk_prob").unwrap_or(true),
+        routing: Routing::Deepseek,
+        router: "gate",
+        router_bias: false,
+        layout: ExpertsLayout::GateThenUp,
+        expert_bias: false,
+        activation: ExpertActivation::Silu,
+        router_norm: false,
+        deepseek: Some(routing),
+        ungated_shared_experts: true,
+    };
+    Ok((kinds, Some(moe)))
+}
+
+/// Multi-head latent attention's shape ([`MlaConfig`]), refusing what transformers would build
+/// differently: biased attention projections, a partial rotary factor, V2 with
+/// `rope_interleave` off (its rotation is always DeepSeek's interleaved one).
+fn mla(cfg: &Value, family: Family) -> Result<MlaConfig, EngineError> {
+    if opt_bool(cfg, "attention_bias") == Some(true) {
+        return Err(bad(format!("config.json: attention_bias = true is not supported for {family:?}")));
+    }
+    let q_lora_rank = match cfg.get("q_lora_rank") {
+        None => return Err(bad("config.json: missing field \"q_lora_rank\" (null for a plain q_proj)")),
+        Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| bad(format!("config.json: q_lora_rank must be an integer, got {v}")))?,
+        ),
+    };
+    if let Some(f) = rope_params(cfg)
+        .and_then(|p| opt_f64(p, "partial_rotary_factor"))
+        .or_else(|| opt_f64(cfg, "partial_rotary_factor"))
+    {
+        if f != 1.0 {
+            return Err(bad(format!(
+                "config.json: partial_rotary_factor {f} is not supported for {family:?} (only 1: all \
+                 qk_rope_head_dim dimensions rotate)"
+            )));
+        }
+    }
+    let rope_interleaved = match family {
+        Family::DeepseekV2 => {
+            if opt_bool(cfg, "rope_interleave") == Some(false) {
+                return Err(bad("config.json: rope_interleave = false is not supported for DeepseekV2ForCausalLM \
+                     (transformers always rotates its interleaved pairs)"));
+            }
+            true
+        }
+        _ => opt_bool(cfg, "rope_interleave").unwrap_or(true),
+    };
+    let qk_nope_head_dim = req_usize(cfg, "qk_nope_head_dim")?;
+    let qk_rope_head_dim = req_usize(cfg, "qk_rope_head_dim")?;
+    let mut softmax_scale = ((qk_nope_head_dim + qk_rope_head_dim) as f64).powf(-0.5);
+    if let Some(p) = rope_params(cfg) {
+        let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
+        let all_dim = opt_f64(p, "mscale_all_dim").unwrap_or(0.0);
+        if kind != "default" && all_dim != 0.0 {
+            let factor = opt_f64(p, "factor").ok_or_else(|| bad("config.json: mscale_all_dim needs \"factor\""))?;
+            let m = if factor <= 1.0 { 1.0 } else { 0.1 * all_dim * factor.ln() + 1.0 };
+            softmax_scale = softmax_scale * m * m;
+        }
+    }
+    Ok(MlaConfig {
+        q_lora_rank,
+        kv_lora_rank: req_usize(cfg, "kv_lora_rank")?,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim: req_usize(cfg, "v_head_dim")?,
+        rope_interleaved,
+        softmax_scale,
     })
 }
 
@@ -443,6 +651,8 @@ fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig
             expert_bias: false,
             activation: ExpertActivation::GeluTanh,
             router_norm: true,
+            deepseek: None,
+            ungated_shared_experts: false,
         })
     } else {
         None
@@ -496,6 +706,8 @@ fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig
             .or_else(|| opt_bool(cfg, "tie_word_embeddings"))
             .unwrap_or(true),
         linear_attention: None,
+        mla: None,
+        mtp_layers: 0,
         moe,
         layers,
         quantization: None,
@@ -536,7 +748,19 @@ impl ModelConfig {
         let hidden_size = req_usize(cfg, "hidden_size")?;
         let num_attention_heads = req_usize(cfg, "num_attention_heads")?;
         let num_key_value_heads = opt_usize(cfg, "num_key_value_heads").unwrap_or(num_attention_heads);
-        let head_dim = opt_usize(cfg, "head_dim").unwrap_or(hidden_size / num_attention_heads.max(1));
+        let mla = if family.is_mla() { Some(mla(cfg, family)?) } else { None };
+        // Latent attention: every query head has a key and value of its own after the expansion.
+        if mla.is_some() && num_key_value_heads != num_attention_heads {
+            return Err(bad(format!(
+                "config.json: num_key_value_heads {num_key_value_heads} is not supported for {architecture} (latent \
+                 attention expands keys and values for every one of the {num_attention_heads} heads; transformers \
+                 builds no other grouping for it)"
+            )));
+        }
+        let head_dim = match &mla {
+            Some(m) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            None => opt_usize(cfg, "head_dim").unwrap_or(hidden_size / num_attention_heads.max(1)),
+        };
         if let Some(act) = cfg.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
                 return Err(bad(format!("config.json: hidden_act {act:?} is not supported (only silu)")));
@@ -568,6 +792,7 @@ impl ModelConfig {
             _ if family.is_hybrid() || family == Family::GptOss => mixers(cfg, family, n)?,
             // Mistral's window applies to every layer.
             Family::Mistral if sliding_window.is_some() => vec![MixerKind::SlidingAttention; n],
+            _ if family.is_mla() => vec![MixerKind::LatentAttention; n],
             _ => vec![MixerKind::FullAttention; n],
         };
         let (ffn_kinds, moe) = ffns(cfg, family, n)?;
@@ -589,9 +814,15 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rotary_dim: rotary_dim(cfg, family, head_dim)?,
+            rotary_dim: match &mla {
+                Some(m) => m.qk_rope_head_dim,
+                None => rotary_dim(cfg, family, head_dim)?,
+            },
             vocab_size: req_usize(cfg, "vocab_size")?,
-            rms_norm_eps: opt_f64(cfg, "rms_norm_eps").unwrap_or(if family == Family::GptOss { 1e-5 } else { 1e-6 }),
+            rms_norm_eps: opt_f64(cfg, "rms_norm_eps").unwrap_or(match family {
+                Family::GptOss | Family::Glm4MoeLite => 1e-5,
+                _ => 1e-6,
+            }),
             rope_theta,
             rope_scaling,
             max_position_embeddings: opt_usize(cfg, "max_position_embeddings").unwrap_or(4096),
@@ -600,7 +831,8 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             mlp_bias: family == Family::Llama && opt_bool(cfg, "mlp_bias").unwrap_or(false),
-            qk_norm: !matches!(family, Family::Llama | Family::Mistral | Family::Qwen2 | Family::GptOss),
+            qk_norm: !matches!(family, Family::Llama | Family::Mistral | Family::Qwen2 | Family::GptOss)
+                && !family.is_mla(),
             zero_centred_norms: family.is_hybrid(),
             f32_norms: family == Family::GptOss,
             attn_output_gate: family.is_hybrid(),
@@ -615,6 +847,13 @@ impl ModelConfig {
                 .or_else(|| opt_bool(cfg, "tie_word_embeddings"))
                 .unwrap_or(false),
             linear_attention: if family.is_hybrid() { Some(linear_attention(cfg, family)?) } else { None },
+            mla,
+            mtp_layers: match family {
+                Family::DeepseekV3 | Family::Glm4MoeLite => {
+                    opt_usize(cfg, "num_nextn_predict_layers").or_else(|| opt_usize(cfg, "num_mtp_layers")).unwrap_or(0)
+                }
+                _ => 0,
+            },
             moe,
             layers,
             quantization,

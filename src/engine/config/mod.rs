@@ -25,6 +25,9 @@ pub const ARCHITECTURES: &[(&str, Family)] = &[
     ("GptOssForCausalLM", Family::GptOss),
     ("Gemma4ForCausalLM", Family::Gemma4),
     ("Gemma4ForConditionalGeneration", Family::Gemma4),
+    ("DeepseekV2ForCausalLM", Family::DeepseekV2),
+    ("DeepseekV3ForCausalLM", Family::DeepseekV3),
+    ("Glm4MoeLiteForCausalLM", Family::Glm4MoeLite),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -40,6 +43,9 @@ pub enum Family {
     Qwen3_5Moe,
     GptOss,
     Gemma4,
+    DeepseekV2,
+    DeepseekV3,
+    Glm4MoeLite,
 }
 
 impl Family {
@@ -57,6 +63,12 @@ impl Family {
     /// gated attention with partial rotary, linear-attention layers.
     pub fn is_hybrid(self) -> bool {
         matches!(self, Family::Qwen3Next | Family::Qwen3_5 | Family::Qwen3_5Moe)
+    }
+
+    /// Multi-head latent attention and DeepSeek's routing (DeepSeek-V2, DeepSeek-V3,
+    /// GLM-4.7-Flash).
+    pub fn is_mla(self) -> bool {
+        matches!(self, Family::DeepseekV2 | Family::DeepseekV3 | Family::Glm4MoeLite)
     }
 }
 
@@ -107,12 +119,16 @@ pub enum MixerKind {
     SlidingAttention,
     /// Gated DeltaNet: causal conv1d, then the gated delta rule.
     LinearAttention,
+    /// Multi-head latent attention ([`MlaConfig`]): causal softmax attention whose keys and
+    /// values are expanded per head from a compressed latent, with a rotary part shared by all
+    /// heads.
+    LatentAttention,
 }
 
 impl MixerKind {
     /// Softmax attention, windowed or not.
     pub fn is_attention(self) -> bool {
-        matches!(self, MixerKind::FullAttention | MixerKind::SlidingAttention)
+        matches!(self, MixerKind::FullAttention | MixerKind::SlidingAttention | MixerKind::LatentAttention)
     }
 }
 
@@ -180,6 +196,61 @@ impl LinearAttentionConfig {
     }
 }
 
+/// Shape of multi-head latent attention (DeepSeek-V2 and later): queries from `q_proj`, or
+/// through the low-rank `q_a_proj` -> `q_a_layernorm` -> `q_b_proj`; keys and values from
+/// `kv_a_proj_with_mqa`, whose first `kv_lora_rank` outputs (the latent) go through
+/// `kv_a_layernorm` and `kv_b_proj` (per head: the key's `qk_nope_head_dim` dimensions, then the
+/// value's `v_head_dim`), and whose last `qk_rope_head_dim` outputs are a rotated key part shared
+/// by every head. Each head's query and key are its `qk_nope_head_dim` unrotated dimensions then
+/// the `qk_rope_head_dim` rotated ones.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MlaConfig {
+    /// The low-rank query path's width (`None`: a plain `q_proj`).
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// The rotated dimensions come as interleaved pairs `(x0, x1), (x2, x3), ...` (DeepSeek's
+    /// layout) rather than as two halves.
+    pub rope_interleaved: bool,
+    /// The softmax scale: `(qk_nope_head_dim + qk_rope_head_dim)^-1/2`, times YaRN's
+    /// `mscale(factor, mscale_all_dim)^2` where the rope scaling sets `mscale_all_dim`.
+    pub softmax_scale: f64,
+}
+
+/// How the router's logits become the scores experts are chosen by (DeepSeek's routing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScoreFunction {
+    Softmax,
+    Sigmoid,
+}
+
+/// How a group of experts is scored for group-limited routing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupScore {
+    /// Its best expert's score (DeepSeek-V2's `group_limited_greedy`).
+    Max,
+    /// The sum of its two best experts' scores, correction bias included (DeepSeek-V3).
+    TopTwoSum,
+}
+
+/// DeepSeek's routing: scores from the f32 router (`ScoreFunction`), plus
+/// `e_score_correction_bias` for choosing only; where `groups` is set, only experts in the
+/// `topk_group` best of `n_group` equal groups can be chosen; the k best are chosen, weighted by
+/// their scores (without the bias), renormalised (plus 1e-20) when `norm_topk_prob`, times
+/// `routed_scaling_factor`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DeepseekRouting {
+    pub scores: ScoreFunction,
+    pub correction_bias: bool,
+    /// `(n_group, topk_group, how a group is scored)`.
+    pub groups: Option<(usize, usize, GroupScore)>,
+    pub routed_scaling_factor: f64,
+}
+
 /// How a token's experts and their weights are chosen from the router's logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -189,6 +260,8 @@ pub enum Routing {
     SoftmaxTopK,
     /// The k largest logits, then a softmax over those k.
     TopKSoftmax,
+    /// DeepSeek's routing ([`MoeConfig::deepseek`]).
+    Deepseek,
 }
 
 /// What joins an expert's gate and up projections.
@@ -240,6 +313,11 @@ pub struct MoeConfig {
     /// times `hidden^-1/2`, and each chosen expert's weight (after the renormalisation) is
     /// multiplied by its `router.per_expert_scale`.
     pub router_norm: bool,
+    /// The parameters of [`Routing::Deepseek`].
+    pub deepseek: Option<DeepseekRouting>,
+    /// The shared expert is `shared_experts` (DeepSeek), added without a gate, rather than
+    /// `shared_expert` scaled by `shared_expert_gate`.
+    pub ungated_shared_experts: bool,
 }
 
 /// The shape of the full-attention layers where it differs from the sliding ones': their own
@@ -313,6 +391,11 @@ pub struct ModelConfig {
     pub final_logit_softcapping: Option<f64>,
     pub tie_word_embeddings: bool,
     pub linear_attention: Option<LinearAttentionConfig>,
+    /// The shape of [`MixerKind::LatentAttention`] layers.
+    pub mla: Option<MlaConfig>,
+    /// Multi-token-prediction layers the checkpoint stores after the decoder's
+    /// (`layers.{num_hidden_layers}..`): never read.
+    pub mtp_layers: usize,
     pub moe: Option<MoeConfig>,
     /// One entry per decoder layer.
     pub layers: Vec<LayerSpec>,
@@ -332,6 +415,9 @@ pub struct LayerKinds {
     /// Attention layers over a sliding window.
     #[serde(default)]
     pub sliding_attention: usize,
+    /// Multi-head latent attention layers.
+    #[serde(default)]
+    pub latent_attention: usize,
     pub linear_attention: usize,
     pub dense_mlp: usize,
     pub moe: usize,
@@ -461,6 +547,51 @@ impl ModelConfig {
                 )));
             }
         }
+        if uses(MixerKind::LatentAttention) {
+            let Some(m) = &self.mla else {
+                return Err(bad("model config: latent-attention layers without their dimensions"));
+            };
+            let dims =
+                [m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank.unwrap_or(1)];
+            if dims.contains(&0) || dims.iter().any(|&d| d > MAX_DIMENSION) {
+                return Err(bad(format!(
+                    "model config: kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must \
+                     be positive and real sizes, got {m:?}"
+                )));
+            }
+            if !(m.softmax_scale.is_finite() && m.softmax_scale > 0.0) {
+                return Err(bad(format!(
+                    "model config: the attention's softmax scale {} is not positive",
+                    m.softmax_scale
+                )));
+            }
+        }
+        if let Some(r) = self.moe.as_ref().and_then(|m| m.deepseek.as_ref().map(|r| (m, r))) {
+            let (m, r) = r;
+            if let Some((groups, topk_group, _)) = r.groups {
+                if groups == 0 || !m.num_experts.is_multiple_of(groups) || topk_group == 0 || topk_group > groups {
+                    return Err(bad(format!(
+                        "model config: n_group {groups} must divide the {} experts and topk_group {topk_group} be in \
+                         1..=n_group",
+                        m.num_experts
+                    )));
+                }
+                if m.experts_per_token > topk_group * (m.num_experts / groups) {
+                    return Err(bad(format!(
+                        "model config: num_experts_per_tok {} is more than the {topk_group} groups of {} experts \
+                         that topk_group lets a token choose from",
+                        m.experts_per_token,
+                        m.num_experts / groups
+                    )));
+                }
+                if r.groups.is_some_and(|g| g.2 == GroupScore::TopTwoSum) && m.num_experts / groups < 2 {
+                    return Err(bad("model config: groups scored by their two best experts need two experts a group"));
+                }
+            }
+            if !(r.routed_scaling_factor.is_finite()) {
+                return Err(bad("model config: routed_scaling_factor must be finite"));
+            }
+        }
         if self.layers.iter().any(|l| l.ffn.has_dense()) && self.intermediate_size == 0 {
             return Err(bad("model config: dense MLP layers need a positive intermediate_size"));
         }
@@ -482,6 +613,11 @@ impl ModelConfig {
         let q = if self.attn_output_gate { 2 * nq * hd } else { nq * hd };
         let mixer = match spec.mixer {
             MixerKind::FullAttention | MixerKind::SlidingAttention => b * (2 * (q + 2 * nkv * hd) + 2 * nq * hd),
+            MixerKind::LatentAttention => self.mla.as_ref().map_or(0, |m| {
+                let latent = (m.q_lora_rank.unwrap_or(0) + m.kv_lora_rank + m.qk_rope_head_dim) as u64;
+                let per_head = (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 3 * m.v_head_dim) as u64;
+                b * (2 * latent + 3 * nq * per_head)
+            }),
             MixerKind::LinearAttention => self.linear_attention.as_ref().map_or(0, |la| {
                 let (nv, dk, dv) = (la.num_value_heads as u64, la.key_head_dim as u64, la.value_head_dim as u64);
                 let conv = la.conv_dim() as u64;
@@ -565,6 +701,15 @@ impl ModelConfig {
             if m.layout == ExpertsLayout::Interleaved {
                 needs.push("interleaved gate/up experts (MXFP4 or float)");
             }
+            if m.routing == Routing::Deepseek {
+                needs.push("DeepSeek's routing (sigmoid or softmax scores, correction bias, expert groups, scaling)");
+            }
+            if m.ungated_shared_experts {
+                needs.push("ungated shared experts");
+            }
+        }
+        if self.layers.iter().any(|l| l.mixer == MixerKind::LatentAttention) {
+            needs.push("multi-head latent attention");
         }
         needs
     }
@@ -592,6 +737,7 @@ impl ModelConfig {
         LayerKinds {
             full_attention: count(&|l| l.mixer == MixerKind::FullAttention),
             sliding_attention: count(&|l| l.mixer == MixerKind::SlidingAttention),
+            latent_attention: count(&|l| l.mixer == MixerKind::LatentAttention),
             linear_attention: count(&|l| l.mixer == MixerKind::LinearAttention),
             dense_mlp: count(&|l| l.ffn.has_dense()),
             moe: moe_layers,

@@ -8,6 +8,7 @@ pub mod delta_rule;
 pub mod fp8;
 pub mod gdn;
 pub mod linear;
+pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod mxfp4;

@@ -8,7 +8,7 @@ use candle_core::{DType, Tensor, D};
 
 use super::linear::Linear;
 use super::mlp::GatedMlp;
-use crate::engine::config::{ExpertsLayout, MoeConfig, Routing};
+use crate::engine::config::{DeepseekRouting, ExpertsLayout, GroupScore, MoeConfig, Routing, ScoreFunction};
 use crate::engine::options::EngineOptions;
 use crate::engine::profile::Profiler;
 use crate::engine::weights::Weights;
@@ -43,6 +43,10 @@ struct RouterNorm {
     per_expert: Tensor,
 }
 
+/// [`Routing::Deepseek`]'s parameters, the router's f32 weight transposed `[hidden, E]` and its
+/// f32 score correction bias.
+type DeepseekRouter = (DeepseekRouting, Tensor, Option<Vec<f32>>);
+
 pub struct SparseMoe {
     router: Linear,
     router_norm: Option<RouterNorm>,
@@ -52,6 +56,11 @@ pub struct SparseMoe {
     top_k: usize,
     norm_topk_prob: bool,
     routing: Routing,
+    /// [`Routing::Deepseek`]: its parameters, the router's weight transposed `[hidden, E]` and
+    /// its score correction bias, both f32 (transformers keeps them in f32 whatever the dtype).
+    deepseek: Option<Box<DeepseekRouter>>,
+    /// Shared experts added without a gate (`shared_experts`, DeepSeek).
+    plain_shared: Option<Box<GatedMlp>>,
 }
 
 /// The experts of `{prefix}.experts`, stored either fused (`gate_up_proj` [E, 2I, H] with the
@@ -260,7 +269,34 @@ impl SparseMoe {
         eps: f64,
         o: &EngineOptions,
     ) -> Result<Self, EngineError> {
-        let shared = match m.shared_expert_intermediate_size {
+        if m.routing == Routing::Deepseek && w.device.is_cuda() {
+            return Err(EngineError::Load("DeepSeek's routing is not computed on a CUDA device".into()));
+        }
+        let deepseek = match (&m.deepseek, m.routing) {
+            (Some(r), Routing::Deepseek) => {
+                let router = w.get_f32(&format!("{prefix}.{}.weight", m.router), &[m.num_experts, hidden])?;
+                let bias = match r.correction_bias {
+                    true => Some(
+                        w.get_f32(&format!("{prefix}.{}.e_score_correction_bias", m.router), &[m.num_experts])?
+                            .to_device(&candle_core::Device::Cpu)?
+                            .to_vec1()?,
+                    ),
+                    false => None,
+                };
+                Some(Box::new((r.clone(), router.t()?.contiguous()?, bias)))
+            }
+            (None, Routing::Deepseek) => {
+                return Err(EngineError::Load("DeepSeek's routing without its parameters".into()));
+            }
+            _ => None,
+        };
+        let plain_shared = match (m.ungated_shared_experts, m.shared_expert_intermediate_size) {
+            (true, Some(s)) => {
+                Some(Box::new(GatedMlp::load(w, &format!("{prefix}.shared_experts"), hidden, s, false)?))
+            }
+            _ => None,
+        };
+        let shared = match m.shared_expert_intermediate_size.filter(|_| !m.ungated_shared_experts) {
             Some(s) => Some((
                 GatedMlp::load(w, &format!("{prefix}.shared_expert"), hidden, s, false)?,
                 w.get(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden])?,
@@ -284,11 +320,42 @@ impl SparseMoe {
             top_k: m.experts_per_token,
             norm_topk_prob: m.norm_topk_prob,
             routing: m.routing,
+            deepseek,
+            plain_shared,
         })
+    }
+
+    /// DeepSeek's routing ([`DeepseekRouting`]), row by row in f32 on the host: `[T, k]` expert
+    /// indices and weights (in `x`'s dtype). A row with a non-finite logit gets NaN weights, so
+    /// its output is NaN as the reference's.
+    fn route_deepseek(
+        &self,
+        x: &Tensor,
+        r: &DeepseekRouting,
+        router_t: &Tensor,
+        bias: Option<&[f32]>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let k = self.top_k;
+        let logits = x.to_dtype(DType::F32)?.matmul(router_t)?.to_vec2::<f32>()?;
+        let mut idx = Vec::with_capacity(logits.len() * k);
+        let mut weights = Vec::with_capacity(logits.len() * k);
+        for row in &logits {
+            let (chosen, w) = deepseek_choice(row, r, bias, k, self.norm_topk_prob);
+            idx.extend(chosen);
+            weights.extend(w);
+        }
+        let t = logits.len();
+        let dev = x.device();
+        let idx = Tensor::from_vec(idx, (t, k), dev)?;
+        let weights = Tensor::from_vec(weights, (t, k), dev)?.to_dtype(x.dtype())?;
+        Ok((idx, weights))
     }
 
     /// `[T, k]` expert indices and routing weights (in `x`'s dtype), best first.
     fn route(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        if let Some((r, router_t, bias)) = self.deepseek.as_deref() {
+            return self.route_deepseek(x, r, router_t, bias.as_deref());
+        }
         let logits = match &self.router_norm {
             // norm(x) * scale (in the compute dtype), then * hidden^-1/2 (in f32, rounded once).
             Some(r) => {
@@ -483,7 +550,75 @@ impl SparseMoe {
                 let logit = x.broadcast_mul(gate)?.sum_keepdim(1)?;
                 out + mlp.forward(x)?.broadcast_mul(&candle_nn::ops::sigmoid(&logit)?)?
             }
-            None => Ok(out),
+            None => match &self.plain_shared {
+                Some(mlp) => out + mlp.forward(x)?,
+                None => Ok(out),
+            },
         }
     }
+}
+
+/// One token's experts and weights under DeepSeek's routing, from its f32 router logits:
+/// scores (sigmoid or softmax), the correction bias added for choosing only, the best
+/// `topk_group` groups kept (ties to the lower index), the `k` best experts among them, their
+/// scores as weights (over their sum plus 1e-20 when `norm`), times `routed_scaling_factor`.
+fn deepseek_choice(
+    logits: &[f32],
+    r: &DeepseekRouting,
+    bias: Option<&[f32]>,
+    k: usize,
+    norm: bool,
+) -> (Vec<u32>, Vec<f32>) {
+    let e = logits.len();
+    if logits.iter().any(|l| !l.is_finite()) {
+        return ((0..k as u32).collect(), vec![f32::NAN; k]);
+    }
+    let scores: Vec<f32> = match r.scores {
+        ScoreFunction::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+        ScoreFunction::Softmax => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            exps.iter().map(|&x| x / sum).collect()
+        }
+    };
+    let mut choice: Vec<f32> = match bias {
+        Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+        None => scores.clone(),
+    };
+    // Best first; ties to the lower index.
+    let best = |v: &[f32], n: usize| -> Vec<usize> {
+        let mut order: Vec<usize> = (0..v.len()).collect();
+        order.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+        order.truncate(n);
+        order
+    };
+    if let Some((groups, topk_group, how)) = r.groups {
+        let size = e / groups;
+        let group_scores: Vec<f32> = choice
+            .chunks(size)
+            .map(|g| {
+                let top = best(g, 2);
+                match how {
+                    GroupScore::Max => g[top[0]],
+                    GroupScore::TopTwoSum => g[top[0]] + g[top[1]],
+                }
+            })
+            .collect();
+        let kept = best(&group_scores, topk_group);
+        for (gi, g) in choice.chunks_mut(size).enumerate() {
+            if !kept.contains(&gi) {
+                g.iter_mut().for_each(|c| *c = f32::NEG_INFINITY);
+            }
+        }
+    }
+    let chosen = best(&choice, k);
+    let mut w: Vec<f32> = chosen.iter().map(|&i| scores[i]).collect();
+    if norm {
+        let denominator = w.iter().sum::<f32>() + 1e-20;
+        w.iter_mut().for_each(|x| *x /= denominator);
+    }
+    let scale = r.routed_scaling_factor as f32;
+    w.iter_mut().for_each(|x| *x *= scale);
+    (chosen.into_iter().map(|i| i as u32).collect(), w)
 }

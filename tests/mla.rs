@@ -1,0 +1,379 @@
+//! Multi-head latent attention and DeepSeek's routing on the CPU against transformers, on the tiny
+//! checkpoints of scripts/make_mla_fixtures.py (tests/fixtures/mla): DeepSeek-V3 (low-rank queries,
+//! sigmoid scores with the correction bias, expert groups, YaRN with mscale, a multi-token-prediction
+//! layer in the file), DeepSeek-V2-Lite's shape (a plain q_proj, softmax scores, greedy and
+//! group-limited routing) and GLM-4.7-Flash's (V larger than Q/K, tied head): every index within
+//! 1e-5 of transformers-f32 (or twice its own distance from float64), packed sequences the same bits
+//! as alone, next-token log-probabilities (also served over HTTP), `/v1/info`'s layer kinds and the
+//! self-check, each feature changing the states, and the refusals: on CUDA, and every config field
+//! not built.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use common::{read_safetensors, rel_err, Read};
+use layertap::engine::loader::ModelFiles;
+use layertap::engine::selfcheck::{check, Probe, Reference};
+use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, OutDType, Rows};
+
+const F32_TOLERANCE: f64 = 1e-5;
+const VARIANTS: [&str; 4] = ["deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "glm4_moe_lite"];
+
+fn dir(name: &str) -> PathBuf {
+    common::fixtures().join("mla").join(name)
+}
+
+fn facts(name: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir(name).join("reference.json")).unwrap()).unwrap()
+}
+
+fn load(d: &Path, dtype: DType) -> ModelEngine {
+    ModelFiles::locate(&d.to_string_lossy()).expect("locate").load(&Device::Cpu, dtype).expect("load").engine
+}
+
+fn ids(reference: &HashMap<String, Read>, i: usize) -> Vec<u32> {
+    reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()
+}
+
+fn sequences(reference: &HashMap<String, Read>) -> usize {
+    (0..).take_while(|i| reference.contains_key(&format!("seq{i}.input_ids"))).count()
+}
+
+/// `[T, layers, H]` of each sequence, all packed in one batch.
+fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<f32>> {
+    let batch = Batch::pack(seqs.iter().map(Vec::as_slice), layers.iter().copied());
+    let cu = batch.cu_seqlens.clone();
+    let taps = engine.forward(&batch).unwrap();
+    (0..seqs.len()).map(|i| taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).unwrap().to_f32()).collect()
+}
+
+/// The last index of the longest sequence.
+fn last_state(engine: &mut ModelEngine, reference: &HashMap<String, Read>) -> Vec<f32> {
+    let n = engine.decoder.cfg.num_hidden_layers;
+    let last = sequences(reference) - 1;
+    run(engine, &[ids(reference, last)], &[n]).remove(0)
+}
+
+fn want_last(reference: &HashMap<String, Read>) -> Vec<f32> {
+    let last = sequences(reference) - 1;
+    let hs = &reference[&format!("seq{last}.hidden_states")];
+    let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    hs.f32[(l1 - 1) * t * h..].to_vec()
+}
+
+/// `|a - b| / |b|` (L2), `b` in float64.
+fn rel_err_f64(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (f64::from(x) - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Every index of every sequence within 1e-5 of transformers-f32 (or, where transformers-f32 is
+/// itself farther than half that from its float64 run, within twice that distance); the distance
+/// from the float64 run is measured too.
+#[test]
+fn every_index_matches_transformers() {
+    for name in VARIANTS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let drift: Vec<f64> = facts(name)["f32_vs_f64_relative_error_per_index"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let mut engine = load(&d, DType::F32);
+        let n = engine.decoder.cfg.num_hidden_layers;
+        assert_eq!(drift.len(), n + 1);
+        let all: Vec<usize> = (0..=n + 1).collect();
+        let (mut worst, mut worst64) = (vec![0f64; n + 2], vec![0f64; n + 1]);
+        for i in 0..sequences(&reference) {
+            let hs = &reference[&format!("seq{i}.hidden_states")];
+            let hs64 = &reference[&format!("seq{i}.hidden_states_f64")];
+            let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
+            let (t, h) = (hs.shape[1], hs.shape[2]);
+            let got = run(&mut engine, &[ids(&reference, i)], &all).remove(0);
+            for layer in 0..=n + 1 {
+                let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
+                let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
+                let e = rel_err(&ours, want);
+                worst[layer] = worst[layer].max(e);
+                let allowed = F32_TOLERANCE.max(2.0 * drift[layer.min(n)]);
+                assert!(e <= allowed, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e} > {allowed:.1e}");
+                if layer <= n {
+                    let exact = &hs64.f64[layer * t * h..(layer + 1) * t * h];
+                    worst64[layer] = worst64[layer].max(rel_err_f64(&ours, exact));
+                }
+            }
+        }
+        for layer in 0..=n {
+            assert!(
+                worst64[layer] <= F32_TOLERANCE.max(2.0 * drift[layer]),
+                "{name} index {layer}: {:.3e} from float64 (transformers-f32: {:.1e})",
+                worst64[layer],
+                drift[layer]
+            );
+        }
+        let fmt = |v: &[f64]| v.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
+        println!("{name}: worst relative error per index 0..={n} and final_prenorm: {}", fmt(&worst));
+        println!("{name}: from float64 per index: {} (transformers-f32: {})", fmt(&worst64), fmt(&drift));
+    }
+}
+
+/// Sequences packed together give the bits they give alone.
+#[test]
+fn packed_sequences_equal_solo_runs_bitwise() {
+    for name in VARIANTS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let mut engine = load(&d, DType::F32);
+        let n = engine.decoder.cfg.num_hidden_layers;
+        let layers = vec![n, 0, 1, 2, n + 1];
+        let order = [3, 0, 2, 1];
+        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| ids(&reference, i)).collect();
+        let packed = run(&mut engine, &seqs, &layers);
+        for (p, s) in seqs.iter().enumerate() {
+            let alone = run(&mut engine, std::slice::from_ref(s), &layers).remove(0);
+            assert!(
+                packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name}: sequence {} differs when packed",
+                order[p]
+            );
+        }
+    }
+}
+
+/// Next-token log-probabilities of every position: transformers' top ids, their values and the
+/// target's within 1e-5 (or twice transformers-f32's own distance from float64), through an
+/// untied head (DeepSeek) and a tied one (GLM-4.7-Flash's fixture).
+#[test]
+fn log_probabilities_match_transformers() {
+    for name in VARIANTS {
+        let d = dir(name);
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let allowed = F32_TOLERANCE.max(2.0 * facts(name)["logprobs_f32_vs_f64_max_abs"].as_f64().unwrap());
+        let files = ModelFiles::locate(&d.to_string_lossy()).unwrap();
+        assert_eq!(files.config().tie_word_embeddings, name == "glm4_moe_lite");
+        let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
+        assert!(loaded.info.lm_head, "{name}: a head for log-probabilities");
+        let mut engine = loaded.engine;
+        let mut worst = 0f64;
+        for i in 0..sequences(&reference) {
+            let seq = ids(&reference, i);
+            let (want_ids, want) =
+                (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
+            let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
+            let k = want_ids.shape[1];
+            let mut batch = Batch::pack([&seq[..]], []);
+            batch.output.logprobs = Some(LogprobRows { rows: Rows::All, top_k: k });
+            let lp = engine.forward(&batch).unwrap().logprobs.expect("log-probabilities");
+            let (got_ids, got, target) = lp.slice(0, seq.len(), k).unwrap();
+            for at in 0..seq.len() * k {
+                assert_eq!(got_ids[at], want_ids.i64[at], "{name} seq{i} entry {at}: another id");
+                worst = worst.max(f64::from((got[at] - want.f32[at]).abs()));
+            }
+            for (r, (&g, &w)) in target.iter().zip(want_target).enumerate() {
+                if w.is_nan() {
+                    assert_eq!(r + 1, seq.len(), "only the last position has no target");
+                } else {
+                    worst = worst.max(f64::from((g - w).abs()));
+                }
+            }
+        }
+        println!("{name}: largest log-probability error {worst:.2e} (allowed {allowed:.1e})");
+        assert!(worst <= allowed, "{name}: log-probabilities off by {worst:.3e}");
+    }
+}
+
+/// `/v1/info`'s layer kinds, and the start-up self-check in f32 and bf16.
+#[test]
+fn info_and_selfcheck() {
+    for name in VARIANTS {
+        let files = ModelFiles::locate(&dir(name).to_string_lossy()).unwrap();
+        let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
+        let k = &loaded.info.layer_kinds;
+        assert_eq!((k.full_attention, k.latent_attention, k.linear_attention), (0, 3, 0), "{name}: {k:?}");
+        assert_eq!(
+            (k.dense_mlp, k.moe, k.experts, k.experts_per_token, k.shared_expert),
+            (1, 2, Some(8), Some(3), true),
+            "{name}"
+        );
+        assert_eq!(loaded.info.quantization, None);
+        let probe = Probe::new(files.config());
+        assert!(probe.routed && !probe.fp8);
+        let portable = Reference::portable(&files, &probe).unwrap();
+        let mut engine = loaded.engine;
+        let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
+        assert!(r.passed() && r.worst().1 < 1e-5, "{name}: {:?}", r.errors);
+        let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
+        let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
+        assert!(b.passed(), "{name}: bf16 {:?}", b.errors);
+    }
+}
+
+type Edit<'a> = (&'a str, &'a dyn Fn(&mut serde_json::Value));
+
+/// Each routing option, the interleaved rotation, YaRN's mscale in the softmax scale and each
+/// random tensor kind change the last state: a checkpoint read without any of them would fail the
+/// fidelity test.
+#[test]
+fn each_feature_of_the_families_matters() {
+    let config_edits: [(&str, Vec<Edit>); 3] = [
+        (
+            "deepseek_v3",
+            vec![
+                ("routed_scaling_factor", &|c| c["routed_scaling_factor"] = 1.0.into()),
+                ("groups", &|c| c["topk_group"] = 4.into()),
+                ("norm_topk_prob", &|c| c["norm_topk_prob"] = false.into()),
+                ("rope_interleave", &|c| c["rope_interleave"] = false.into()),
+                ("mscale_all_dim in the softmax scale", &|c| {
+                    // Kept in the rotary tables' factor (given explicitly), gone from the scale.
+                    let p = &mut c["rope_parameters"];
+                    let (f, m, all) = (4f64, 1.0, 0.8);
+                    let get = |s: f64| 0.1 * s * f.ln() + 1.0;
+                    p["attention_factor"] = (get(m) / get(all)).into();
+                    p["mscale_all_dim"] = 0.0.into();
+                }),
+            ],
+        ),
+        (
+            "deepseek_v2_grouped",
+            vec![
+                ("topk_method", &|c| c["topk_method"] = "greedy".into()),
+                ("routed_scaling_factor", &|c| c["routed_scaling_factor"] = 1.0.into()),
+            ],
+        ),
+        ("glm4_moe_lite", vec![("groups", &|c| c["topk_group"] = 2.into())]),
+    ];
+    for (name, edits) in config_edits {
+        let reference = read_safetensors(&dir(name).join("reference.safetensors"));
+        let want = want_last(&reference);
+        let e = rel_err(&last_state(&mut load(&dir(name), DType::F32), &reference), &want);
+        assert!(e <= F32_TOLERANCE, "{name}: {e:.1e} unedited");
+        for (what, edit) in edits {
+            let copy = common::with_config(&format!("mla/{name}"), edit);
+            let e = rel_err(&last_state(&mut load(copy.path(), DType::F32), &reference), &want);
+            assert!(e > 1e-3, "{name}: changing {what} moves the last state by only {e:.1e}");
+        }
+    }
+    // The dense first layer: read as a mixture of experts, its tensors are missing.
+    let copy = common::with_config("mla/deepseek_v3", |c| c["first_k_dense_replace"] = 0.into());
+    let e = common::refusal(copy.path()).expect("layer 0 read as experts");
+    assert!(e.contains("layers.0.mlp.gate.weight") && e.contains("missing"), "{e}");
+    let set = |suffix: &'static str, value: f32| {
+        move |tensors: &mut Vec<common::OwnedTensor>| {
+            let mut hit = false;
+            for (name, dtype, _, data) in tensors.iter_mut() {
+                if name.ends_with(suffix) {
+                    assert_eq!(format!("{dtype:?}"), "BF16");
+                    let bits = half::bf16::from_f32(value).to_bits().to_le_bytes();
+                    data.chunks_mut(2).for_each(|b| b.copy_from_slice(&bits));
+                    hit = true;
+                }
+            }
+            assert!(hit, "no tensor ends with {suffix}");
+        }
+    };
+    let tensors: [(&str, &str, f32); 6] = [
+        ("deepseek_v3", "gate.e_score_correction_bias", 0.0),
+        ("deepseek_v3", "q_a_layernorm.weight", 1.0),
+        ("deepseek_v3", "kv_a_layernorm.weight", 1.0),
+        ("deepseek_v3", "shared_experts.down_proj.weight", 0.0),
+        ("deepseek_v2_lite", "shared_experts.up_proj.weight", 0.0),
+        ("glm4_moe_lite", "gate.e_score_correction_bias", 0.0),
+    ];
+    for (name, suffix, value) in tensors {
+        let reference = read_safetensors(&dir(name).join("reference.safetensors"));
+        let copy = common::with_tensors(&format!("mla/{name}"), set(suffix, value));
+        let e = rel_err(&last_state(&mut load(copy.path(), DType::F32), &reference), &want_last(&reference));
+        assert!(e > 1e-3, "{name}: {suffix} set to {value} moves the last state by only {e:.1e}");
+    }
+}
+
+/// The multi-token-prediction layer DeepSeek-V3's file holds after the decoder is read only as
+/// such: with `num_nextn_predict_layers` 0 the file is refused (a layer past the decoder).
+#[test]
+fn the_mtp_layer_is_ignored_only_where_the_config_declares_it() {
+    let files = ModelFiles::locate(&dir("deepseek_v3").to_string_lossy()).unwrap();
+    assert_eq!(files.config().mtp_layers, 1);
+    let copy = common::with_config("mla/deepseek_v3", |c| c["num_nextn_predict_layers"] = 0.into());
+    let e = common::refusal(copy.path()).expect("an undeclared layer past the decoder");
+    assert!(e.contains("past the 3"), "{e}");
+}
+
+/// Every config field the engine does not build is refused by name, and the families are refused
+/// on a CUDA device naming what the GPU paths lack.
+#[test]
+fn what_is_not_built_is_refused() {
+    let cases: [(&str, Edit, &str); 12] = [
+        ("deepseek_v3", ("", &|c| c["num_key_value_heads"] = 2.into()), "num_key_value_heads"),
+        ("deepseek_v2_lite", ("", &|c| c["norm_topk_prob"] = true.into()), "norm_topk_prob"),
+        ("deepseek_v2_lite", ("", &|c| c["topk_method"] = "noaux_tc".into()), "topk_method"),
+        ("deepseek_v2_lite", ("", &|c| c["rope_interleave"] = false.into()), "rope_interleave"),
+        ("deepseek_v3", ("", &|c| c["scoring_func"] = "softmax".into()), "scoring_func"),
+        ("deepseek_v3", ("", &|c| c["topk_method"] = "group_limited_greedy".into()), "topk_method"),
+        ("deepseek_v3", ("", &|c| c["attention_bias"] = true.into()), "attention_bias"),
+        ("deepseek_v3", ("", &|c| c["moe_layer_freq"] = 2.into()), "moe_layer_freq"),
+        ("deepseek_v3", ("", &|c| c["rope_parameters"]["partial_rotary_factor"] = 0.5.into()), "partial_rotary_factor"),
+        ("deepseek_v3", ("", &|c| c["topk_group"] = 1.into()), "num_experts_per_tok"),
+        ("glm4_moe_lite", ("", &|c| c["first_k_dense_replace"] = 2.into()), "first_k_dense_replace"),
+        ("glm4_moe_lite", ("", &|c| c["hidden_act"] = "gelu".into()), "hidden_act"),
+    ];
+    for (name, (_, edit), field) in cases {
+        let copy = common::with_config(&format!("mla/{name}"), edit);
+        let e = common::refusal(copy.path()).unwrap_or_else(|| panic!("{name}: {field} not refused"));
+        assert!(e.contains(field), "{name}: {e}");
+    }
+    for name in VARIANTS {
+        let files = ModelFiles::locate(&dir(name).to_string_lossy()).unwrap();
+        let needs = files.config().needs_beyond_cuda();
+        for what in ["multi-head latent attention", "DeepSeek's routing", "ungated shared experts"] {
+            assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
+        }
+    }
+}
+
+/// A real server on DeepSeek-V3's fixture: `/v1/info` reports the latent-attention layers, and the
+/// answer for the longest sequence equals transformers at the indices asked, with its
+/// log-probabilities.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reports_layer_kinds_and_returns_exact_states_and_logprobs() {
+    use serde_json::{json, Value};
+    let d = dir("deepseek_v3");
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("mla/deepseek_v3", limits).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    let kinds = &info["layer_kinds"];
+    assert_eq!(info["architecture"], "DeepseekV3ForCausalLM");
+    assert_eq!((kinds["latent_attention"].as_u64(), kinds["full_attention"].as_u64()), (Some(3), Some(0)), "{info}");
+    assert_eq!((kinds["moe"].as_u64(), kinds["dense_mlp"].as_u64()), (Some(2), Some(1)), "{info}");
+
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let last = sequences(&reference) - 1;
+    let hs = &reference[&format!("seq{last}.hidden_states")];
+    let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
+    let body = json!({"inputs": [{"input_ids": reference[&format!("seq{last}.input_ids")].i64}], "layers": [1, -1, 2],
+                      "dtype": "float32", "logprobs": {"top_k": 5, "target": true}});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = common::read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let states = &got["hidden_states"];
+    for (k, idx) in [1, l1 - 1, 2].into_iter().enumerate() {
+        let want = &hs.f32[idx * t * h..(idx + 1) * t * h];
+        let ours: Vec<f32> = (0..t).flat_map(|r| states.f32[(r * 3 + k) * h..][..h].to_vec()).collect();
+        let e = rel_err(&ours, want);
+        assert!(e <= F32_TOLERANCE, "index {idx}: relative error {e:.3e}");
+    }
+    assert_eq!(got["topk_ids"].i64, reference[&format!("seq{last}.logprob_ids")].i64);
+    let worst = got["topk_logprobs"]
+        .f32
+        .iter()
+        .zip(&reference[&format!("seq{last}.logprobs")].f32)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(f64::from(worst) <= F32_TOLERANCE, "log-probabilities off by {worst:e}");
+    running.shutdown.cancel();
+}

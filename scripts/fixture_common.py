@@ -111,6 +111,47 @@ def save_tensors(tensors, path, metadata=None, mode=None):
         os.chmod(path, mode)
 
 
+def read_file(path):
+    """Every tensor of a safetensors file, by name (torch)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def drift_per_index(refs, exact):
+    """Per hidden-state index, the worst relative error (L2 over a sequence's tokens) of the
+    float32 states `refs` against the float64 ones `exact` (each `[indices, T, H]`)."""
+    worst = [0.0] * refs[0].shape[0]
+    for ref, ex in zip(refs, exact):
+        for i in range(len(worst)):
+            worst[i] = max(worst[i], ((ref[i].double() - ex[i]).norm() / ex[i].norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def logprob_tensors(seqs, logits, logits64, k):
+    """seq{i}.logprob_ids / .logprobs (the top `k` of each row's log-softmax) and
+    .target_logprobs (the next token's; NaN on the last row), with transformers-f32's largest
+    distance from the float64 log-probabilities and the smallest gap between the k-th and the
+    next log-probability (a tie there would make the top k ambiguous)."""
+    import math
+
+    import torch
+
+    tensors, f32_err, min_gap = {}, 0.0, math.inf
+    for i, (ids, lg, lg64) in enumerate(zip(seqs, logits, logits64)):
+        lp, lp64 = torch.log_softmax(lg, -1), torch.log_softmax(lg64, -1)
+        top = torch.sort(lp, -1, descending=True)
+        min_gap = min(min_gap, (top.values[:, k - 1] - top.values[:, k]).min().item())
+        tensors[f"seq{i}.logprob_ids"] = top.indices[:, :k].contiguous()
+        tensors[f"seq{i}.logprobs"] = top.values[:, :k].contiguous()
+        target = torch.full((ids.shape[0],), float("nan"))
+        target[:-1] = lp[torch.arange(ids.shape[0] - 1), ids[1:]]
+        tensors[f"seq{i}.target_logprobs"] = target
+        f32_err = max(f32_err, (lp.double() - lp64).abs().max().item())
+    return tensors, f32_err, min_gap
+
+
 def reference_tensors(seqs, hidden_states, prenorms):
     """seq{i}.input_ids, seq{i}.hidden_states, seq{i}.final_prenorm, sequence after sequence."""
     tensors = {}

@@ -58,7 +58,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import math  # noqa: E402
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from transformers import (  # noqa: E402
     Gemma4Config,
     Gemma4ForCausalLM,
@@ -67,18 +66,21 @@ from transformers import (  # noqa: E402
 )
 from transformers.models.gemma4 import modeling_gemma4  # noqa: E402
 
+from fixture_common import logprob_tensors as shared_logprob_tensors  # noqa: E402
 from fixture_common import (  # noqa: E402
     FIXTURES_DIR,
     TINY_DIR,
     check_final_prenorm,
     copy_files,
     dir_size,
+    drift_per_index,
     dump_json,
     fixture_args,
     fresh_dir,
     layer_output,
     randn,
     random_sequences,
+    read_file,
     reference_tensors,
     save_tensors,
     selected,
@@ -269,36 +271,18 @@ def float64_run(model, seqs):
         modeling_gemma4.Gemma4RMSNorm.forward = original
 
 
-def drift_per_index(refs, exact):
-    worst = [0.0] * (L + 1)
-    for ref, ex in zip(refs, exact):
-        for i in range(L + 1):
-            worst[i] = max(worst[i], ((ref[i].double() - ex[i]).norm() / ex[i].norm().clamp_min(1e-30)).item())
-    return worst
 
 
 def logprob_tensors(seqs, logits, logits64, refs, head):
     """The log-probabilities; also the largest raw logit (before the cap) over the cap."""
-    tensors, f32_err, min_gap, capped = {}, 0.0, math.inf, 0.0
-    for i, (ids, lg, lg64) in enumerate(zip(seqs, logits, logits64)):
+    capped = 0.0
+    for i, lg in enumerate(logits):
         raw = refs[i][L] @ head.T
         assert torch.allclose(torch.tanh(raw / SOFTCAP) * SOFTCAP, lg, atol=1e-5), "the softcap"
         capped = max(capped, raw.abs().max().item() / SOFTCAP)
-        lp, lp64 = torch.log_softmax(lg, -1), torch.log_softmax(lg64, -1)
-        top = torch.sort(lp, -1, descending=True)
-        min_gap = min(min_gap, (top.values[:, LOGPROB_K - 1] - top.values[:, LOGPROB_K]).min().item())
-        tensors[f"seq{i}.logprob_ids"] = top.indices[:, :LOGPROB_K].contiguous()
-        tensors[f"seq{i}.logprobs"] = top.values[:, :LOGPROB_K].contiguous()
-        target = torch.full((ids.shape[0],), float("nan"))
-        target[:-1] = lp[torch.arange(ids.shape[0] - 1), ids[1:]]
-        tensors[f"seq{i}.target_logprobs"] = target
-        f32_err = max(f32_err, (lp.double() - lp64).abs().max().item())
-    return tensors, f32_err, min_gap, capped
+    return (*shared_logprob_tensors(seqs, logits, logits64, LOGPROB_K), capped)
 
 
-def read_file(path):
-    with safe_open(path, "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def write_variant(name, model, out_dir, seqs, refs, prenorms, logits, logits64, drift, facts):

@@ -62,7 +62,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config  # noqa: E402
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
@@ -73,19 +72,22 @@ from fixture_common import (  # noqa: E402
     check_final_prenorm,
     copy_files,
     dir_size,
+    drift_per_index,
     dump_json,
     fixture_args,
     fresh_dir,
     layer_output,
+    logprob_tensors,
     randn,
     random_sequences,
+    read_file,
+    read_json,
     reference_tensors,
     save_tensors,
     selected,
     setup_torch,
     versions,
     write_json,
-    read_json,
 )
 
 DEFAULT_OUT = os.path.join(FIXTURES_DIR, "gpt_oss")
@@ -309,36 +311,13 @@ def float64_run(model, seqs):
         modeling_gpt_oss.GptOssRMSNorm.forward = original
 
 
-def drift_per_index(refs, exact):
-    """Per index, the worst relative error (L2 over a sequence's tokens) of the f32 states against f64."""
-    worst = [0.0] * (L + 1)
-    for ref, ex in zip(refs, exact):
-        for i in range(L + 1):
-            worst[i] = max(worst[i], ((ref[i].double() - ex[i]).norm() / ex[i].norm().clamp_min(1e-30)).item())
-    return worst
 
 
-def logprob_tensors(seqs, logits, logits64):
-    tensors, f32_err, min_gap = {}, 0.0, math.inf
-    for i, (ids, lg, lg64) in enumerate(zip(seqs, logits, logits64)):
-        lp, lp64 = torch.log_softmax(lg, -1), torch.log_softmax(lg64, -1)
-        top = torch.sort(lp, -1, descending=True)
-        min_gap = min(min_gap, (top.values[:, LOGPROB_K - 1] - top.values[:, LOGPROB_K]).min().item())
-        tensors[f"seq{i}.logprob_ids"] = top.indices[:, :LOGPROB_K].contiguous()
-        tensors[f"seq{i}.logprobs"] = top.values[:, :LOGPROB_K].contiguous()
-        target = torch.full((ids.shape[0],), float("nan"))
-        target[:-1] = lp[torch.arange(ids.shape[0] - 1), ids[1:]]
-        tensors[f"seq{i}.target_logprobs"] = target
-        f32_err = max(f32_err, (lp.double() - lp64).abs().max().item())
-    return tensors, f32_err, min_gap
 
 
 # --------------------------------------------------------------------------- files
 
 
-def read_file(path):
-    with safe_open(path, "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def file_tensors(model, mx, variant):
@@ -412,7 +391,7 @@ def write_variant(name, model, mx, out_dir, seqs, refs, prenorms, logits, logits
     del half
 
     ref_tensors = reference_tensors(seqs, refs, prenorms)
-    lp_tensors, lp_f32_err, lp_gap = logprob_tensors(seqs, logits, logits64)
+    lp_tensors, lp_f32_err, lp_gap = logprob_tensors(seqs, logits, logits64, LOGPROB_K)
     ref_tensors.update(lp_tensors)
     ref_tensors["seq2.hidden_states_bf16"] = half_hs.contiguous()
     save_tensors(ref_tensors, os.path.join(vdir, "reference.safetensors"), mode=0o644)

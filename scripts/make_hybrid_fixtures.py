@@ -65,7 +65,6 @@ import re  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
@@ -92,6 +91,7 @@ from fixture_common import (  # noqa: E402
     layer_output,
     randn,
     random_sequences,
+    read_file,
     read_json,
     reference_tensors,
     save_tensors,
@@ -531,9 +531,6 @@ def file_tensors(model, spec):
     return state
 
 
-def read_file(path):
-    with safe_open(path, "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def check_expert_split(model):

@@ -61,7 +61,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import math  # noqa: E402
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from transformers import (  # noqa: E402
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
@@ -77,12 +76,15 @@ from fixture_common import (  # noqa: E402
     check_final_prenorm,
     copy_files,
     dir_size,
+    drift_per_index,
     dump_json,
     fixture_args,
     fresh_dir,
     layer_output,
+    logprob_tensors,
     randn,
     random_sequences,
+    read_file,
     read_json,
     reference_tensors,
     save_tensors,
@@ -310,32 +312,10 @@ def float64_run(model, seqs):
             del m.forward
 
 
-def drift_per_index(refs, exact):
-    worst = [0.0] * (L + 1)
-    for ref, ex in zip(refs, exact):
-        for i in range(L + 1):
-            worst[i] = max(worst[i], ((ref[i].double() - ex[i]).norm() / ex[i].norm().clamp_min(1e-30)).item())
-    return worst
 
 
-def logprob_tensors(seqs, logits, logits64):
-    tensors, f32_err, min_gap = {}, 0.0, math.inf
-    for i, (ids, lg, lg64) in enumerate(zip(seqs, logits, logits64)):
-        lp, lp64 = torch.log_softmax(lg, -1), torch.log_softmax(lg64, -1)
-        top = torch.sort(lp, -1, descending=True)
-        min_gap = min(min_gap, (top.values[:, LOGPROB_K - 1] - top.values[:, LOGPROB_K]).min().item())
-        tensors[f"seq{i}.logprob_ids"] = top.indices[:, :LOGPROB_K].contiguous()
-        tensors[f"seq{i}.logprobs"] = top.values[:, :LOGPROB_K].contiguous()
-        target = torch.full((ids.shape[0],), float("nan"))
-        target[:-1] = lp[torch.arange(ids.shape[0] - 1), ids[1:]]
-        tensors[f"seq{i}.target_logprobs"] = target
-        f32_err = max(f32_err, (lp.double() - lp64).abs().max().item())
-    return tensors, f32_err, min_gap
 
 
-def read_file(path):
-    with safe_open(path, "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def mtp_tensors(saved):
@@ -393,7 +373,7 @@ def write_variant(name, model, out_dir, seqs, refs, facts):
     ref_tensors = reference_tensors(seqs, refs, prenorms)
     for i, ex in enumerate(exact):
         ref_tensors[f"seq{i}.hidden_states_f64"] = ex.contiguous()
-    lp_tensors, lp_f32_err, lp_gap = logprob_tensors(seqs, logits, logits64)
+    lp_tensors, lp_f32_err, lp_gap = logprob_tensors(seqs, logits, logits64, LOGPROB_K)
     ref_tensors.update(lp_tensors)
     save_tensors(ref_tensors, os.path.join(vdir, "reference.safetensors"), mode=0o644)
     ref = {

@@ -10,13 +10,13 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use common::{fixtures, read_safetensors, rel_err, Read};
+use common::{fixtures, load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed, Read};
 use layertap::engine::config::{FfnKind, MixerKind, ModelConfig};
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::selfcheck::{check, Probe, Reference};
-use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, OutDType, Rows};
+use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 2] = ["gemma4_dense", "gemma4_moe"];
@@ -26,11 +26,7 @@ fn dir(name: &str) -> PathBuf {
 }
 
 fn facts(name: &str) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(dir(name).join("reference.json")).unwrap()).unwrap()
-}
-
-fn load(d: &Path, dtype: DType) -> ModelEngine {
-    ModelFiles::locate(&d.to_string_lossy()).expect("locate").load(&Device::Cpu, dtype).expect("load").engine
+    common::reference_facts(&dir(name))
 }
 
 /// An edit of a config.json.
@@ -45,22 +41,7 @@ fn text(c: &mut serde_json::Value) -> &mut serde_json::Value {
     }
 }
 
-fn ids(reference: &HashMap<String, Read>, i: usize) -> Vec<u32> {
-    reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()
-}
-
-fn sequences(reference: &HashMap<String, Read>) -> usize {
-    (0..).take_while(|i| reference.contains_key(&format!("seq{i}.input_ids"))).count()
-}
-
 /// `[T, layers, H]` of each sequence, all packed in one batch.
-fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<f32>> {
-    let batch = Batch::pack(seqs.iter().map(Vec::as_slice), layers.iter().copied());
-    let cu = batch.cu_seqlens.clone();
-    let taps = engine.forward(&batch).unwrap();
-    (0..seqs.len()).map(|i| taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).unwrap().to_f32()).collect()
-}
-
 /// Every index of every sequence within 1e-5 of transformers-f32 (or, where transformers-f32 is
 /// itself farther than half that from its float64 run, within twice that distance), and the last
 /// layer's output before the final norm held to the last index's bound.
@@ -75,16 +56,16 @@ fn every_index_matches_transformers() {
             .iter()
             .map(|v| v.as_f64().unwrap())
             .collect();
-        let mut engine = load(&d, DType::F32);
+        let mut engine = load_cpu(&d, DType::F32);
         let n = engine.decoder.cfg.num_hidden_layers;
         assert_eq!(drift.len(), n + 1);
         let all: Vec<usize> = (0..=n + 1).collect();
         let mut worst = vec![0f64; n + 2];
-        for i in 0..sequences(&reference) {
+        for i in 0..reference_sequences(&reference) {
             let hs = &reference[&format!("seq{i}.hidden_states")];
             let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
             let (t, h) = (hs.shape[1], hs.shape[2]);
-            let got = run(&mut engine, &[ids(&reference, i)], &all).remove(0);
+            let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
             for layer in 0..=n + 1 {
                 let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
                 let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
@@ -105,14 +86,14 @@ fn packed_sequences_equal_solo_runs_bitwise() {
     for name in VARIANTS {
         let d = dir(name);
         let reference = read_safetensors(&d.join("reference.safetensors"));
-        let mut engine = load(&d, DType::F32);
+        let mut engine = load_cpu(&d, DType::F32);
         let n = engine.decoder.cfg.num_hidden_layers;
         let layers = vec![n, 0, 1, 3, n + 1];
         let order = [5, 3, 0, 4, 2, 1];
-        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| ids(&reference, i)).collect();
-        let packed = run(&mut engine, &seqs, &layers);
+        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| reference_ids(&reference, i)).collect();
+        let packed = run_packed(&mut engine, &seqs, &layers);
         for (p, s) in seqs.iter().enumerate() {
-            let alone = run(&mut engine, std::slice::from_ref(s), &layers).remove(0);
+            let alone = run_packed(&mut engine, std::slice::from_ref(s), &layers).remove(0);
             assert!(
                 packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{name}: sequence {} differs when packed",
@@ -126,8 +107,8 @@ fn packed_sequences_equal_solo_runs_bitwise() {
 /// softcapped), with the target's; returns the largest error against the reference.
 fn logprob_error(engine: &mut ModelEngine, reference: &HashMap<String, Read>, name: &str) -> f64 {
     let mut worst = 0f64;
-    for i in 0..sequences(reference) {
-        let seq = ids(reference, i);
+    for i in 0..reference_sequences(reference) {
+        let seq = reference_ids(reference, i);
         let (want_ids, want) = (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
         let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
         let k = want_ids.shape[1];
@@ -175,7 +156,7 @@ fn log_probabilities_match_transformers_through_the_softcap() {
         let uncapped = common::with_config(&format!("gemma4/{name}"), |c| {
             text(c)["final_logit_softcapping"] = serde_json::Value::Null;
         });
-        let e = logprob_error(&mut load(uncapped.path(), DType::F32), &reference, name);
+        let e = logprob_error(&mut load_cpu(uncapped.path(), DType::F32), &reference, name);
         assert!(e > 1e-2, "{name}: without the cap the log-probabilities move by only {e:.1e}");
     }
 }
@@ -215,12 +196,12 @@ fn each_feature_of_the_family_matters() {
         let d = dir(name);
         let model = format!("gemma4/{name}");
         let reference = read_safetensors(&d.join("reference.safetensors"));
-        let seq = ids(&reference, 5);
-        let base = load(&d, DType::F32);
+        let seq = reference_ids(&reference, 5);
+        let base = load_cpu(&d, DType::F32);
         let n = base.decoder.cfg.num_hidden_layers;
         let hs = &reference["seq5.hidden_states"];
         let want = &hs.f32[n * hs.shape[1] * hs.shape[2]..];
-        let last = |engine: &mut ModelEngine| run(engine, std::slice::from_ref(&seq), &[n]).remove(0);
+        let last = |engine: &mut ModelEngine| run_packed(engine, std::slice::from_ref(&seq), &[n]).remove(0);
         let mut edits: Vec<(&str, ConfigEdit)> = vec![
             ("window", |c| text(c)["sliding_window"] = 100_000.into()),
             ("proportional rotary", |c| {
@@ -233,7 +214,7 @@ fn each_feature_of_the_family_matters() {
         }
         for (what, edit) in edits {
             let copy = common::with_config(&model, edit);
-            let got = last(&mut load(copy.path(), DType::F32));
+            let got = last(&mut load_cpu(copy.path(), DType::F32));
             let e = rel_err(&got, want);
             assert!(e > 1e-3, "{name} {what}: changing it moves the last state by only {e:.1e}");
         }
@@ -253,7 +234,7 @@ fn each_feature_of_the_family_matters() {
         }
         for suffix in ones {
             let copy = common::with_tensors(&model, one(suffix));
-            let got = last(&mut load(copy.path(), DType::F32));
+            let got = last(&mut load_cpu(copy.path(), DType::F32));
             let e = rel_err(&got, want);
             assert!(e > 1e-3, "{name}: {suffix} set to 1 moves the last state by only {e:.1e}");
         }
@@ -408,9 +389,9 @@ fn the_towers_are_never_read() {
         }
     });
     let reference = read_safetensors(&dir("gemma4_moe").join("reference.safetensors"));
-    let mut engine = load(copy.path(), DType::F32);
+    let mut engine = load_cpu(copy.path(), DType::F32);
     let n = engine.decoder.cfg.num_hidden_layers;
-    let got = run(&mut engine, &[ids(&reference, 5)], &[n]).remove(0);
+    let got = run_packed(&mut engine, &[reference_ids(&reference, 5)], &[n]).remove(0);
     let hs = &reference["seq5.hidden_states"];
     let (t, h) = (hs.shape[1], hs.shape[2]);
     let e = rel_err(&got, &hs.f32[n * t * h..(n + 1) * t * h]);

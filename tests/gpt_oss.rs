@@ -8,13 +8,12 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{fixtures, read_safetensors, rel_err, Read};
+use common::{fixtures, load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed};
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::selfcheck::{check, Probe, Reference};
-use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, OutDType, Rows};
+use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 2] = ["gpt_oss_mxfp4", "gpt_oss_bf16"];
@@ -24,29 +23,10 @@ fn dir(name: &str) -> PathBuf {
 }
 
 fn facts(name: &str) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(dir(name).join("reference.json")).unwrap()).unwrap()
-}
-
-fn load(d: &Path, dtype: DType) -> ModelEngine {
-    ModelFiles::locate(&d.to_string_lossy()).expect("locate").load(&Device::Cpu, dtype).expect("load").engine
-}
-
-fn ids(reference: &HashMap<String, Read>, i: usize) -> Vec<u32> {
-    reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()
-}
-
-fn sequences(reference: &HashMap<String, Read>) -> usize {
-    (0..).take_while(|i| reference.contains_key(&format!("seq{i}.input_ids"))).count()
+    common::reference_facts(&dir(name))
 }
 
 /// `[T, layers, H]` of each sequence, all packed in one batch.
-fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<f32>> {
-    let batch = Batch::pack(seqs.iter().map(Vec::as_slice), layers.iter().copied());
-    let cu = batch.cu_seqlens.clone();
-    let taps = engine.forward(&batch).unwrap();
-    (0..seqs.len()).map(|i| taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).unwrap().to_f32()).collect()
-}
-
 /// Every index of every sequence within 1e-5 of transformers-f32 (or, where transformers-f32 is
 /// itself farther than half that from its float64 run, within twice that distance).
 #[test]
@@ -60,18 +40,18 @@ fn every_index_matches_transformers() {
             .iter()
             .map(|v| v.as_f64().unwrap())
             .collect();
-        let mut engine = load(&d, DType::F32);
+        let mut engine = load_cpu(&d, DType::F32);
         let n = engine.decoder.cfg.num_hidden_layers;
         assert_eq!(drift.len(), n + 1);
         // Every index, and the last layer's output before the final norm (n + 1), held to index
         // n's bound.
         let all: Vec<usize> = (0..=n + 1).collect();
         let mut worst = vec![0f64; n + 2];
-        for i in 0..sequences(&reference) {
+        for i in 0..reference_sequences(&reference) {
             let hs = &reference[&format!("seq{i}.hidden_states")];
             let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
             let (t, h) = (hs.shape[1], hs.shape[2]);
-            let got = run(&mut engine, &[ids(&reference, i)], &all).remove(0);
+            let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
             for layer in 0..=n + 1 {
                 let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
                 let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
@@ -91,11 +71,11 @@ fn every_index_matches_transformers() {
 #[test]
 fn the_mxfp4_and_bf16_releases_give_the_same_bits() {
     let reference = read_safetensors(&dir(VARIANTS[0]).join("reference.safetensors"));
-    let (mut mx, mut bf) = (load(&dir(VARIANTS[0]), DType::F32), load(&dir(VARIANTS[1]), DType::F32));
+    let (mut mx, mut bf) = (load_cpu(&dir(VARIANTS[0]), DType::F32), load_cpu(&dir(VARIANTS[1]), DType::F32));
     let n = mx.decoder.cfg.num_hidden_layers;
     let all: Vec<usize> = (0..=n + 1).collect();
-    let seqs: Vec<Vec<u32>> = (0..sequences(&reference)).map(|i| ids(&reference, i)).collect();
-    let (a, b) = (run(&mut mx, &seqs, &all), run(&mut bf, &seqs, &all));
+    let seqs: Vec<Vec<u32>> = (0..reference_sequences(&reference)).map(|i| reference_ids(&reference, i)).collect();
+    let (a, b) = (run_packed(&mut mx, &seqs, &all), run_packed(&mut bf, &seqs, &all));
     for (i, (a, b)) in a.iter().zip(&b).enumerate() {
         assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "seq{i} differs between the releases");
     }
@@ -106,14 +86,14 @@ fn the_mxfp4_and_bf16_releases_give_the_same_bits() {
 fn packed_sequences_equal_solo_runs_bitwise() {
     let d = dir(VARIANTS[0]);
     let reference = read_safetensors(&d.join("reference.safetensors"));
-    let mut engine = load(&d, DType::F32);
+    let mut engine = load_cpu(&d, DType::F32);
     let n = engine.decoder.cfg.num_hidden_layers;
     let layers = vec![n, 0, 1, 2, n + 1];
     let order = [5, 3, 0, 4, 2, 1];
-    let seqs: Vec<Vec<u32>> = order.iter().map(|&i| ids(&reference, i)).collect();
-    let packed = run(&mut engine, &seqs, &layers);
+    let seqs: Vec<Vec<u32>> = order.iter().map(|&i| reference_ids(&reference, i)).collect();
+    let packed = run_packed(&mut engine, &seqs, &layers);
     for (p, s) in seqs.iter().enumerate() {
-        let alone = run(&mut engine, std::slice::from_ref(s), &layers).remove(0);
+        let alone = run_packed(&mut engine, std::slice::from_ref(s), &layers).remove(0);
         assert!(
             packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
             "sequence {} differs when packed",
@@ -137,8 +117,8 @@ fn log_probabilities_match_transformers_with_either_head() {
         assert!(loaded.info.lm_head, "{name}: a head for log-probabilities");
         let mut engine = loaded.engine;
         let mut worst = 0f64;
-        for i in 0..sequences(&reference) {
-            let seq = ids(&reference, i);
+        for i in 0..reference_sequences(&reference) {
+            let seq = reference_ids(&reference, i);
             let (want_ids, want) =
                 (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
             let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
@@ -176,9 +156,9 @@ fn bf16_compute_stays_close_to_the_f32_reference() {
         let reference = read_safetensors(&d.join("reference.safetensors"));
         let (hs, hf) = (&reference["seq2.hidden_states"], &reference["seq2.hidden_states_bf16"]);
         let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
-        let mut engine = load(&d, DType::BF16);
+        let mut engine = load_cpu(&d, DType::BF16);
         let layers: Vec<usize> = (0..l1).collect();
-        let got = run(&mut engine, &[ids(&reference, 2)], &layers).remove(0);
+        let got = run_packed(&mut engine, &[reference_ids(&reference, 2)], &layers).remove(0);
         for layer in 0..l1 {
             let want = &hs.f32[layer * t * h..(layer + 1) * t * h];
             let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * l1 + layer) * h..][..h].to_vec()).collect();
@@ -231,12 +211,12 @@ fn info_and_selfcheck() {
 fn each_feature_of_the_family_matters() {
     let d = dir(VARIANTS[1]);
     let reference = read_safetensors(&d.join("reference.safetensors"));
-    let seq = ids(&reference, 5);
-    let base = load(&d, DType::F32);
+    let seq = reference_ids(&reference, 5);
+    let base = load_cpu(&d, DType::F32);
     let n = base.decoder.cfg.num_hidden_layers;
     let hs = &reference["seq5.hidden_states"];
     let want = &hs.f32[n * hs.shape[1] * hs.shape[2]..];
-    let last = |engine: &mut ModelEngine| run(engine, std::slice::from_ref(&seq), &[n]).remove(0);
+    let last = |engine: &mut ModelEngine| run_packed(engine, std::slice::from_ref(&seq), &[n]).remove(0);
     type Edit<'a> = (&'a str, &'a dyn Fn(&mut serde_json::Value));
     let edits: [Edit; 4] = [
         ("window", &|c| c["sliding_window"] = 100_000.into()),
@@ -246,7 +226,7 @@ fn each_feature_of_the_family_matters() {
     ];
     for (what, edit) in edits {
         let copy = common::with_config("gpt_oss/gpt_oss_bf16", edit);
-        let got = last(&mut load(copy.path(), DType::F32));
+        let got = last(&mut load_cpu(copy.path(), DType::F32));
         let e = rel_err(&got, want);
         assert!(e > 1e-3, "{what}: changing it moves the last state by only {e:.1e}");
     }
@@ -261,7 +241,7 @@ fn each_feature_of_the_family_matters() {
     };
     for suffix in ["self_attn.sinks", "mlp.router.bias", "experts.gate_up_proj_bias"] {
         let copy = common::with_tensors("gpt_oss/gpt_oss_bf16", zero(suffix));
-        let got = last(&mut load(copy.path(), DType::F32));
+        let got = last(&mut load_cpu(copy.path(), DType::F32));
         let e = rel_err(&got, want);
         assert!(e > 1e-3, "{suffix} zeroed moves the last state by only {e:.1e}");
     }

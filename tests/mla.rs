@@ -11,12 +11,12 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use common::{read_safetensors, rel_err, Read};
+use common::{load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed, Read};
 use layertap::engine::loader::ModelFiles;
 use layertap::engine::selfcheck::{check, Probe, Reference};
-use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, OutDType, Rows};
+use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 4] = ["deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "glm4_moe_lite"];
@@ -26,38 +26,19 @@ fn dir(name: &str) -> PathBuf {
 }
 
 fn facts(name: &str) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(dir(name).join("reference.json")).unwrap()).unwrap()
-}
-
-fn load(d: &Path, dtype: DType) -> ModelEngine {
-    ModelFiles::locate(&d.to_string_lossy()).expect("locate").load(&Device::Cpu, dtype).expect("load").engine
-}
-
-fn ids(reference: &HashMap<String, Read>, i: usize) -> Vec<u32> {
-    reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()
-}
-
-fn sequences(reference: &HashMap<String, Read>) -> usize {
-    (0..).take_while(|i| reference.contains_key(&format!("seq{i}.input_ids"))).count()
+    common::reference_facts(&dir(name))
 }
 
 /// `[T, layers, H]` of each sequence, all packed in one batch.
-fn run(engine: &mut ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<f32>> {
-    let batch = Batch::pack(seqs.iter().map(Vec::as_slice), layers.iter().copied());
-    let cu = batch.cu_seqlens.clone();
-    let taps = engine.forward(&batch).unwrap();
-    (0..seqs.len()).map(|i| taps.gather(cu[i], seqs[i].len(), layers, OutDType::Float32).unwrap().to_f32()).collect()
-}
-
 /// The last index of the longest sequence.
 fn last_state(engine: &mut ModelEngine, reference: &HashMap<String, Read>) -> Vec<f32> {
     let n = engine.decoder.cfg.num_hidden_layers;
-    let last = sequences(reference) - 1;
-    run(engine, &[ids(reference, last)], &[n]).remove(0)
+    let last = reference_sequences(reference) - 1;
+    run_packed(engine, &[reference_ids(reference, last)], &[n]).remove(0)
 }
 
 fn want_last(reference: &HashMap<String, Read>) -> Vec<f32> {
-    let last = sequences(reference) - 1;
+    let last = reference_sequences(reference) - 1;
     let hs = &reference[&format!("seq{last}.hidden_states")];
     let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
     hs.f32[(l1 - 1) * t * h..].to_vec()
@@ -84,17 +65,17 @@ fn every_index_matches_transformers() {
             .iter()
             .map(|v| v.as_f64().unwrap())
             .collect();
-        let mut engine = load(&d, DType::F32);
+        let mut engine = load_cpu(&d, DType::F32);
         let n = engine.decoder.cfg.num_hidden_layers;
         assert_eq!(drift.len(), n + 1);
         let all: Vec<usize> = (0..=n + 1).collect();
         let (mut worst, mut worst64) = (vec![0f64; n + 2], vec![0f64; n + 1]);
-        for i in 0..sequences(&reference) {
+        for i in 0..reference_sequences(&reference) {
             let hs = &reference[&format!("seq{i}.hidden_states")];
             let hs64 = &reference[&format!("seq{i}.hidden_states_f64")];
             let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
             let (t, h) = (hs.shape[1], hs.shape[2]);
-            let got = run(&mut engine, &[ids(&reference, i)], &all).remove(0);
+            let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
             for layer in 0..=n + 1 {
                 let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
                 let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
@@ -128,14 +109,14 @@ fn packed_sequences_equal_solo_runs_bitwise() {
     for name in VARIANTS {
         let d = dir(name);
         let reference = read_safetensors(&d.join("reference.safetensors"));
-        let mut engine = load(&d, DType::F32);
+        let mut engine = load_cpu(&d, DType::F32);
         let n = engine.decoder.cfg.num_hidden_layers;
         let layers = vec![n, 0, 1, 2, n + 1];
         let order = [3, 0, 2, 1];
-        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| ids(&reference, i)).collect();
-        let packed = run(&mut engine, &seqs, &layers);
+        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| reference_ids(&reference, i)).collect();
+        let packed = run_packed(&mut engine, &seqs, &layers);
         for (p, s) in seqs.iter().enumerate() {
-            let alone = run(&mut engine, std::slice::from_ref(s), &layers).remove(0);
+            let alone = run_packed(&mut engine, std::slice::from_ref(s), &layers).remove(0);
             assert!(
                 packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{name}: sequence {} differs when packed",
@@ -160,8 +141,8 @@ fn log_probabilities_match_transformers() {
         assert!(loaded.info.lm_head, "{name}: a head for log-probabilities");
         let mut engine = loaded.engine;
         let mut worst = 0f64;
-        for i in 0..sequences(&reference) {
-            let seq = ids(&reference, i);
+        for i in 0..reference_sequences(&reference) {
+            let seq = reference_ids(&reference, i);
             let (want_ids, want) =
                 (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
             let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
@@ -250,11 +231,11 @@ fn each_feature_of_the_families_matters() {
     for (name, edits) in config_edits {
         let reference = read_safetensors(&dir(name).join("reference.safetensors"));
         let want = want_last(&reference);
-        let e = rel_err(&last_state(&mut load(&dir(name), DType::F32), &reference), &want);
+        let e = rel_err(&last_state(&mut load_cpu(&dir(name), DType::F32), &reference), &want);
         assert!(e <= F32_TOLERANCE, "{name}: {e:.1e} unedited");
         for (what, edit) in edits {
             let copy = common::with_config(&format!("mla/{name}"), edit);
-            let e = rel_err(&last_state(&mut load(copy.path(), DType::F32), &reference), &want);
+            let e = rel_err(&last_state(&mut load_cpu(copy.path(), DType::F32), &reference), &want);
             assert!(e > 1e-3, "{name}: changing {what} moves the last state by only {e:.1e}");
         }
     }
@@ -287,7 +268,7 @@ fn each_feature_of_the_families_matters() {
     for (name, suffix, value) in tensors {
         let reference = read_safetensors(&dir(name).join("reference.safetensors"));
         let copy = common::with_tensors(&format!("mla/{name}"), set(suffix, value));
-        let e = rel_err(&last_state(&mut load(copy.path(), DType::F32), &reference), &want_last(&reference));
+        let e = rel_err(&last_state(&mut load_cpu(copy.path(), DType::F32), &reference), &want_last(&reference));
         assert!(e > 1e-3, "{name}: {suffix} set to {value} moves the last state by only {e:.1e}");
     }
 }
@@ -352,7 +333,7 @@ async fn serve_reports_layer_kinds_and_returns_exact_states_and_logprobs() {
     assert_eq!((kinds["moe"].as_u64(), kinds["dense_mlp"].as_u64()), (Some(2), Some(1)), "{info}");
 
     let reference = read_safetensors(&d.join("reference.safetensors"));
-    let last = sequences(&reference) - 1;
+    let last = reference_sequences(&reference) - 1;
     let hs = &reference[&format!("seq{last}.hidden_states")];
     let (l1, t, h) = (hs.shape[0], hs.shape[1], hs.shape[2]);
     let body = json!({"inputs": [{"input_ids": reference[&format!("seq{last}.input_ids")].i64}], "layers": [1, -1, 2],

@@ -529,3 +529,40 @@ pub fn worst_per_index(
     }
     (worst, failures)
 }
+
+/// A fixture folder's `reference.json` (what its script measured).
+pub fn reference_facts(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("reference.json")).expect("reference.json")).expect("JSON")
+}
+
+/// The model of a fixture folder on the CPU, in `dtype`.
+pub fn load_cpu(dir: &Path, dtype: layertap::engine::DType) -> layertap::engine::ModelEngine {
+    layertap::engine::loader::ModelFiles::locate(&dir.to_string_lossy())
+        .expect("locate")
+        .load(&layertap::engine::Device::Cpu, dtype)
+        .expect("load")
+        .engine
+}
+
+/// The token ids of a reference file's sequence `i` (`seq{i}.input_ids`).
+pub fn reference_ids(reference: &HashMap<String, Read>, i: usize) -> Vec<u32> {
+    reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()
+}
+
+/// How many sequences a reference file holds (`seq0.input_ids`, `seq1.input_ids`, ...).
+pub fn reference_sequences(reference: &HashMap<String, Read>) -> usize {
+    (0..).take_while(|i| reference.contains_key(&format!("seq{i}.input_ids"))).count()
+}
+
+/// Hidden states `[T, n_layers, H]` of sequences packed in one batch, per sequence, in f32.
+pub fn run_packed(engine: &mut layertap::engine::ModelEngine, seqs: &[Vec<u32>], layers: &[usize]) -> Vec<Vec<f32>> {
+    use layertap::engine::Engine;
+    let batch = layertap::engine::Batch::pack(seqs.iter().map(Vec::as_slice), layers.iter().copied());
+    let cu = batch.cu_seqlens.clone();
+    let taps = engine.forward(&batch).expect("forward");
+    (0..seqs.len())
+        .map(|i| {
+            taps.gather(cu[i], seqs[i].len(), layers, layertap::engine::OutDType::Float32).expect("gather").to_f32()
+        })
+        .collect()
+}

@@ -101,7 +101,8 @@ def _validate(data: Buffer) -> list:
 def header(
     data: Buffer, validated: bool = False
 ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, str], Dict[str, memoryview]]:
-    """The header of a file: ``({name: entry}, metadata, {name: stored bytes})``.
+    """The header of a file: ``({name: entry}, metadata, {name: stored bytes})``, each entry
+    ``{"dtype", "shape", "data_offsets"}`` as the file has it.
 
     The file is first checked by the safetensors package unless ``validated``
     says it has been already. The stored bytes are views of ``data`` (no
@@ -109,36 +110,9 @@ def header(
     """
     if not validated:
         _validate(data)
-    buf = memoryview(data).cast("B")
-    if len(buf) < 8:
-        raise SafetensorsError(f"{len(buf)} bytes is too short for a safetensors file")
-    (n,) = struct.unpack("<Q", buf[:8])
-    if n > _MAX_HEADER or 8 + n > len(buf):
-        raise SafetensorsError(f"header length {n} does not fit in a {len(buf)}-byte file")
-    try:
-        entries = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise SafetensorsError(f"the header is not valid JSON: {e}") from None
-    if not isinstance(entries, dict):
-        raise SafetensorsError("the header is not a JSON object")
-    metadata = entries.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise SafetensorsError("__metadata__ must map strings to strings")
-    body = buf[8 + n :]
-    stored = {}
-    for name, e in entries.items():
-        try:
-            begin, end = e["data_offsets"]
-            dtype = e["dtype"]
-        except (TypeError, KeyError, ValueError):
-            raise SafetensorsError(f"tensor {name!r}: malformed entry {e!r}") from None
-        if dtype not in DTYPES:
-            raise SafetensorsError(
-                f"tensor {name!r}: dtype {dtype!r} is not one layertap writes ({', '.join(DTYPES)}); "
-                "read such files with the safetensors package"
-            )
-        stored[name] = body[begin:end]
-    return entries, metadata, stored
+    spans, metadata, body = _parse(data)
+    entries = {name: {"dtype": d, "shape": list(shape), "data_offsets": [b, e]} for name, (d, shape, b, e) in spans.items()}
+    return entries, metadata, {name: body[b:e] for name, (_, _, b, e) in spans.items()}
 
 
 def layout(head: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], int, int]], Dict[str, str], int]:
@@ -200,6 +174,13 @@ def views(data: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], memoryvie
     exactly the length the offsets tile), without the copy of every tensor that
     ``safetensors.deserialize`` makes.
     """
+    entries, metadata, body = _parse(data)
+    return {name: (d, shape, body[b:e]) for name, (d, shape, b, e) in entries.items()}, metadata
+
+
+def _parse(data: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], int, int]], Dict[str, str], memoryview]:
+    """:func:`layout` of a whole file, and its data section (a view), which must be exactly as
+    long as the offsets tile."""
     buf = memoryview(data).cast("B")
     if len(buf) < 8:
         raise SafetensorsError(f"{len(buf)} bytes is too short for a safetensors file")
@@ -210,7 +191,7 @@ def views(data: Buffer) -> Tuple[Dict[str, Tuple[str, Tuple[int, ...], memoryvie
     body = buf[8 + n :]
     if total != len(body):
         raise SafetensorsError(f"the tensors end at byte {total} of a {len(body)}-byte data section")
-    return {name: (d, shape, body[b:e]) for name, (d, shape, b, e) in entries.items()}, metadata
+    return entries, metadata, body
 
 
 def parse_raw(

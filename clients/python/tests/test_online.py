@@ -26,7 +26,7 @@ import requests
 from layertap_client import Client, LayertapError
 from layertap_client.dataset import BulkFolder
 from layertap_client.online import OnlineSource, SampleError, epoch_order, open_samples, share
-from test_client import Server, _binary, _Stub
+from test_client import Server, _binary, stub  # noqa: F401  (stub: the fixture, shared)
 
 try:
     import torch
@@ -317,20 +317,6 @@ def test_a_sample_that_fails_every_retry_is_named(stub, info):
         list(src)
     assert e.value.sample_id == "ids-0" and e.value.status == 503
     assert [r[1] for r in down.requests] == ["/v1/info"] + ["/v1/hidden-states"] * 3
-
-
-@pytest.fixture
-def stub():
-    made = []
-
-    def make(script):
-        s = _Stub(script)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
 
 
 # -- flow -----------------------------------------------------------------------------------------------

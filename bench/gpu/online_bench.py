@@ -30,7 +30,7 @@ try:
 
     _F32 = _torch.float32
 except ImportError:
-    _F32 = None
+    _torch = _F32 = None
 
 
 def touch(sample) -> float:
@@ -91,23 +91,18 @@ def main() -> None:
     waited = first_wait = 0.0
     tokens = nbytes = n = 0
     src = None
-    try:
-        import torch  # noqa: F401  (torch tensors, as a trainer takes them, where torch is installed)
-
+    if _torch is not None:  # torch tensors, as a trainer takes them, where torch is installed
         kw["as_torch"] = True
-    except ImportError:
-        pass
     if a.workers == 0:
         src = OnlineSource(samples, a.url, **kw)
         it = iter(src)
     else:
-        import torch
         from layertap_client.online import OnlineIterableDataset
 
         layers = kw.pop("layers")
         kw.pop("as_torch", None)
         ds = OnlineIterableDataset(samples, a.url, layers, **kw)
-        it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers))
+        it = iter(_torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers))
     while True:
         w = time.perf_counter()
         try:

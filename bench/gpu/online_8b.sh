@@ -6,7 +6,7 @@
 #
 #   source bench/gpu/cuda-libs.sh && PYTHONPATH=<layertap_client> bench/gpu/online_8b.sh
 #
-# One JSON line per contender on stdout.
+# One JSON line per contender on stdout. WORKLOAD_ONLY=1: only the workload (online_probe.sh's).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-/dev/shm/load-check}
@@ -25,5 +25,6 @@ with open(f"{sys.argv[1]}/workload.jsonl", "w") as f:
 json.dump({"layers": [2, 18, 33], "dtype": "bfloat16", "file": "workload.jsonl"}, open(f"{sys.argv[1]}/workload.json", "w"))
 print(json.dumps({"step": "workload", "sequences": 300, "tokens": int(lens.sum())}))
 PY
+[[ -z "${WORKLOAD_ONLY:-}" ]] || exit 0
 # a sample is ~940 tokens: ~22 ms of the server's time at 42,000 tokens/s; the slow consumer takes 40
 online_compare "$WORK" "$WORK/workload.json" 40

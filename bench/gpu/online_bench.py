@@ -8,18 +8,24 @@ against the bound it was given.
 
     python3 bench/gpu/online_bench.py --url http://127.0.0.1:18080 --workload W/workload.json \
         [--workers 0|1|4] [--step-ms 0] [--max-requests 32] [--request-tokens 16384] \
-        [--max-buffered-mb 2048] [--encoding zstd|identity] [--device cuda:0]
+        [--max-buffered-mb 2048] [--encoding zstd|identity] [--device cuda:0] [--touch sum|none]
 
 --workers 0 iterates the source in this process; N > 0 runs N torch DataLoader workers over
-OnlineIterableDataset (each with its share and its own requests: --max-requests each).
---step-ms adds that much sleep to each step (a consumer slower than the server).
+OnlineIterableDataset (each with its share and its own requests: --max-requests each; with
+--device the DataLoader pins memory and the step copies each sample to the GPU, as a trainer
+does). --step-ms adds that much sleep to each step (a consumer slower than the server).
+--touch none: the step takes the sample and does nothing with it (the copy to the GPU, where
+there is one, still happens: the source's own work).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import resource
+import tempfile
 import time
 
 import numpy as np
@@ -42,6 +48,37 @@ def touch(sample) -> float:
         elif isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
             total += float(v.sum(dtype=np.float64))
     return total
+
+
+def _worker_stats_dataset(dir_: str):
+    """OnlineIterableDataset whose workers each write their source's stats() to DIR when their
+    share is done (the main process cannot ask them)."""
+    from layertap_client.online import OnlineIterableDataset
+    from torch.utils.data import get_worker_info
+
+    class WithStats(OnlineIterableDataset):
+        def __iter__(self):
+            yield from super().__iter__()
+            info = get_worker_info()
+            with open(os.path.join(dir_, f"worker-{info.id if info else 0}.json"), "w") as f:
+                json.dump(self.stats(), f)
+
+    return WithStats
+
+
+def _sum_workers(dir_: str) -> dict:
+    out = {"worker_waited_s": 0.0, "retries": 0, "throttled": 0, "failures": 0, "requests": 0, "peak_mb": []}
+    for path in sorted(glob.glob(os.path.join(dir_, "worker-*.json"))):
+        st = json.load(open(path))
+        out["worker_waited_s"] += st["waited_s"]
+        out["retries"] += st["retries"]
+        out["failures"] += st["failures"]
+        out["peak_mb"].append(round(st["peak_bytes"] / 2**20, 1))
+        for v in st["servers"].values():
+            out["throttled"] += v["throttled"]
+            out["requests"] += v["requests"]
+    out["worker_waited_s"] = round(out["worker_waited_s"], 3)
+    return out
 
 
 def cpu_seconds() -> float:
@@ -69,7 +106,8 @@ def main() -> None:
     ap.add_argument("--max-buffered-mb", type=int, default=2048)
     ap.add_argument("--dtype", default=None, help="the answer dtype (default: the workload's)")
     ap.add_argument("--encoding", default="zstd", choices=["zstd", "identity"], help="the answers' encoding")
-    ap.add_argument("--device", default=None, help="cuda:N: the samples copied to that GPU by the source (workers 0 only)")
+    ap.add_argument("--device", default=None, help="cuda:N: the samples copied to that GPU (by the source; with workers by the step)")
+    ap.add_argument("--touch", default="sum", choices=["sum", "none"], help="what the stand-in step does with a sample")
     a = ap.parse_args()
 
     from layertap_client.online import OnlineSource
@@ -85,7 +123,7 @@ def main() -> None:
         max_buffered_bytes=a.max_buffered_mb << 20,
         encoding=a.encoding,
     )
-    if a.device:
+    if a.device and a.workers == 0:
         kw["device"] = a.device
     cpu0, own0, t0 = cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     waited = first_wait = 0.0
@@ -97,12 +135,12 @@ def main() -> None:
         src = OnlineSource(samples, a.url, **kw)
         it = iter(src)
     else:
-        from layertap_client.online import OnlineIterableDataset
-
+        stats_dir = tempfile.mkdtemp(prefix="online-bench-")
         layers = kw.pop("layers")
         kw.pop("as_torch", None)
-        ds = OnlineIterableDataset(samples, a.url, layers, **kw)
-        it = iter(_torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers))
+        ds = _worker_stats_dataset(stats_dir)(samples, a.url, layers, **kw)
+        it = iter(_torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=bool(a.device)))
+    to_device = a.workers > 0 and a.device
     while True:
         w = time.perf_counter()
         try:
@@ -112,7 +150,10 @@ def main() -> None:
         waited += time.perf_counter() - w
         if n == 0:
             first_wait = waited
-        touch(s)
+        if to_device:
+            s = {k: v.to(a.device, non_blocking=True) for k, v in s.items()}
+        if a.touch == "sum":
+            touch(s)
         if a.step_ms:
             time.sleep(a.step_ms / 1000)
         tokens += len(s["input_ids"])
@@ -120,7 +161,8 @@ def main() -> None:
         nbytes += hs.nbytes if isinstance(hs, np.ndarray) else hs.numel() * hs.element_size()
         n += 1
     # the source's own accounting is in this process only without workers
-    peak_buffered = src.stats()["peak_bytes"] if src is not None else None
+    st = src.stats() if src is not None else {}
+    peak_buffered = st.get("peak_bytes")
     budget = getattr(src, "_budget", None) if src is not None else None
     requests = sum(v["requests"] for v in src.stats()["servers"].values()) if src is not None else None
     if src is not None:
@@ -129,7 +171,7 @@ def main() -> None:
     cpu = cpu_seconds() - cpu0
     own = own_cpu_seconds() - own0
     print(json.dumps({
-        "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else ""),
+        "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else "") + (", step does nothing" if a.touch == "none" else ""),
         "samples": n, "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
         "consumer_waited_s": round(waited, 3), "waited_share": round(waited / wall, 4),
         # after the first sample: the steady state, without the wait for the first answers
@@ -142,6 +184,11 @@ def main() -> None:
         "peak_buffered_mb": None if peak_buffered is None else round(peak_buffered / 2**20, 1),
         "max_buffered_mb": a.max_buffered_mb, "max_requests": a.max_requests, "request_tokens": a.request_tokens,
         "request_tokens_used": budget, "requests": requests,
+        "retries": st.get("retries"), "throttled": sum(v["throttled"] for v in st["servers"].values()) if st else None,
+        "pinned_mb": round(st["pinned_bytes"] / 2**20, 1) if st.get("pinned_bytes") else None,
+        "pinning_s": round(st["pinning_s"], 3) if st.get("pinned_bytes") else None,
+        "touch": a.touch,
+        "workers_stats": _sum_workers(stats_dir) if a.workers else None,
     }))
 
 

@@ -607,6 +607,8 @@ class _Decoder:
         self.dequantize = dequantize
         self.device = None
         self.pinned = 0  # pinned host buffers allocated (they are reused)
+        self.pinned_bytes = 0
+        self.pinning_s = 0.0  # time spent allocating them
         self._tls = threading.local()
         self._torch: Any = None
         if as_torch or device is not None:
@@ -655,8 +657,12 @@ class _Decoder:
             free = self._pool[size]
             t = free.pop() if free else None
         if t is None:
+            t0 = time.monotonic()
             t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self.pinned += 1
+            with self._pool_lock:
+                self.pinned += 1
+                self.pinned_bytes += size
+                self.pinning_s += time.monotonic() - t0
         held.append(t)
         return t.numpy()[:nbytes]
 
@@ -1091,6 +1097,8 @@ class _Pass:
                 "replacements": len(self.replacements),
                 "replaced": list(self.replacements),
                 "pinned_buffers": self.decoder.pinned,
+                "pinned_bytes": self.decoder.pinned_bytes,
+                "pinning_s": self.decoder.pinning_s,
                 "servers": {
                     s.url: {
                         "state": "out" if s.out else ("down" if s.down_until > time.monotonic() else "up"),
@@ -1787,7 +1795,8 @@ class OnlineSource:
         handed out), ``reserved_bytes`` (what the requests in flight are expected to bring),
         ``peak_bytes``, ``in_flight`` requests, ``retries`` (samples sent again), ``failures``
         (samples that failed for good), ``replacements`` and ``replaced`` (which, by what, why),
-        and per server: ``state`` (up, down for a backoff, out for good), ``requests``,
+        ``pinned_buffers``, ``pinned_bytes`` and ``pinning_s`` (with ``device``: the pinned host
+        buffers allocated, which are reused, and the time their allocation took), and per server: ``state`` (up, down for a backoff, out for good), ``requests``,
         ``samples``, ``tokens`` (rows answered), ``tokens_per_s`` (since the pass started),
         ``bytes`` (as sent), ``failures``, ``throttled`` (429s), ``last_error``."""
         if self._pass is not None:

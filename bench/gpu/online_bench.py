@@ -151,7 +151,7 @@ def main() -> None:
         if n == 0:
             first_wait = waited
         if to_device:
-            s = {k: v.to(a.device, non_blocking=True) for k, v in s.items()}
+            s = {k: v.to(a.device, non_blocking=True) if hasattr(v, "to") else v for k, v in s.items()}
         if a.touch == "sum":
             touch(s)
         if a.step_ms:

@@ -8,6 +8,7 @@
 #
 #   source bench/gpu/cuda-libs.sh && PYTHONPATH=<layertap_client> OUTDIR=<dir> bench/gpu/online_probe.sh
 #
+# SHORT=1 leaves out the CPU consumers, the neighbour and the CPU-consuming workers.
 # One JSON line per contender on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,21 +25,24 @@ b=(timeout 150 python3 bench/gpu/online_bench.py --url "$url" --workload "$w")
 clients "$w" 64 zstd | sed 's/^{/{"contender":"bench_http zstd, 64 in flight",/'
 "${b[@]}" --device cuda:0
 "${b[@]}" --device cuda:0 --touch none
-"${b[@]}"
-"${b[@]}" --touch none
-python3 bench/gpu/gpu_neighbour.py --device cuda:0 --gb-per-s 1.0 --seconds 120 > "$OUTDIR/neighbour.json" &
-nb=$!
-sleep 3
-clients "$w" 64 zstd | sed 's/^{/{"contender":"bench_http zstd, 64 in flight, beside a neighbour copying 1 GB\/s to the GPU",/'
-kill -TERM $nb; wait $nb || true
-cat "$OUTDIR/neighbour.json"
-"${b[@]}" --workers 4
-"${b[@]}" --workers 4 --touch none
+"${b[@]}" --device cuda:0
+if [[ -z "${SHORT:-}" ]]; then
+  "${b[@]}"
+  "${b[@]}" --touch none
+  python3 bench/gpu/gpu_neighbour.py --device cuda:0 --gb-per-s 1.0 --seconds 120 > "$OUTDIR/neighbour.json" &
+  nb=$!
+  sleep 3
+  clients "$w" 64 zstd | sed 's/^{/{"contender":"bench_http zstd, 64 in flight, beside a neighbour copying 1 GB\/s to the GPU",/'
+  kill -TERM $nb; wait $nb || true
+  cat "$OUTDIR/neighbour.json"
+  "${b[@]}" --workers 4
+  "${b[@]}" --workers 4 --touch none
+fi
 "${b[@]}" --workers 4 --device cuda:0
-"${b[@]}" --workers 1
+"${b[@]}" --workers 1 --device cuda:0
 "${b[@]}" --device cuda:0 --step-ms "$STEP_MS"
 if [[ -n "${PYSPY:-}" ]]; then
-  "$PYSPY" record --idle --threads --subprocesses --rate 250 --format raw -o "$OUTDIR/workers4.txt" -- "${b[@]}" --workers 4 || true
+  "$PYSPY" record --idle --threads --subprocesses --rate 250 --format raw -o "$OUTDIR/workers4.txt" -- "${b[@]}" --workers 4 --device cuda:0 || true
   "$PYSPY" record --idle --threads --rate 250 --format raw -o "$OUTDIR/gpu.txt" -- "${b[@]}" --device cuda:0 || true
 fi
 clients "$w" 64 zstd | sed 's/^{/{"contender":"bench_http zstd, 64 in flight (again)",/'

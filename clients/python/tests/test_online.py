@@ -479,6 +479,105 @@ def test_in_a_dataloader_worker_samples_are_read_into_shared_memory(srv, referen
     assert not sample["hidden_states"].is_shared()
 
 
+class _HostTorch:
+    """torch's allocation as the pinned arena uses it, in plain host memory (no GPU here): what
+    it allocates is counted."""
+
+    uint8 = np.uint8
+
+    def __init__(self):
+        self.allocated = []
+
+    def empty(self, n, dtype, pin_memory):
+        assert pin_memory
+        self.allocated.append(n)
+        return np.zeros(n, dtype=dtype)
+
+
+def test_the_pinned_arena_cuts_buffers_from_slabs_and_takes_them_back():
+    """Pinned memory is allocated in slabs, up front or when the slabs are full, never per
+    sample: buffers held together never overlap, buffers given back are merged and reused
+    without a new allocation, a sample larger than a slab gets a buffer of its own that is
+    reused by size, and a buffer comes back only once its copy's event says it is done."""
+    from layertap_client.online import _PinnedArena
+
+    fake = _HostTorch()
+    slab = 64 * _PinnedArena.ALIGN
+    arena = _PinnedArena(fake, slab)
+    arena.warm(2 * slab)
+    arena._warming.join()
+    assert fake.allocated == [slab, slab] and arena.bytes == 2 * slab and arena.buffers == 2
+    rng = np.random.default_rng(0)
+    held = []
+    for _ in range(400):
+        if held and (rng.random() < 0.45 or len(held) > 12):
+            buf, token = held.pop(int(rng.integers(len(held))))
+            assert (buf == buf[0]).all()  # nobody else wrote into it while it was held
+            arena.give(token)
+            continue
+        n = int(rng.integers(1, 10 * _PinnedArena.ALIGN))
+        buf, token = arena.take(n)
+        assert len(buf) == n
+        buf[:] = len(held) + 1
+        held.append((buf, token))
+        views = [(b.__array_interface__["data"][0], len(b)) for b, _ in held]
+        views.sort()
+        assert all(a + n_a <= b for (a, n_a), (b, _) in zip(views, views[1:]))  # no two overlap
+    for _, token in held:
+        arena.give(token)
+    assert arena.free == [[(0, slab)]] * len(arena.slabs)  # everything merged back
+    grown = len(fake.allocated)
+    for _ in range(50):  # the arena as it is now serves these without allocating
+        arena.give(arena.take(3 * _PinnedArena.ALIGN)[1])
+    assert len(fake.allocated) == grown
+    big, token = arena.take(slab + 1)
+    assert len(big) == slab + 1 and fake.allocated[-1] == 2 * slab
+    arena.give(token)
+    assert arena.take(slab + 5)[0].__array_interface__["data"][0] == big.__array_interface__["data"][0]
+    assert len(fake.allocated) == grown + 1
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    arena2 = _PinnedArena(_HostTorch(), slab)
+    buf, token = arena2.take(slab)  # the whole slab
+    ev = Event()
+    arena2.after(ev, token)
+    arena2.take(1)  # its copy not done: a second slab
+    assert len(arena2.slabs) == 2
+    ev.done = True
+    arena2.take(slab)  # done: the first slab is taken again
+    assert len(arena2.slabs) == 2 and arena2.free[0] == []
+
+
+@needs_torch
+def test_a_failing_answer_gives_its_pinned_buffers_back(srv):
+    """An answer cut or damaged mid-read gives the buffers it took back to the arena (its thread
+    was their only writer), so failed requests do not use the pinned memory up."""
+    import torch
+
+    from layertap_client._common import LayertapError as Err
+    from layertap_client.online import _Decoder, _PinnedArena, _Short
+
+    class CpuTorch:  # pinned memory needs a GPU: ordinary torch tensors stand in for it
+        uint8 = torch.uint8
+
+        def empty(self, n, dtype, pin_memory):
+            return torch.zeros(n, dtype=dtype)
+
+    raw = _answer(srv.url, [_input(s) for s in SAMPLES[:3]])
+    arena = _PinnedArena(CpuTorch(), 1 << 20)
+    dec = _Decoder(True, True, None)
+    dec.device, dec.arena = "a GPU", arena  # the arena's path, without the copy to a device
+    for body, err in ((raw[:-1], _Short), (raw[:-5] + bytes([raw[-5] ^ 1]) + raw[-4:], Err)):
+        with pytest.raises(err):
+            dec.decode(body, 3)
+        assert arena.slabs and arena.free == [[(0, 1 << 20)]] * len(arena.slabs)
+
+
 def test_identity_and_zstd_give_the_same_samples(srv):
     runs = [[(s["id"], s["hidden_states"].tobytes()) for s in _source(srv.url, dtype="bfloat16", encoding=e, request_tokens=64)] for e in ("identity", "zstd")]
     assert runs[0] == runs[1] and len(runs[0]) == len(SAMPLES)

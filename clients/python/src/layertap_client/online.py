@@ -40,6 +40,7 @@ What it guarantees:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import email.utils
 import http.client
@@ -588,6 +589,118 @@ class _Reader:
             raise _Short("the body holds more after the answer" if self.stream is not None else "the answer holds more bytes than its header announces")
 
 
+class _PinnedArena:
+    """Pinned host memory for the samples on their way to a GPU. Allocating pinned memory
+    (cudaHostAlloc) is slow, and it waits behind the process's own GPU work: allocated per
+    sample it stalled the decoding threads for most of a pass whenever the consumer kept the
+    GPU busy. So it is allocated here in a few large slabs, once for the source's life (from a
+    background thread when a pass starts, up to the bytes a pass keeps in flight), and cut into
+    the samples' buffers first-fit; a buffer goes back when the copy from it is done. A sample
+    larger than a slab gets a buffer of its own, kept for reuse by size."""
+
+    ALIGN = 4096
+
+    def __init__(self, torch: Any, slab_bytes: int):
+        self.torch = torch
+        self.slab_bytes = slab_bytes
+        self.slabs: List[Any] = []
+        self.free: List[List[Tuple[int, int]]] = []  # per slab: (offset, size), sorted, coalesced
+        self.large: Dict[int, List[Any]] = collections.defaultdict(list)
+        self.lock = threading.Lock()
+        self.grow_lock = threading.Lock()
+        self.pending: Deque[Tuple[Any, Tuple[int, int, int, Any]]] = collections.deque()  # (copy's event, token)
+        self.buffers = 0  # pinned allocations made (slabs and large buffers)
+        self.bytes = 0
+        self.seconds = 0.0  # time they took
+        self._warming: Optional[threading.Thread] = None
+
+    def _pinned(self, nbytes: int) -> Any:
+        t0 = time.monotonic()
+        t = self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+        with self.lock:
+            self.buffers += 1
+            self.bytes += nbytes
+            self.seconds += time.monotonic() - t0
+        return t
+
+    def _grow(self) -> None:
+        slab = self._pinned(self.slab_bytes)
+        with self.lock:
+            self.slabs.append(slab)
+            self.free.append([(0, self.slab_bytes)])
+
+    def warm(self, target: int) -> None:
+        """Allocates slabs up to ``target`` bytes in the background (once at a time)."""
+        if self._warming is not None and self._warming.is_alive():
+            return
+
+        def run() -> None:
+            try:
+                while True:
+                    with self.grow_lock:
+                        if len(self.slabs) * self.slab_bytes >= target:
+                            return
+                        self._grow()
+            except Exception:  # noqa: BLE001 - out of pinned memory: the buffers come when asked for
+                return
+
+        self._warming = threading.Thread(target=run, name="layertap-pinned", daemon=True)
+        self._warming.start()
+
+    def after(self, event: Any, token: Tuple[int, int, int, Any]) -> None:
+        """Gives the buffer of ``token`` back once ``event`` (the copy from it) has happened."""
+        with self.lock:
+            self.pending.append((event, token))
+
+    def take(self, nbytes: int) -> Tuple[Any, Tuple[int, int, int, Any]]:
+        """A pinned uint8 tensor of ``nbytes`` and the token that gives it back."""
+        while True:  # the buffers whose copies are done come back first
+            with self.lock:
+                done = self.pending.popleft() if self.pending and self.pending[0][0].query() else None
+            if done is None:
+                break
+            self.give(done[1])
+        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        if size > self.slab_bytes:
+            size = 1 << (size - 1).bit_length()
+            with self.lock:
+                free = self.large[size]
+                t = free.pop() if free else None
+            if t is None:
+                t = self._pinned(size)
+            return t[:nbytes], (-1, 0, size, t)
+        while True:
+            with self.lock:
+                for i, spans in enumerate(self.free):
+                    for j, (off, n) in enumerate(spans):
+                        if n >= size:
+                            if n == size:
+                                del spans[j]
+                            else:
+                                spans[j] = (off + size, n - size)
+                            return self.slabs[i][off : off + nbytes], (i, off, size, None)
+                have = len(self.slabs)
+            with self.grow_lock:  # one thread grows the arena; the others look again after it
+                if len(self.slabs) == have:
+                    self._grow()
+
+    def give(self, token: Tuple[int, int, int, Any]) -> None:
+        i, off, size, large = token
+        with self.lock:
+            if i < 0:
+                self.large[size].append(large)
+                return
+            spans = self.free[i]
+            k = bisect.bisect_left(spans, (off, 0))
+            spans.insert(k, (off, size))
+            if k + 1 < len(spans) and spans[k][0] + spans[k][1] == spans[k + 1][0]:
+                spans[k] = (off, size + spans[k + 1][1])
+                del spans[k + 1]
+            if k > 0 and spans[k - 1][0] + spans[k - 1][1] == spans[k][0]:
+                spans[k - 1] = (spans[k - 1][0], spans[k - 1][1] + spans[k][1])
+                del spans[k]
+
+
 class _Decoder:
     """Turns an answer into one sample dict per input, as it streams in.
 
@@ -596,19 +709,17 @@ class _Decoder:
     each input's rows are read (decompressed) straight into the sample's own buffer and hashed
     there, so a sample holds only its own memory and no answer is ever held whole. The
     checksums are compared once the last byte is in; nothing is handed out before. With
-    ``device`` (torch, CUDA) the samples' buffers are pinned host buffers kept in a pool and
-    copied to the device without blocking, on a stream of the decoding thread; the consumer
+    ``device`` (torch, CUDA) the samples' buffers are pinned host buffers cut from ``arena``
+    and copied to the device without blocking, on a stream of the decoding thread; the consumer
     waits for that copy (an event) when it takes the sample, and the pinned buffer goes back to
-    the pool once the copy is done.
+    the arena once the copy is done.
     """
 
-    def __init__(self, as_torch: bool, dequantize: bool, device: Any):
+    def __init__(self, as_torch: bool, dequantize: bool, device: Any, arena: Optional[_PinnedArena] = None):
         self.as_torch = as_torch
         self.dequantize = dequantize
         self.device = None
-        self.pinned = 0  # pinned host buffers allocated (they are reused)
-        self.pinned_bytes = 0
-        self.pinning_s = 0.0  # time spent allocating them
+        self.arena = arena
         self._tls = threading.local()
         self._torch: Any = None
         if as_torch or device is not None:
@@ -619,9 +730,8 @@ class _Decoder:
             dev = self._torch.device(device)
             if dev.type == "cuda":
                 self.device = dev
-                self._pool: Dict[int, List[Any]] = collections.defaultdict(list)
-                self._pending: Deque[Tuple[Any, List[Any]]] = collections.deque()
-                self._pool_lock = threading.Lock()
+                if arena is None:
+                    raise ValueError("a pinned arena is needed to copy to a GPU")
             elif dev.type != "cpu":
                 raise ValueError(f"device={device!r}: only CUDA devices (or the CPU) are supported")
 
@@ -635,8 +745,9 @@ class _Decoder:
         return _Reader(source, dctx)
 
     # host buffers: plain numpy; torch shared memory in a DataLoader worker (the loader then
-    # hands the sample to the main process without copying it); pinned, from the pool, when the
-    # samples go to a GPU. A torch buffer is held[0]: the sample's tensors are views of it.
+    # hands the sample to the main process without copying it); pinned, from the arena, when the
+    # samples go to a GPU. A torch buffer is held[0]: the sample's tensors are views of it (an
+    # arena buffer's token is held[1]).
     def _alloc(self, nbytes: int, held: List[Any]) -> np.ndarray:
         torch = self._torch
         if self.device is None:
@@ -648,23 +759,11 @@ class _Decoder:
                 held.append(t)
                 return t.numpy()
             return np.empty(nbytes, dtype=np.uint8)
-        size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
-        with self._pool_lock:
-            while self._pending and self._pending[0][0].query():
-                _, bufs = self._pending.popleft()
-                for b in bufs:
-                    self._pool[b.numel()].append(b)
-            free = self._pool[size]
-            t = free.pop() if free else None
-        if t is None:
-            t0 = time.monotonic()
-            t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            with self._pool_lock:
-                self.pinned += 1
-                self.pinned_bytes += size
-                self.pinning_s += time.monotonic() - t0
+        assert self.arena is not None
+        t, token = self.arena.take(nbytes)
         held.append(t)
-        return t.numpy()[:nbytes]
+        held.append(token)
+        return t.numpy()
 
     def decode(self, body: bytes, n_inputs: int, status: int = 200) -> List[Tuple[Dict[str, Any], int, int]]:
         """:meth:`read` of an answer held whole (zstd or not, by its first bytes)."""
@@ -674,7 +773,19 @@ class _Decoder:
         """``[(sample without its id, bytes it holds, tokens its input has at least)]`` for an
         answer of ``n_inputs`` inputs read from ``body``; raises LayertapError (``bad_answer``,
         ``checksum_mismatch``), ZstdError, or _Short for a damaged or cut one (and OSError, a
-        timeout among them, from the connection)."""
+        timeout among them, from the connection). Pinned buffers of an answer that fails go
+        back to the arena (this thread was their only writer)."""
+        held: List[List[Any]] = []
+        try:
+            return self._read(body, n_inputs, status, held)
+        except BaseException:
+            if self.arena is not None:
+                for h in held:
+                    if len(h) > 1 and h[1] is not None:
+                        self.arena.give(h[1])
+            raise
+
+    def _read(self, body: _Reader, n_inputs: int, status: int, held: List[List[Any]]) -> List[Tuple[Dict[str, Any], int, int]]:
 
         def bad(msg: str) -> LayertapError:
             return LayertapError(status, "bad_answer", msg)
@@ -719,7 +830,6 @@ class _Decoder:
             row_bytes[name] = b
         cu: Optional[List[int]] = None
         slots: Optional[List[Dict[str, np.ndarray]]] = None  # each input's buffer, cut per tensor
-        held: List[List[Any]] = []
         early: Dict[str, bytearray] = {}  # per-row tensors read before cu_seqlens was known
         digests: Dict[str, str] = {}
 
@@ -815,8 +925,9 @@ class _Decoder:
                     out["hidden_states"] = out["hidden_states"].float() * out.pop("hidden_states_scale")[..., None]
                 event = torch.cuda.Event()
                 event.record(stream)
-            with self._pool_lock:
-                self._pending.append((event, held))
+            assert self.arena is not None
+            self.arena.after(event, held[1])
+            held[1] = None  # the arena's again once the copy is done
             out["_event"] = event
             return out, sum(int(t.nbytes) for k, t in out.items() if k != "_event")
         out = {}
@@ -1013,7 +1124,7 @@ class _Pass:
         self.replacements: List[Dict[str, Any]] = []
         self.started = time.monotonic()
         self.servers = [_Server(u) for u in src.servers]
-        self.decoder = _Decoder(src.as_torch, src.dequantize, src.device)
+        self.decoder = _Decoder(src.as_torch, src.dequantize, src.device, src._arena())
         self.bar = None
         if src.progress:
             try:
@@ -1081,6 +1192,7 @@ class _Pass:
             self.bar = None
 
     def stats(self) -> Dict[str, Any]:
+        arena = self.decoder.arena
         with self.lock:
             elapsed = max(time.monotonic() - self.started, 1e-9)
             return {
@@ -1096,9 +1208,9 @@ class _Pass:
                 "failures": self.failures,
                 "replacements": len(self.replacements),
                 "replaced": list(self.replacements),
-                "pinned_buffers": self.decoder.pinned,
-                "pinned_bytes": self.decoder.pinned_bytes,
-                "pinning_s": self.decoder.pinning_s,
+                "pinned_buffers": arena.buffers if arena is not None else 0,
+                "pinned_bytes": arena.bytes if arena is not None else 0,
+                "pinning_s": arena.seconds if arena is not None else 0.0,
                 "servers": {
                     s.url: {
                         "state": "out" if s.out else ("down" if s.down_until > time.monotonic() else "up"),
@@ -1566,6 +1678,7 @@ class OnlineSource:
             raise ValueError(f'encoding={encoding!r}: use "zstd" or "identity"')
         self.encoding = encoding
         self.device = device
+        self._pinned: Optional[_PinnedArena] = None
         if device is not None:
             import torch
 
@@ -1796,7 +1909,8 @@ class OnlineSource:
         ``peak_bytes``, ``in_flight`` requests, ``retries`` (samples sent again), ``failures``
         (samples that failed for good), ``replacements`` and ``replaced`` (which, by what, why),
         ``pinned_buffers``, ``pinned_bytes`` and ``pinning_s`` (with ``device``: the pinned host
-        buffers allocated, which are reused, and the time their allocation took), and per server: ``state`` (up, down for a backoff, out for good), ``requests``,
+        memory allocated, kept and reused for the source's life, and the time its allocation
+        took), and per server: ``state`` (up, down for a backoff, out for good), ``requests``,
         ``samples``, ``tokens`` (rows answered), ``tokens_per_s`` (since the pass started),
         ``bytes`` (as sent), ``failures``, ``throttled`` (429s), ``last_error``."""
         if self._pass is not None:
@@ -1815,9 +1929,25 @@ class OnlineSource:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
+    def _arena(self) -> Optional[_PinnedArena]:
+        """The pinned memory of the copies to ``device`` (CUDA), kept for the source's life and
+        filled in the background from the first pass's start: ``max_buffered_bytes`` in slabs."""
+        if self.device is None:
+            return None
+        import torch
+
+        if torch.device(self.device).type != "cuda":
+            return None
+        if self._pinned is None:
+            slab = min(256 << 20, max(32 << 20, self.max_buffered_bytes // 8))
+            self._pinned = _PinnedArena(torch, -(-slab // _PinnedArena.ALIGN) * _PinnedArena.ALIGN)
+        self._pinned.warm(self.max_buffered_bytes)
+        return self._pinned
+
     def __getstate__(self) -> Dict[str, Any]:  # to DataLoader workers: no thread, no pass
         d = dict(self.__dict__)
         d["_pass"] = None
+        d["_pinned"] = None
         return d
 
 

@@ -18,7 +18,7 @@ Output layout (default: tests/fixtures/gemma4 relative to the repository root):
                                              seq{i}.target_logprobs  float32 [T_i] lp of the next token (NaN last)
     <out>/<variant>/reference.json           facts, transformers-f32's per-index distance from float64
 
-Both variants: hidden 48 (so the embedding scale sqrt(48) is no power of two), 6 layers [sliding,
+Every variant: hidden 48 (so the embedding scale sqrt(48) is no power of two), 6 layers [sliding,
 sliding, full, sliding, sliding, full] (the last full, as transformers forces), window 12, 4 query
 heads; sliding layers 2 key-value heads of 16 with default rotary (theta 10,000); full layers heads
 of 32 with proportional rotary (partial 0.25, theta 1,000,000), attention scaling 1.0, q/k norms and
@@ -32,9 +32,15 @@ softcapping 5.0 (the largest raw logits are about twice that), vocab 512, tied h
                   attention_k_eq_v (full layers: 1 key-value head, values from k_proj) and the MoE
                   block beside the dense MLP (6 experts of 16, top 3; router: scale-free norm,
                   scale, hidden^-1/2, softmax, top-k, renormalised, per-expert scale).
-
-Not covered (refused by the engine, so not built here): per-layer embeddings and key-value sharing
-(E2B, E4B).
+    gemma4_e2b    Gemma4ForConditionalGeneration as gemma4_moe is saved, shaped as E2B and E4B
+                  are: full layers keep 2 key-value heads and their own v_proj, no experts;
+                  per-layer embeddings (16 per layer; the table scaled by sqrt(16), the
+                  projection of the embeddings by hidden^-1/2, its RMSNorm, the two added and
+                  scaled by 2^-1/2; in each layer after the feed-forward block a gate, GELU-tanh,
+                  the product with the layer's input, a projection, a norm and a residual add),
+                  key-value sharing of the last 3 layers (layers 3 and 4, sliding, attend over
+                  layer 1's keys and values; layer 5, full, over layer 2's), and the double-wide
+                  MLP of those 3 layers (use_double_wide_mlp).
 
 Every parameter is random (norm weights 1 + 0.3 randn, router scale and per-expert scale too); the
 layer_scalar buffers 0.8 + 0.2 randn. The references are computed in float32 with eager attention and
@@ -119,7 +125,11 @@ NORM_STD = 0.3  # 1 + NORM_STD * randn
 SCALAR_MEAN, SCALAR_STD = 0.8, 0.2
 
 
-def text_config(moe):
+PLE_DIM = 16
+KV_SHARED = 3
+
+
+def text_config(variant):
     kw = dict(
         vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=L,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
@@ -128,7 +138,10 @@ def text_config(moe):
         hidden_size_per_layer_input=0, num_kv_shared_layers=0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=2, pad_token_id=0,
     )
-    if moe:
+    if variant == "gemma4_e2b":
+        kw.update(hidden_size_per_layer_input=PLE_DIM, vocab_size_per_layer_input=VOCAB,
+                  num_kv_shared_layers=KV_SHARED, use_double_wide_mlp=True)
+    if variant == "gemma4_moe":
         kw.update(attention_k_eq_v=True, num_global_key_value_heads=GLOBAL_KV_HEADS, enable_moe_block=True,
                   num_experts=EXPERTS, top_k_experts=TOP_K, moe_intermediate_size=MOE_INTER)
     return kw
@@ -136,10 +149,10 @@ def text_config(moe):
 
 def build(variant):
     if variant == "gemma4_dense":
-        cfg = Gemma4TextConfig(**text_config(False), architectures=["Gemma4ForCausalLM"])
+        cfg = Gemma4TextConfig(**text_config(variant), architectures=["Gemma4ForCausalLM"])
         cls = Gemma4ForCausalLM
     else:
-        cfg = Gemma4Config(text_config=text_config(True), vision_config=None, audio_config=None,
+        cfg = Gemma4Config(text_config=text_config(variant), vision_config=None, audio_config=None,
                            tie_word_embeddings=True, architectures=["Gemma4ForConditionalGeneration"])
         cls = Gemma4ForConditionalGeneration
     cfg._attn_implementation = "eager"
@@ -346,7 +359,7 @@ def main():
     setup_torch()
     os.makedirs(args.out, exist_ok=True)
     seqs = random_sequences(VOCAB, SEQ_LENGTHS, SEQ_SEED)
-    variants = {"gemma4_dense": None, "gemma4_moe": None}
+    variants = {"gemma4_dense": None, "gemma4_moe": None, "gemma4_e2b": None}
     total = 0
     for name, _ in selected(variants, args.only):
         model = build(name)
@@ -368,6 +381,13 @@ def main():
         facts = {"weight_seed": seed, "randomised": counts}
         if moe:
             facts["min_router_topk_probability_gap"] = gap
+        tcfg = model.config.get_text_config()
+        if tcfg.hidden_size_per_layer_input:
+            modes = tcfg.kv_sharing_modes
+            assert modes == [None, "store", "store", "reuse", "reuse", "reuse"], modes
+            facts.update(hidden_size_per_layer_input=tcfg.hidden_size_per_layer_input,
+                         num_kv_shared_layers=tcfg.num_kv_shared_layers, kv_sharing_modes=modes,
+                         use_double_wide_mlp=tcfg.use_double_wide_mlp)
         write_variant(name, model, args.out, seqs, refs, prenorms, logits, logits64, drift, facts)
         total += dir_size(os.path.join(args.out, name))
     print(f"total size: {total / 1e6:.2f} MB")

@@ -1,11 +1,13 @@
 //! Gemma 4 (`Gemma4ForCausalLM`, and the text decoder of `Gemma4ForConditionalGeneration`) on the
 //! CPU against transformers, on the tiny checkpoints of scripts/make_gemma4_fixtures.py
-//! (tests/fixtures/gemma4): a dense release and one with `attention_k_eq_v` and the experts beside
-//! the MLP, every index within 1e-5 of transformers-f32 (or twice its own distance from float64),
-//! packed sequences the same bits as alone, next-token log-probabilities through the softcapped
-//! head, `/v1/info`'s layer kinds and the self-check, each feature moving the states, the config
-//! forms read alike, and the refusals: what is not built (per-layer embeddings, key-value
-//! sharing), other rotary types, a CUDA device.
+//! (tests/fixtures/gemma4): a dense release, one with `attention_k_eq_v` and the experts beside
+//! the MLP, and one shaped as E2B and E4B (per-layer embeddings, key-value sharing, the
+//! double-wide MLP of the sharing layers), every index within 1e-5 of transformers-f32 (or twice
+//! its own distance from float64), packed sequences the same bits as alone, next-token
+//! log-probabilities through the softcapped head, `/v1/info`'s layer kinds and the self-check,
+//! each feature moving the states, the config forms read alike, and the refusals: what is not
+//! built (bidirectional attention, sharing with no layer to share from), other rotary types, a
+//! CUDA device.
 
 mod common;
 
@@ -19,7 +21,7 @@ use layertap::engine::selfcheck::{check, Probe, Reference};
 use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
-const VARIANTS: [&str; 2] = ["gemma4_dense", "gemma4_moe"];
+const VARIANTS: [&str; 3] = ["gemma4_dense", "gemma4_moe", "gemma4_e2b"];
 
 fn dir(name: &str) -> PathBuf {
     fixtures().join("gemma4").join(name)
@@ -232,6 +234,9 @@ fn each_feature_of_the_family_matters() {
         if name == "gemma4_moe" {
             ones.extend(["router.scale", "router.per_expert_scale", "post_feedforward_layernorm_2.weight"]);
         }
+        if name == "gemma4_e2b" {
+            ones.extend(["per_layer_projection_norm.weight", "post_per_layer_input_norm.weight"]);
+        }
         for suffix in ones {
             let copy = common::with_tensors(&model, one(suffix));
             let got = last(&mut load_cpu(copy.path(), DType::F32));
@@ -275,15 +280,13 @@ fn the_config_forms_read_alike() {
     assert!(dense.moe.is_none() && dense.layers.iter().all(|l| l.ffn == FfnKind::Dense));
 }
 
-/// Refused by name: per-layer embeddings and key-value sharing (not built), bidirectional
-/// attention, other rotary types and activations, `--quantize fp8`; and on a CUDA device, the
-/// features its kernels lack.
+/// Refused by name: bidirectional attention, other rotary types and activations, key-value
+/// sharing that leaves no layer (or no layer of a kind) to share from, a per-layer table shorter
+/// than the vocabulary, `--quantize fp8`; and on a CUDA device, the features its kernels lack.
 #[test]
 fn what_is_not_built_is_refused() {
     type Edit = (&'static str, ConfigEdit, &'static str);
     let edits: [Edit; 5] = [
-        ("per-layer embeddings", |c| c["hidden_size_per_layer_input"] = 16.into(), "hidden_size_per_layer_input 16"),
-        ("kv sharing", |c| c["num_kv_shared_layers"] = 2.into(), "num_kv_shared_layers 2"),
         ("bidirectional", |c| c["use_bidirectional_attention"] = "all".into(), "use_bidirectional_attention"),
         (
             "yarn",
@@ -291,24 +294,44 @@ fn what_is_not_built_is_refused() {
             "rope_parameters.full_attention.rope_type \"yarn\"",
         ),
         ("activation", |c| c["hidden_activation"] = "silu".into(), "hidden_activation \"silu\""),
+        ("every layer sharing", |c| c["num_kv_shared_layers"] = 6.into(), "num_kv_shared_layers 6 of 6 layers"),
+        (
+            "a full layer sharing with no full layer before it",
+            |c| {
+                c["layer_types"] = serde_json::json!(vec!["sliding_attention"; 6]);
+                c["per_layer_config"].as_object_mut().unwrap().remove("2");
+                c["num_kv_shared_layers"] = 1.into();
+            },
+            "num_kv_shared_layers 1 (layer 5, FullAttention, has no earlier layer of its kind",
+        ),
     ];
     for (what, edit, named) in edits {
         let copy = common::with_config("gemma4/gemma4_dense", edit);
         let e = common::refusal(copy.path()).unwrap_or_else(|| panic!("{what}: not refused"));
         assert!(e.contains(named) && e.contains("Gemma4ForCausalLM"), "{what}: {e}");
     }
+    let copy = common::with_config("gemma4/gemma4_e2b", |c| text(c)["vocab_size_per_layer_input"] = 100.into());
+    let e = common::refusal(copy.path()).expect("a short per-layer table");
+    assert!(e.contains("vocab_size_per_layer_input 100 is below vocab_size 512"), "{e}");
     // Per-layer embeddings are on by default in transformers' config: a config that leaves the
-    // field out is refused too.
+    // field out asks for a table of 256 per layer, which a checkpoint without one lacks.
     let copy = common::with_config("gemma4/gemma4_moe", |c| {
         c["text_config"].as_object_mut().unwrap().remove("hidden_size_per_layer_input");
     });
+    let cfg = ModelFiles::locate(&copy.path().to_string_lossy()).unwrap().config().clone();
+    assert_eq!(cfg.per_layer_inputs.map(|p| p.width), Some(256));
     let e = common::refusal(copy.path()).expect("per-layer embeddings by default");
-    assert!(e.contains("hidden_size_per_layer_input 256"), "{e}");
-    // null (or 0) is none, as in transformers.
+    assert!(e.contains("per_layer") && e.contains("is missing"), "{e}");
+    // null (or 0) is none, as in transformers ...
     let copy = common::with_config("gemma4/gemma4_moe", |c| {
         c["text_config"]["hidden_size_per_layer_input"] = serde_json::Value::Null;
     });
     assert_eq!(common::refusal(copy.path()), None);
+    // ... and a checkpoint with per-layer tensors that its config turns off is refused, not run
+    // without them.
+    let copy = common::with_config("gemma4/gemma4_e2b", |c| text(c)["hidden_size_per_layer_input"] = 0.into());
+    let e = common::refusal(copy.path()).expect("per-layer tensors unread");
+    assert!(e.contains("per_layer") && e.contains("is not a parameter of the model"), "{e}");
     for name in VARIANTS {
         let files = ModelFiles::locate(&dir(name).to_string_lossy()).unwrap();
         let needs = files.config().needs_beyond_cuda();
@@ -320,9 +343,65 @@ fn what_is_not_built_is_refused() {
                 assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
             }
         }
+        let e2b = ["per-layer embeddings", "key-value sharing"];
+        for what in e2b {
+            let named = needs.iter().any(|n| n.contains(what));
+            assert_eq!(named, name == "gemma4_e2b", "{name}: {what} in {needs:?}");
+        }
         let e = files.quantize(Some(layertap::engine::config::quant::Quantize::Fp8)).err().expect("fp8").to_string();
         assert!(e.contains("--quantize fp8 does not quantise"), "{e}");
     }
+}
+
+/// E2B's shape as read: the last three layers reuse the keys and values of the last earlier
+/// layer of their kind (layer 1 for the sliding ones, layer 2 for the full one), their MLPs twice
+/// as wide; per-layer inputs of 16 with transformers' scales.
+#[test]
+fn the_e2b_config_reads_as_transformers_builds_it() {
+    let files = ModelFiles::locate(&dir("gemma4_e2b").to_string_lossy()).unwrap();
+    let cfg = files.config();
+    assert_eq!(cfg.kv_sources, vec![None, None, None, Some(1), Some(1), Some(2)]);
+    assert_eq!(
+        facts("gemma4_e2b")["kv_sharing_modes"],
+        serde_json::json!([null, "store", "store", "reuse", "reuse", "reuse"])
+    );
+    assert_eq!(cfg.mlp_widths, vec![64, 64, 64, 128, 128, 128]);
+    let p = cfg.per_layer_inputs.clone().unwrap();
+    assert_eq!((p.width, p.vocab_size, p.layers), (16, 512, 6));
+    assert_eq!((p.embed_scale, p.projection_scale, p.combine_scale), (4.0, 48f64.powf(-0.5), 2f64.powf(-0.5)));
+    // Without use_double_wide_mlp the sharing layers keep the others' width (and this
+    // checkpoint's wider MLPs no longer fit).
+    let copy = common::with_config("gemma4/gemma4_e2b", |c| text(c)["use_double_wide_mlp"] = false.into());
+    assert!(ModelFiles::locate(&copy.path().to_string_lossy()).unwrap().config().mlp_widths.is_empty());
+    let e = common::refusal(copy.path()).expect("the wider MLPs");
+    assert!(e.contains("layers.3.mlp") && e.contains("[128, 48]"), "{e}");
+}
+
+/// Checkpoints may still hold the key and value projections and norms of the layers that reuse
+/// another's (transformers drops them on load): they are never read, NaN or not.
+#[test]
+fn the_sharing_layers_own_keys_and_values_are_never_read() {
+    let nan_bf16 = |n: usize| [0xC0u8, 0x7F].repeat(n);
+    let copy = common::with_tensors("gemma4/gemma4_e2b", |t| {
+        for i in 3..6 {
+            let hd = if i == 5 { 32 } else { 16 };
+            let p = format!("model.language_model.layers.{i}.self_attn");
+            for (part, shape) in [("k_proj", vec![2 * hd, 48]), ("v_proj", vec![2 * hd, 48]), ("k_norm", vec![hd])] {
+                let n = shape.iter().product();
+                t.push((format!("{p}.{part}.weight"), safetensors::Dtype::BF16, shape, nan_bf16(n)));
+            }
+        }
+    });
+    let reference = read_safetensors(&dir("gemma4_e2b").join("reference.safetensors"));
+    let mut engine = load_cpu(copy.path(), DType::F32);
+    let n = engine.decoder.cfg.num_hidden_layers;
+    let got = run_packed(&mut engine, &[reference_ids(&reference, 5)], &[n]).remove(0);
+    let hs = &reference["seq5.hidden_states"];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    let allowed =
+        F32_TOLERANCE.max(2.0 * facts("gemma4_e2b")["f32_vs_f64_relative_error_per_index"][n].as_f64().unwrap());
+    let e = rel_err(&got, &hs.f32[n * t * h..(n + 1) * t * h]);
+    assert!(e <= allowed, "relative error {e:.3e}");
 }
 
 /// A real server on the release with experts: `/v1/info` reports its layer kinds, and the answer

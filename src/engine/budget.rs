@@ -27,7 +27,9 @@ pub fn tokens_for_memory(
     // the working set of one layer.
     let taps = (cfg.num_hidden_layers as u64 + 1) * h * (4 + 2 * b);
     let layer = cfg.layers.iter().map(|l| cfg.layer_bytes_per_token(l, b)).max().unwrap_or(0);
-    let per_token = taps + layer + 8 * 2;
+    // Per-layer inputs: every layer's, for every token, from the table and the projection.
+    let per_layer = cfg.per_layer_inputs.as_ref().map_or(0, |p| (p.layers * p.width) as u64 * (3 * b + 4));
+    let per_token = taps + layer + per_layer + 8 * 2;
     // The CUDA attention kernels keep scores on chip; only the portable path holds them.
     #[cfg(feature = "cuda")]
     let on_chip = EngineOptions::startup().cuda_attention && cuda::attention::supported(device, dtype, cfg.head_dim);

@@ -6,13 +6,14 @@ use candle_core::{DType, Tensor};
 
 use super::batch::{BatchCtx, BatchKernels};
 use super::config::{FfnKind, MixerKind, ModelConfig};
-use super::layers::attention::Attention;
+use super::layers::attention::{Attention, KeyValues};
 use super::layers::gdn::GatedDeltaNet;
 use super::layers::linear::residual;
 use super::layers::mla::LatentAttention;
 use super::layers::mlp::GatedMlp;
 use super::layers::moe::SparseMoe;
 use super::layers::norm::RmsNorm;
+use super::layers::per_layer::{PerLayerEmbeddings, PerLayerInputGate};
 use super::layers::rope::Rope;
 use super::options::EngineOptions;
 use super::profile::Phase;
@@ -50,10 +51,17 @@ struct Sandwich {
 }
 
 /// One decoder layer: `x + mixer(norm(x))`, then `x + ffn(norm(x))`; with sandwich norms
-/// `x + post_attn(mixer(norm(x)))`, then `(x + post_ffn(ffn(pre_ffn(x)))) * layer_scalar`.
+/// `x + post_attn(mixer(norm(x)))`, then `(x + post_ffn(ffn(pre_ffn(x)))) * layer_scalar`. With
+/// per-layer inputs, the layer's input joins through its gate after the feed-forward block
+/// (before the scalar); an attention layer may attend over an earlier layer's keys and values.
 pub struct Block {
     input_norm: RmsNorm,
     mixer: Mixer,
+    /// The earlier layer whose keys and values this one attends over ([`ModelConfig::kv_sources`]).
+    kv_source: Option<usize>,
+    /// A later layer attends over this one's keys and values: they are kept.
+    keeps_kv: bool,
+    per_layer: Option<PerLayerInputGate>,
     /// The norm before the feed-forward block (`post_attention_layernorm`, or
     /// `pre_feedforward_layernorm` with sandwich norms).
     post_norm: RmsNorm,
@@ -70,9 +78,16 @@ impl Block {
             let norm = RmsNorm::load_for(w, c, &format!("{p}.{n}"))?;
             Ok::<_, EngineError>(norm.fusing_add(o.fused_add_norm))
         };
+        let kv_source = c.kv_source(i);
         let mixer = match spec.mixer {
+            MixerKind::FullAttention | MixerKind::SlidingAttention if kv_source.is_some() => {
+                Mixer::Attention(Attention::load_reusing_kv(w, c, &format!("{p}.self_attn"), spec.mixer, o)?)
+            }
             MixerKind::FullAttention | MixerKind::SlidingAttention => {
                 Mixer::Attention(Attention::load(w, c, &format!("{p}.self_attn"), spec.mixer, o)?)
+            }
+            _ if kv_source.is_some() => {
+                return Err(EngineError::Load(format!("layer {i}: only attention layers reuse keys and values")))
             }
             MixerKind::LinearAttention => {
                 Mixer::GatedDeltaNet(GatedDeltaNet::load(w, c, &format!("{p}.linear_attn"), o)?)
@@ -82,9 +97,8 @@ impl Block {
             }
         };
         let m = format!("{p}.mlp");
-        let mlp = || {
-            Ok::<_, EngineError>(GatedMlp::load(w, &m, h, c.intermediate_size, c.mlp_bias)?.activated(c.mlp_activation))
-        };
+        let width = c.intermediate_size_of(i);
+        let mlp = || Ok::<_, EngineError>(GatedMlp::load(w, &m, h, width, c.mlp_bias)?.activated(c.mlp_activation));
         let eps = c.rms_norm_eps;
         let ffn = match (spec.ffn, &c.moe) {
             (FfnKind::Dense, _) => Ffn::Dense(mlp()?),
@@ -109,25 +123,42 @@ impl Block {
             false => None,
         };
         let post_norm = norm(if c.sandwich_norms { "pre_feedforward_layernorm" } else { "post_attention_layernorm" })?;
-        Ok(Block { input_norm: norm("input_layernorm")?, mixer, post_norm, ffn, sandwich })
+        let per_layer = c.per_layer_inputs.as_ref().map(|pl| PerLayerInputGate::load(w, c, &p, pl)).transpose()?;
+        Ok(Block {
+            input_norm: norm("input_layernorm")?,
+            mixer,
+            kv_source,
+            keeps_kv: c.kv_reused(i),
+            per_layer,
+            post_norm,
+            ffn,
+            sandwich,
+        })
     }
 
-    /// One layer on `x`, given `h`, its input norm of `x`. Returns the layer's output and, where
-    /// `next` is given and one kernel does the last residual add with it (CUDA), that norm of the
-    /// output; the post-attention norm comes with the first add the same way.
+    /// One layer on `x`, given `h`, its input norm of `x`, and what it takes from outside the
+    /// stream: its per-layer input `[T, width]` and the keys and values it reuses. Returns the
+    /// layer's output and, where `next` is given and one kernel does the last residual add with it
+    /// (CUDA), that norm of the output (the post-attention norm comes with the first add the same
+    /// way); and its keys and values where a later layer reuses them.
     fn forward(
         &self,
         x: &Tensor,
         h: &Tensor,
         next: Option<&RmsNorm>,
         ctx: &BatchCtx,
-    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        input: Option<&Tensor>,
+        reused: Option<&KeyValues>,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>, Option<KeyValues>)> {
         let profile = &ctx.profile;
         profile.restart();
-        let mixed = match &self.mixer {
-            Mixer::Attention(a) => a.forward(h, ctx)?,
-            Mixer::GatedDeltaNet(g) => g.forward(h, ctx)?,
-            Mixer::LatentAttention(a) => a.forward(h, ctx)?,
+        let (mixed, kv) = match &self.mixer {
+            Mixer::Attention(a) => {
+                let (y, kv) = a.forward_with(h, ctx, reused)?;
+                (y, self.keeps_kv.then_some(kv))
+            }
+            Mixer::GatedDeltaNet(g) => (g.forward(h, ctx)?, None),
+            Mixer::LatentAttention(a) => (a.forward(h, ctx)?, None),
         };
         let (x, h) = match &self.sandwich {
             Some(s) => self.post_norm.add_forward(x, &s.post_attention.forward(&mixed)?)?,
@@ -149,20 +180,29 @@ impl Block {
                 (dense + d.post_moe.forward(&experts)?)?
             }
         };
+        let per_layer = match (&self.per_layer, input) {
+            (Some(p), Some(input)) => Some((p, input)),
+            (None, _) => None,
+            (Some(_), None) => candle_core::bail!("a layer with a per-layer input was given none"),
+        };
         if let Some(s) = &self.sandwich {
-            let out = residual(&x, &s.post_ffn.forward(&y)?)?;
+            let mut out = residual(&x, &s.post_ffn.forward(&y)?)?;
+            if let Some((p, input)) = per_layer {
+                out = p.forward(&out, input)?;
+            }
             let out = out.broadcast_mul(&s.scalar.to_dtype(out.dtype())?)?;
             profile.mark(Phase::OProjMlp);
-            return Ok((out, None));
+            return Ok((out, None, kv));
         }
         // Where no kernel fuses them, the next norm waits for the next layer (this layer's
         // temporaries are gone by then, as they always were).
-        let out = match next.filter(|n| n.fuses_add(&x, &y)) {
-            Some(norm) => norm.add_forward(&x, &y).map(|(o, h)| (o, Some(h)))?,
-            None => (residual(&x, &y)?, None),
+        let (out, normed) = match (next.filter(|n| n.fuses_add(&x, &y)), per_layer) {
+            (_, Some((p, input))) => (p.forward(&residual(&x, &y)?, input)?, None),
+            (Some(norm), None) => norm.add_forward(&x, &y).map(|(o, h)| (o, Some(h)))?,
+            (None, None) => (residual(&x, &y)?, None),
         };
         profile.mark(Phase::OProjMlp);
-        Ok(out)
+        Ok((out, normed, kv))
     }
 }
 
@@ -183,6 +223,8 @@ pub struct Decoder {
     full_rope: Option<Rope>,
     /// What the embeddings are multiplied by (`[1]`, in the compute dtype).
     embed_scale: Option<Tensor>,
+    /// Every layer's own input per token ([`crate::engine::config::PerLayerInputs`]).
+    per_layer: Option<PerLayerEmbeddings>,
     /// The output head `[vocab, hidden]` (the embeddings where the model ties them); `None` for
     /// a checkpoint that has none, or a decoder loaded for a few tokens only.
     head: Option<Tensor>,
@@ -202,7 +244,7 @@ impl Decoder {
         let shape = [cfg.vocab_size, cfg.hidden_size];
         let embed = w.get("embed_tokens.weight", &shape)?;
         let head = if cfg.tie_word_embeddings { Some(embed.clone()) } else { w.get_head(&shape)? };
-        let mut d = Self::load_with(cfg, w, embed, options, progress)?;
+        let mut d = Self::load_with(cfg, w, embed, None, options, progress)?;
         d.head = head;
         Ok(d)
     }
@@ -216,13 +258,15 @@ impl Decoder {
         options: &EngineOptions,
     ) -> Result<Self, EngineError> {
         let embed = w.get_rows("embed_tokens.weight", tokens, &[cfg.vocab_size, cfg.hidden_size])?;
-        Self::load_with(cfg, w, embed, options, |_, _| {})
+        Self::load_with(cfg, w, embed, Some(tokens), options, |_, _| {})
     }
 
+    /// `rows`: the tokens whose rows of the embedding tables were loaded, where not all were.
     fn load_with(
         cfg: ModelConfig,
         w: &Weights,
         embed: Tensor,
+        rows: Option<&[u32]>,
         options: &EngineOptions,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self, EngineError> {
@@ -233,6 +277,8 @@ impl Decoder {
             progress(i + 1, n);
         }
         let norm = RmsNorm::load_for(w, &cfg, "norm")?.fusing_add(options.fused_add_norm);
+        let per_layer =
+            cfg.per_layer_inputs.as_ref().map(|p| PerLayerEmbeddings::load(w, &cfg, p, rows)).transpose()?;
         let rope = Rope::new(&cfg);
         let full_rope = Rope::full_attention(&cfg);
         let embed_scale = match cfg.embed_scale {
@@ -252,6 +298,7 @@ impl Decoder {
             rope,
             full_rope,
             embed_scale,
+            per_layer,
             f32_residual,
             kernels,
             head: None,
@@ -311,6 +358,10 @@ impl Decoder {
         if let Some(s) = &self.embed_scale {
             x = x.broadcast_mul(s)?;
         }
+        // Every layer's own input, from the tokens and their scaled embeddings.
+        let per_layer = self.per_layer.as_ref().map(|p| p.forward(ids, &x)).transpose()?;
+        // The keys and values of the layers whose ones a later layer reuses.
+        let mut kept_kv: Vec<Option<KeyValues>> = vec![None; n];
         if self.f32_residual {
             x = super::large::map_rows(&x, |x| x.to_dtype(DType::F32))?;
         }
@@ -334,7 +385,17 @@ impl Decoder {
             } else {
                 None
             };
-            let (out, h_next) = layer.forward(&x, &h, next, pk)?;
+            let input = per_layer.as_ref().map(|p| p.narrow(1, i, 1)?.squeeze(1)).transpose()?;
+            let reused = match layer.kv_source {
+                Some(j) => Some(kept_kv[j].as_ref().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("layer {i} reuses the keys and values of layer {j}, not kept"))
+                })?),
+                None => None,
+            };
+            let (out, h_next, kv) = layer.forward(&x, &h, next, pk, input.as_ref(), reused)?;
+            if kv.is_some() {
+                kept_kv[i] = kv;
+            }
             x = out;
             *layers_run += 1;
             if idx == n {

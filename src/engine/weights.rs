@@ -105,6 +105,9 @@ pub struct Weights {
     pub dtype: DType,
     /// Full names of the tensors read so far, for [`Weights::check_unread`].
     read: Mutex<HashSet<String>>,
+    /// Full names of tensors the model has no place for and leaves unread, as transformers does
+    /// ([`Weights::pass_over`]).
+    passed_over: Mutex<HashSet<String>>,
     /// The scheme config.json declares: which quantised tensors may be read, and how.
     quantization: Option<Quantization>,
     /// Whether FP8 projections may run as FP8 GEMMs where the GPU runs them
@@ -324,6 +327,7 @@ impl Weights {
             device,
             dtype,
             read: Mutex::default(),
+            passed_over: Mutex::default(),
             quantization: None,
             fp8_gemm: true,
             fp8_fused: true,
@@ -519,6 +523,15 @@ impl Weights {
             self.get(name, shape).map(Some)
         } else {
             Ok(None)
+        }
+    }
+
+    /// Leaves `name` unread where the checkpoint has it, without [`Weights::check_unread`]
+    /// refusing it: a tensor transformers drops on load (the key and value projections a layer
+    /// that reuses another's keys and values still carries in some checkpoints).
+    pub fn pass_over(&self, name: &str) {
+        if let Ok(mut passed) = self.passed_over.lock() {
+            passed.insert(self.full_name(name));
         }
     }
 
@@ -967,10 +980,11 @@ impl Weights {
             return Ok(());
         };
         let read = self.read.lock().map(|r| r.clone()).unwrap_or_default();
+        let passed = self.passed_over.lock().map(|r| r.clone()).unwrap_or_default();
         let mut unread: Vec<(String, String)> = tensors
             .list()
             .into_iter()
-            .filter(|(name, _, _)| !read.contains(name))
+            .filter(|(name, _, _)| !read.contains(name) && !passed.contains(name))
             .map(|(name, _, dtype_name)| (name, dtype_name))
             .collect();
         unread.sort();
@@ -1039,8 +1053,9 @@ impl Weights {
         if self.layer_of(full).is_some_and(|i| i >= layers) {
             return false;
         }
-        let decoder =
-            ["layers.", "embed_tokens.", "norm."].iter().any(|p| full.starts_with(&format!("{}{p}", self.prefix)));
+        let decoder = ["layers.", "embed_tokens.", "norm.", "embed_tokens_per_layer.", "per_layer_"]
+            .iter()
+            .any(|p| full.starts_with(&format!("{}{p}", self.prefix)));
         if decoder {
             return true;
         }

@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use super::{
     bad, DeepseekRouting, ExpertActivation, ExpertsLayout, Family, FfnKind, FullAttentionShape, GdnLayout, GroupScore,
-    LayerSpec, LinearAttentionConfig, MixerKind, MlaConfig, ModelConfig, MoeConfig, RopeScaling, Routing,
-    ScoreFunction,
+    LayerSpec, LinearAttentionConfig, MixerKind, MlaConfig, ModelConfig, MoeConfig, PerLayerInputs, RopeScaling,
+    Routing, ScoreFunction,
 };
 use crate::engine::EngineError;
 
@@ -492,25 +492,13 @@ fn mla(cfg: &Value, family: Family) -> Result<MlaConfig, EngineError> {
 /// (512 by default) and, when `attention_k_eq_v`, `num_global_key_value_heads` (or as
 /// `per_layer_config` gives them), default rotary on sliding layers and proportional rotary on
 /// full ones, norms in f32 with plain weights, sandwich norms, GELU-tanh, the experts beside the
-/// MLP when `enable_moe_block`. Per-layer embeddings and KV sharing are refused by name.
+/// MLP when `enable_moe_block`; per-layer embeddings (`hidden_size_per_layer_input`, 256 by
+/// default) and key-value sharing of the last `num_kv_shared_layers` layers (each reuses the last
+/// earlier layer of its kind that computes its own, their MLPs twice as wide when
+/// `use_double_wide_mlp`), as E2B and E4B have them.
 fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig, EngineError> {
     let family = Family::Gemma4;
-    let refuse = |what: String| Err(bad(format!("config.json: {what} is not supported for {architecture} yet")));
-    // Absent: transformers' default, 256; null: none.
-    let ple = match cfg.get("hidden_size_per_layer_input") {
-        None => 256,
-        Some(Value::Null) => 0,
-        Some(v) => v.as_u64().map_or(usize::MAX, |v| v as usize),
-    };
-    if ple > 0 {
-        return refuse(format!(
-            "hidden_size_per_layer_input {ple} (per-layer embeddings, as in Gemma 4 E2B and E4B; transformers' \
-             default is 256)"
-        ));
-    }
-    if let Some(n) = opt_usize(cfg, "num_kv_shared_layers").filter(|&n| n > 0) {
-        return refuse(format!("num_kv_shared_layers {n} (key-value sharing across layers)"));
-    }
+    let refuse = |what: String| Err(unsupported(&architecture, what));
     match cfg.get("use_bidirectional_attention").filter(|v| !v.is_null()) {
         None => {}
         // Bidirectional among vision tokens only: text is causal.
@@ -636,6 +624,8 @@ fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig
             ))
         }
     };
+    let (kv_sources, mlp_widths) = kv_sharing(cfg, &mixers, &architecture)?;
+    let per_layer_inputs = per_layer_inputs(cfg, n, hidden_size, &architecture)?;
     let moe_on = opt_bool(cfg, "enable_moe_block").unwrap_or(false);
     let moe = if moe_on {
         Some(MoeConfig {
@@ -710,10 +700,100 @@ fn gemma4(root: &Value, cfg: &Value, architecture: String) -> Result<ModelConfig
         mtp_layers: 0,
         moe,
         layers,
+        mlp_widths,
+        kv_sources,
+        per_layer_inputs,
         quantization: None,
     };
     c.validate()?;
     Ok(c)
+}
+
+/// A config value of `architecture` that layertap does not build, by name.
+fn unsupported(architecture: &str, what: String) -> EngineError {
+    bad(format!("config.json: {what} is not supported for {architecture} yet"))
+}
+
+/// Gemma 4's key-value sharing as transformers builds it: the last `num_kv_shared_layers` layers
+/// reuse the keys and values of the last layer before them of the same kind (a kind with none is
+/// refused, as transformers refuses it, and so is sharing in every layer); with
+/// `use_double_wide_mlp`, those layers' MLPs are `2 * intermediate_size` wide. Returns the sources
+/// and the MLP widths per layer (both empty without sharing).
+fn kv_sharing(
+    cfg: &Value,
+    mixers: &[MixerKind],
+    architecture: &str,
+) -> Result<(Vec<Option<usize>>, Vec<usize>), EngineError> {
+    let n = mixers.len();
+    let shared = usize_or(cfg, "num_kv_shared_layers", 0)?;
+    if shared == 0 {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let Some(first) = n.checked_sub(shared).filter(|&f| f > 0) else {
+        return Err(unsupported(
+            architecture,
+            format!(
+                "num_kv_shared_layers {shared} of {n} layers (no layer is left to compute the keys and values the \
+                 others would reuse)"
+            ),
+        ));
+    };
+    let mut sources = vec![None; n];
+    for i in first..n {
+        match (0..first).rev().find(|&j| mixers[j] == mixers[i]) {
+            Some(j) => sources[i] = Some(j),
+            None => {
+                return Err(unsupported(
+                    architecture,
+                    format!(
+                        "num_kv_shared_layers {shared} (layer {i}, {:?}, has no earlier layer of its kind whose keys \
+                         and values it could reuse)",
+                        mixers[i]
+                    ),
+                ))
+            }
+        }
+    }
+    let widths = match opt_bool(cfg, "use_double_wide_mlp").unwrap_or(false) {
+        true => {
+            let inter = req_usize(cfg, "intermediate_size")?;
+            (0..n).map(|i| if i >= first { 2 * inter } else { inter }).collect()
+        }
+        false => Vec::new(),
+    };
+    Ok((sources, widths))
+}
+
+/// Gemma 4's per-layer embeddings: `hidden_size_per_layer_input` (absent: transformers'
+/// default, 256; null or 0: none) wide, a table of `vocab_size_per_layer_input` rows (262,144 by
+/// default), scaled by its width's square root; the projection scaled by `hidden_size^-1/2`, the
+/// sum by `2^-1/2`; GELU-tanh after each layer's gate.
+fn per_layer_inputs(
+    cfg: &Value,
+    n: usize,
+    hidden_size: usize,
+    architecture: &str,
+) -> Result<Option<PerLayerInputs>, EngineError> {
+    let width = match cfg.get("hidden_size_per_layer_input") {
+        None => 256,
+        Some(Value::Null) => 0,
+        Some(v) => match v.as_u64() {
+            Some(w) => w as usize,
+            None => return Err(unsupported(architecture, format!("hidden_size_per_layer_input {v}"))),
+        },
+    };
+    if width == 0 {
+        return Ok(None);
+    }
+    Ok(Some(PerLayerInputs {
+        width,
+        vocab_size: usize_or(cfg, "vocab_size_per_layer_input", 262_144)?,
+        layers: n,
+        embed_scale: (width as f64).sqrt(),
+        projection_scale: (hidden_size as f64).powf(-0.5),
+        combine_scale: 2f64.powf(-0.5),
+        activation: ExpertActivation::GeluTanh,
+    }))
 }
 
 fn opt_f64_in(p: Option<&Value>, key: &str) -> Option<f64> {
@@ -848,6 +928,9 @@ impl ModelConfig {
                 .unwrap_or(false),
             linear_attention: if family.is_hybrid() { Some(linear_attention(cfg, family)?) } else { None },
             mla,
+            mlp_widths: Vec::new(),
+            kv_sources: Vec::new(),
+            per_layer_inputs: None,
             mtp_layers: match family {
                 Family::DeepseekV3 | Family::Glm4MoeLite => {
                     opt_usize(cfg, "num_nextn_predict_layers").or_else(|| opt_usize(cfg, "num_mtp_layers")).unwrap_or(0)

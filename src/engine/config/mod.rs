@@ -336,6 +336,30 @@ pub struct FullAttentionShape {
     pub rope_factor: f64,
 }
 
+/// Per-layer inputs (per-layer embeddings): each decoder layer gets a `width`-wide input of its
+/// own per token, `(norm(proj(e) * projection_scale) + table(id) * embed_scale) * combine_scale`,
+/// where `e` are the token's scaled embeddings, `proj` is `per_layer_model_projection`
+/// (`[layers * width, hidden]`), `norm` the RMSNorm `per_layer_projection_norm` (`[width]`) of
+/// each layer's slice, and `table` is `embed_tokens_per_layer` (`[vocab_size, layers * width]`).
+/// After its feed-forward block a layer adds
+/// `post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(x)) * input))` to its
+/// stream (before its scalar).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PerLayerInputs {
+    pub width: usize,
+    /// Rows of the table (at least the model's `vocab_size`).
+    pub vocab_size: usize,
+    /// Layers the table and the projection hold inputs for: the checkpoint's layer count, kept
+    /// when the config is truncated.
+    pub layers: usize,
+    /// The table's rows are multiplied by this (rounded to the compute dtype first).
+    pub embed_scale: f64,
+    pub projection_scale: f64,
+    pub combine_scale: f64,
+    /// What follows the gate projection in each layer.
+    pub activation: ExpertActivation,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelConfig {
     pub architecture: String,
@@ -399,6 +423,15 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// One entry per decoder layer.
     pub layers: Vec<LayerSpec>,
+    /// The dense MLP's width per layer where the layers differ (empty: `intermediate_size`
+    /// everywhere; else one entry per layer).
+    pub mlp_widths: Vec<usize>,
+    /// Key-value sharing: per layer, the earlier attention layer (of the same kind) whose keys
+    /// and values, after their norms and rotary embedding, it attends over instead of its own; it
+    /// has no key or value projections. Empty: none; else one entry per layer.
+    pub kv_sources: Vec<Option<usize>>,
+    /// Per-layer inputs ([`PerLayerInputs`]).
+    pub per_layer_inputs: Option<PerLayerInputs>,
     /// The checkpoint's quantisation scheme (None: float weights, or GGUF types dequantised), or
     /// the one its float projections are quantised to at load (`ModelFiles::quantize`).
     pub quantization: Option<quant::Quantization>,
@@ -438,7 +471,24 @@ impl ModelConfig {
         let mut c = self.clone();
         c.num_hidden_layers = depth;
         c.layers.truncate(depth);
+        c.mlp_widths.truncate(depth);
+        c.kv_sources.truncate(depth);
         c
+    }
+
+    /// The dense MLP's width in layer `i`.
+    pub fn intermediate_size_of(&self, i: usize) -> usize {
+        self.mlp_widths.get(i).copied().unwrap_or(self.intermediate_size)
+    }
+
+    /// The layer whose keys and values layer `i` reuses, if it shares them.
+    pub fn kv_source(&self, i: usize) -> Option<usize> {
+        self.kv_sources.get(i).copied().flatten()
+    }
+
+    /// Whether a later layer reuses layer `i`'s keys and values.
+    pub fn kv_reused(&self, i: usize) -> bool {
+        self.kv_sources.contains(&Some(i))
     }
 
     pub fn validate(&self) -> Result<(), EngineError> {
@@ -595,6 +645,47 @@ impl ModelConfig {
         if self.layers.iter().any(|l| l.ffn.has_dense()) && self.intermediate_size == 0 {
             return Err(bad("model config: dense MLP layers need a positive intermediate_size"));
         }
+        if !self.mlp_widths.is_empty() && self.mlp_widths.len() != self.num_hidden_layers {
+            return Err(bad("model config: per-layer MLP widths must name every layer"));
+        }
+        if self.mlp_widths.iter().any(|&w| w == 0 || w > MAX_DIMENSION) {
+            return Err(bad(format!("model config: per-layer MLP widths {:?} out of range", self.mlp_widths)));
+        }
+        if !self.kv_sources.is_empty() && self.kv_sources.len() != self.num_hidden_layers {
+            return Err(bad("model config: key-value sources must name every layer"));
+        }
+        for (i, s) in self.kv_sources.iter().enumerate() {
+            let Some(j) = *s else { continue };
+            let ok = j < i
+                && self.layers[i].mixer.is_attention()
+                && self.layers[j].mixer == self.layers[i].mixer
+                && self.kv_sources[j].is_none();
+            if !ok {
+                return Err(bad(format!(
+                    "model config: layer {i} cannot reuse the keys and values of layer {j} (an earlier attention layer \
+                     of the same kind that computes its own)"
+                )));
+            }
+        }
+        if let Some(p) = &self.per_layer_inputs {
+            if p.width == 0 || p.width > MAX_DIMENSION || p.layers < self.num_hidden_layers || p.layers > MAX_DIMENSION
+            {
+                return Err(bad(format!(
+                    "model config: per-layer inputs of width {} for {} layers",
+                    p.width, p.layers
+                )));
+            }
+            if p.vocab_size < self.vocab_size {
+                return Err(bad(format!(
+                    "model config: vocab_size_per_layer_input {} is below vocab_size {}: tokens past it have no \
+                     per-layer embedding",
+                    p.vocab_size, self.vocab_size
+                )));
+            }
+            if p.vocab_size.saturating_mul(p.width.saturating_mul(p.layers)) > MAX_TABLE_ELEMENTS {
+                return Err(bad("model config: the per-layer embedding table is larger than layertap serves"));
+            }
+        }
         Ok(())
     }
 
@@ -629,7 +720,9 @@ impl ModelConfig {
                 projections + conv_f32 + (chunk_rows + matrices) * 3 / 2 + 4 * 3 * nv * dv
             }),
         };
-        let dense = if spec.ffn.has_dense() { 3 * self.intermediate_size as u64 * b } else { 0 };
+        // The widest MLP of any layer (where the widths differ).
+        let width = self.mlp_widths.iter().copied().max().unwrap_or(0).max(self.intermediate_size) as u64;
+        let dense = if spec.ffn.has_dense() { 3 * width * b } else { 0 };
         let ffn = dense
             + match (spec.ffn, &self.moe) {
                 (FfnKind::Dense, _) => 0,
@@ -710,6 +803,12 @@ impl ModelConfig {
         }
         if self.layers.iter().any(|l| l.mixer == MixerKind::LatentAttention) {
             needs.push("multi-head latent attention");
+        }
+        if self.per_layer_inputs.is_some() {
+            needs.push("per-layer embeddings (per-layer inputs)");
+        }
+        if self.kv_sources.iter().any(Option::is_some) {
+            needs.push("key-value sharing across layers");
         }
         needs
     }

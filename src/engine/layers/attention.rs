@@ -14,8 +14,16 @@ use crate::engine::profile::Phase;
 use crate::engine::weights::Weights;
 use crate::engine::EngineError;
 
+/// A layer's keys and values as attention reads them, `[T, kv_heads, head_dim]` each: after
+/// their norms and rotary embedding.
+pub type KeyValues = (Tensor, Tensor);
+
 pub struct Attention {
+    /// The query projection, then the key and value ones where the layer computes its own.
     qkv: Projections,
+    /// No key or value projections: the layer attends over the keys and values another layer
+    /// computed ([`Attention::forward_with`]).
+    reuses_kv: bool,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -55,24 +63,53 @@ impl Attention {
         mixer: MixerKind,
         o: &EngineOptions,
     ) -> Result<Self, EngineError> {
+        Self::load_with(w, c, prefix, mixer, o, false)
+    }
+
+    /// A layer without key and value projections (or their norms) that attends over another
+    /// layer's keys and values; the ones some checkpoints still carry are passed over, as
+    /// transformers passes them over.
+    pub fn load_reusing_kv(
+        w: &Weights,
+        c: &ModelConfig,
+        prefix: &str,
+        mixer: MixerKind,
+        o: &EngineOptions,
+    ) -> Result<Self, EngineError> {
+        for part in ["k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_norm.weight", "v_norm.weight"] {
+            w.pass_over(&format!("{prefix}.{part}"));
+        }
+        Self::load_with(w, c, prefix, mixer, o, true)
+    }
+
+    fn load_with(
+        w: &Weights,
+        c: &ModelConfig,
+        prefix: &str,
+        mixer: MixerKind,
+        o: &EngineOptions,
+        reuses_kv: bool,
+    ) -> Result<Self, EngineError> {
         let window = (mixer == MixerKind::SlidingAttention).then_some(c.sliding_window).flatten();
         let (nkv, hd, rotary_dim, k_eq_v, full_rope) = c.attention_shape(mixer);
         let h = c.hidden_size;
         let nq = c.num_attention_heads;
         let q_out = if c.attn_output_gate { 2 * nq * hd } else { nq * hd };
         let q = Linear::load(w, &format!("{prefix}.q_proj"), q_out, h, c.qkv_bias)?;
-        let k = Linear::load(w, &format!("{prefix}.k_proj"), nkv * hd, h, c.qkv_bias)?;
-        let mut qkv = vec![q, k];
-        if !k_eq_v {
-            qkv.push(Linear::load(w, &format!("{prefix}.v_proj"), nkv * hd, h, c.qkv_bias)?);
+        let mut qkv = vec![q];
+        if !reuses_kv {
+            qkv.push(Linear::load(w, &format!("{prefix}.k_proj"), nkv * hd, h, c.qkv_bias)?);
+            if !k_eq_v {
+                qkv.push(Linear::load(w, &format!("{prefix}.v_proj"), nkv * hd, h, c.qkv_bias)?);
+            }
         }
         let norm = |n: &str| match c.f32_norms && !c.zero_centred_norms {
             true => RmsNorm::load_f32(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps),
             false => RmsNorm::load(w, &format!("{prefix}.{n}"), hd, c.rms_norm_eps, c.zero_centred_norms),
         };
         let q_norm = c.qk_norm.then(|| norm("q_norm")).transpose()?;
-        let k_norm = c.qk_norm.then(|| norm("k_norm")).transpose()?;
-        let v_norm = c.v_norm.then(|| RmsNorm::scale_free(w, hd, c.rms_norm_eps)).transpose()?;
+        let k_norm = (c.qk_norm && !reuses_kv).then(|| norm("k_norm")).transpose()?;
+        let v_norm = (c.v_norm && !reuses_kv).then(|| RmsNorm::scale_free(w, hd, c.rms_norm_eps)).transpose()?;
         let sinks = match c.attention_sinks {
             true => {
                 Some(w.get_f32(&format!("{prefix}.sinks"), &[nq])?.to_device(&candle_core::Device::Cpu)?.to_vec1()?)
@@ -83,6 +120,7 @@ impl Attention {
         let _ = o;
         #[cfg(feature = "cuda")]
         let fused = if o.fused_rope
+            && !reuses_kv
             && v_norm.is_none()
             && !k_eq_v
             && !full_rope
@@ -109,6 +147,7 @@ impl Attention {
         Ok(Attention {
             // On CUDA, fewer and larger matmuls; on the CPU the layout stays as the reference's.
             qkv: Projections::new(qkv, w.device.is_cuda())?,
+            reuses_kv,
             o: Linear::load(w, &format!("{prefix}.o_proj"), h, nq * hd, c.o_bias)?,
             q_norm,
             k_norm,
@@ -142,33 +181,52 @@ impl Attention {
 
     /// `h`: the normed input `[T, hidden]`; returns the attention block's output `[T, hidden]`.
     pub fn forward(&self, h: &Tensor, ctx: &BatchCtx) -> candle_core::Result<Tensor> {
+        Ok(self.forward_with(h, ctx, None)?.0)
+    }
+
+    /// [`Attention::forward`], over `reused` (another layer's keys and values) where this layer
+    /// reuses them; returns also the keys and values it attended over.
+    pub fn forward_with(
+        &self,
+        h: &Tensor,
+        ctx: &BatchCtx,
+        reused: Option<&KeyValues>,
+    ) -> candle_core::Result<(Tensor, KeyValues)> {
         #[cfg(feature = "cuda")]
         if let (Some(fused), Some((pos, inv_freq))) = (&self.fused, &ctx.rope_inputs) {
             if let Some(qkv) = self.qkv.joined(h)? {
                 ctx.profile.mark(Phase::NormQkv);
                 let (q, k, v, gate) = fused.forward(&qkv, pos, inv_freq)?;
                 ctx.profile.mark(Phase::Rope);
-                return self.finish(&q, &k, &v, gate, ctx);
+                return Ok((self.finish(&q, &k, &v, gate, ctx)?, (k, v)));
             }
         }
         let t = h.dim(0)?;
-        let (hd, nq) = (self.head_dim, self.heads);
+        let hd = self.head_dim;
         let mut parts = self.qkv.forward(h)?.into_iter();
-        let (Some(q), Some(k)) = (parts.next(), parts.next()) else {
-            candle_core::bail!("attention: the q/k/v projections returned fewer than two parts");
+        let Some(q) = parts.next() else {
+            candle_core::bail!("attention: the q/k/v projections returned nothing");
+        };
+        let (mut q, gate) = self.split_gate(q, t)?;
+        if self.reuses_kv {
+            let Some((k, v)) = reused else {
+                candle_core::bail!("attention: a layer that reuses keys and values was given none");
+            };
+            if let Some(qn) = &self.q_norm {
+                q = qn.forward(&q)?;
+            }
+            ctx.profile.mark(Phase::NormQkv);
+            let q = self.rope(&q, ctx)?;
+            ctx.profile.mark(Phase::Rope);
+            return Ok((self.finish(&q, k, v, gate, ctx)?, (k.clone(), v.clone())));
+        }
+        let Some(k) = parts.next() else {
+            candle_core::bail!("attention: the q/k/v projections returned no keys");
         };
         let v = match (self.k_eq_v, parts.next()) {
             (true, _) => k.clone(),
             (false, Some(v)) => v,
             (false, None) => candle_core::bail!("attention: the q/k/v projections returned no values"),
-        };
-        let (mut q, gate) = if self.gated {
-            // Per head: the query, then its gate (interleaved by head, not two halves).
-            let qg = q.reshape((t, nq, 2 * hd))?;
-            let half = |at| crate::engine::large::map_rows(&qg.narrow(2, at, hd)?, |h| h.contiguous());
-            (half(0)?, Some(half(hd)?.reshape((t, nq * hd))?))
-        } else {
-            (q.reshape((t, nq, hd))?, None)
         };
         let mut k = k.reshape((t, self.kv_heads, hd))?;
         let mut v = v.reshape((t, self.kv_heads, hd))?;
@@ -183,7 +241,22 @@ impl Attention {
         let q = self.rope(&q, ctx)?;
         let k = self.rope(&k, ctx)?;
         ctx.profile.mark(Phase::Rope);
-        self.finish(&q, &k, &v.contiguous()?, gate, ctx)
+        let v = v.contiguous()?;
+        Ok((self.finish(&q, &k, &v, gate, ctx)?, (k, v)))
+    }
+
+    /// The queries `[T, heads, head_dim]` and, where `q_proj` emits one, the output gate
+    /// `[T, heads * head_dim]`.
+    fn split_gate(&self, q: Tensor, t: usize) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let (hd, nq) = (self.head_dim, self.heads);
+        Ok(if self.gated {
+            // Per head: the query, then its gate (interleaved by head, not two halves).
+            let qg = q.reshape((t, nq, 2 * hd))?;
+            let half = |at| crate::engine::large::map_rows(&qg.narrow(2, at, hd)?, |h| h.contiguous());
+            (half(0)?, Some(half(hd)?.reshape((t, nq * hd))?))
+        } else {
+            (q.reshape((t, nq, hd))?, None)
+        })
     }
 
     /// Attention of the rotated `q`, `k` and `v`, the output gate and the output projection.

@@ -13,5 +13,6 @@ pub mod mlp;
 pub mod moe;
 pub mod mxfp4;
 pub mod norm;
+pub mod per_layer;
 pub mod rope;
 pub mod sdpa;

@@ -47,10 +47,15 @@ impl RmsNorm {
     /// A decoder norm of `hidden_size` (`{name}.weight`) as the config says: zero-centred, in
     /// f32 ([`ModelConfig::f32_norms`]), or plain.
     pub fn load_for(w: &Weights, c: &ModelConfig, name: &str) -> Result<Self, EngineError> {
+        Self::load_sized_for(w, c, name, c.hidden_size)
+    }
+
+    /// [`RmsNorm::load_for`] of another size.
+    pub fn load_sized_for(w: &Weights, c: &ModelConfig, name: &str, size: usize) -> Result<Self, EngineError> {
         if c.f32_norms && !c.zero_centred_norms {
-            return Self::load_f32(w, name, c.hidden_size, c.rms_norm_eps);
+            return Self::load_f32(w, name, size, c.rms_norm_eps);
         }
-        Self::load(w, name, c.hidden_size, c.rms_norm_eps, c.zero_centred_norms)
+        Self::load(w, name, size, c.rms_norm_eps, c.zero_centred_norms)
     }
 
     /// The same norm, its residual add fused where the kernel serves when `on` (the norms a

@@ -2,7 +2,8 @@
 //! checkpoints of scripts/make_mla_fixtures.py (tests/fixtures/mla): DeepSeek-V3 (low-rank queries,
 //! sigmoid scores with the correction bias, expert groups, YaRN with mscale, a multi-token-prediction
 //! layer in the file), DeepSeek-V2-Lite's shape (a plain q_proj, softmax scores, greedy and
-//! group-limited routing) and GLM-4.7-Flash's (V larger than Q/K, tied head): every index within
+//! group-limited routing), GLM-4.7-Flash's (V larger than Q/K, tied head), and DeepSeek-V3.2's and
+//! GLM-5's (sparse attention, on sequences up to its index_topk, where it is dense): every index within
 //! 1e-5 of transformers-f32 (or twice its own distance from float64), packed sequences the same bits
 //! as alone, next-token log-probabilities (also served over HTTP), `/v1/info`'s layer kinds and the
 //! self-check, each feature changing the states, and the refusals: on CUDA, and every config field
@@ -21,7 +22,11 @@ use layertap::engine::selfcheck::{check, Probe, Reference};
 use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
-const VARIANTS: [&str; 4] = ["deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "glm4_moe_lite"];
+const VARIANTS: [&str; 6] =
+    ["deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"];
+/// The sparse-attention variants (DeepSeek-V3.2, GLM-5: index_topk 16, sequences of at most 16
+/// tokens, on which their attention is dense).
+const SPARSE: [&str; 2] = ["deepseek_v32", "glm_moe_dsa"];
 /// DeepSeek-V3 in its release's block-wise FP8 layout (scripts/make_mla_fp8_fixtures.py).
 const FP8: &str = "deepseek_v3_fp8";
 
@@ -395,7 +400,10 @@ fn the_mtp_layer_is_ignored_only_where_the_config_declares_it() {
 /// on a CUDA device naming what the GPU paths lack.
 #[test]
 fn what_is_not_built_is_refused() {
-    let cases: [(&str, Edit, &str); 12] = [
+    let cases: [(&str, Edit, &str); 15] = [
+        ("deepseek_v32", ("", &|c| c["rope_interleave"] = false.into()), "rope_interleave"),
+        ("glm_moe_dsa", ("", &|c| c["q_lora_rank"] = serde_json::Value::Null), "q_lora_rank"),
+        ("glm_moe_dsa", ("", &|c| c["first_k_dense_replace"] = 3.into()), "first_k_dense_replace"),
         ("deepseek_v3", ("", &|c| c["num_key_value_heads"] = 2.into()), "num_key_value_heads"),
         ("deepseek_v2_lite", ("", &|c| c["norm_topk_prob"] = true.into()), "norm_topk_prob"),
         ("deepseek_v2_lite", ("", &|c| c["topk_method"] = "noaux_tc".into()), "topk_method"),
@@ -421,6 +429,81 @@ fn what_is_not_built_is_refused() {
             assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
         }
     }
+}
+
+/// DeepSeek-V3.2's and GLM-5's sparse attention keeps every causal key of a query that has at most
+/// index_topk of them, so it is dense attention on sequences of at most index_topk tokens (the
+/// fidelity tests above, up to 16 tokens): the indexer's weights are read for their shapes only
+/// (zeroed, they change no bit; of another shape, they are refused), GLM-5's layers that share
+/// another's selection store none, and a longer sequence is refused by the engine, naming why.
+#[test]
+fn sparse_attention_is_dense_up_to_index_topk_and_longer_sequences_are_refused() {
+    for name in SPARSE {
+        let d = dir(name);
+        let files = ModelFiles::locate(&d.to_string_lossy()).unwrap();
+        let (max, why) = files.config().max_sequence_tokens().expect("a sequence limit");
+        assert_eq!(max, 16, "{name}");
+        assert!(why.contains("index_topk = 16"), "{why}");
+        let lengths = facts(name)["lengths"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).max();
+        assert_eq!(lengths, Some(16), "{name}: the references reach index_topk");
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let mut engine = load_cpu(&d, DType::F32);
+        let got = last_state(&mut engine, &reference);
+        let e = rel_err(&got, &want_last(&reference));
+        assert!(e <= F32_TOLERANCE, "{name}: {e:.1e}");
+        let long: Vec<u32> = (0..17).collect();
+        let short: Vec<u32> = (0..16).collect();
+        for seqs in [vec![&long[..]], vec![&short[..], &long[..]]] {
+            let e = engine.forward(&Batch::pack(seqs, [0])).err().expect("17 tokens refused").to_string();
+            assert!(e.contains("a sequence of 17 tokens is refused") && e.contains("index_topk = 16"), "{e}");
+        }
+        assert!(engine.forward(&Batch::pack([&short[..], &short[..]], [0])).is_ok(), "two of 16 tokens");
+        let zeroed = common::with_tensors(&format!("mla/{name}"), |tensors| {
+            let mut hit = 0;
+            for (n, _, _, data) in tensors.iter_mut().filter(|(n, ..)| n.contains(".indexer.")) {
+                assert!(!n.contains(".layers.1.") || name != "glm_moe_dsa", "{n}: a shared layer's indexer");
+                data.fill(0);
+                hit += 1;
+            }
+            assert_eq!(hit, if name == "glm_moe_dsa" { 10 } else { 15 }, "{name}: indexer tensors");
+        });
+        let again = last_state(&mut load_cpu(zeroed.path(), DType::F32), &reference);
+        assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the indexer was read");
+        let wider = common::with_config(&format!("mla/{name}"), |c| c["index_n_heads"] = 4.into());
+        let e = common::refusal(wider.path()).expect("indexer weights of another shape");
+        assert!(e.contains("indexer.wq_b.weight"), "{e}");
+    }
+}
+
+/// Over HTTP, an input longer than GLM-5's index_topk is refused (413) naming why, and one of
+/// index_topk tokens is answered with transformers' states.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_inputs_longer_than_index_topk() {
+    use serde_json::{json, Value};
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("mla/glm_moe_dsa", limits).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(info["architecture"], "GlmMoeDsaForCausalLM");
+    let ids: Vec<u32> = (0..17).collect();
+    let body = json!({"inputs": [{"input_ids": ids}], "layers": [1], "dtype": "float32"});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    let (status, _, message) = common::error_of(r).await;
+    assert_eq!(status, 413, "{message}");
+    assert!(message.contains("inputs[0] has 17 tokens") && message.contains("index_topk = 16"), "{message}");
+    let reference = read_safetensors(&dir("glm_moe_dsa").join("reference.safetensors"));
+    let last = reference_sequences(&reference) - 1;
+    let hs = &reference[&format!("seq{last}.hidden_states")];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    assert_eq!(t, 16);
+    let body = json!({"inputs": [{"input_ids": reference[&format!("seq{last}.input_ids")].i64}], "layers": [2],
+                      "dtype": "float32"});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = common::read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let e = rel_err(&got["hidden_states"].f32, &hs.f32[2 * t * h..3 * t * h]);
+    assert!(e <= F32_TOLERANCE, "index 2: relative error {e:.3e}");
+    running.shutdown.cancel();
 }
 
 /// A real server on DeepSeek-V3's fixture: `/v1/info` reports the latent-attention layers, and the

@@ -882,6 +882,23 @@ impl Weights {
         Ok(Some(Fp8Host { bytes: std::borrow::Cow::Borrowed(view.data), scale, n, k }))
     }
 
+    /// Accepts the tensor `name` without reading it, where the checkpoint stores it: its shape
+    /// checked against `shape`, then counted as read ([`Weights::check_unread`]). For parameters
+    /// of a part the model holds but never computes with (sparse attention's indexer, see
+    /// `config::KeyIndexer`).
+    pub fn accept_unread(&self, name: &str, shape: &[usize]) -> Result<(), EngineError> {
+        let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(()) };
+        let full = self.full_name(name);
+        if tensors.has(&full) {
+            self.check_shape(tensors, &full, shape)?;
+            self.mark_read(&full);
+            if let Some(scale) = Some(format!("{full}_scale_inv")).filter(|s| tensors.has(s)) {
+                self.mark_read(&scale);
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the projections are quantised at load (`--quantize fp8`), not read as stored.
     pub fn quantises_at_load(&self) -> bool {
         self.quantization == Some(Quantization::Fp8AtLoad)

@@ -111,6 +111,20 @@ impl LatentAttention {
             rope,
             m.rope_interleaved,
         )?;
+        if let Some(ix) = &m.indexer {
+            // Sparse attention's indexer: its weights are checked and left unread (see
+            // `KeyIndexer`); a layer that shares another's selection stores none.
+            let q_rank = m.q_lora_rank.unwrap_or(h);
+            for (name, shape) in [
+                ("wq_b.weight", vec![ix.heads * ix.head_dim, q_rank]),
+                ("wk.weight", vec![ix.head_dim, h]),
+                ("k_norm.weight", vec![ix.head_dim]),
+                ("k_norm.bias", vec![ix.head_dim]),
+                ("weights_proj.weight", vec![ix.heads, h]),
+            ] {
+                w.accept_unread(&format!("{prefix}.indexer.{name}"), &shape)?;
+            }
+        }
         Ok(LatentAttention {
             q,
             kv_a,

@@ -889,12 +889,14 @@ impl Weights {
     pub fn accept_unread(&self, name: &str, shape: &[usize]) -> Result<(), EngineError> {
         let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(()) };
         let full = self.full_name(name);
-        if tensors.has(&full) {
-            self.check_shape(tensors, &full, shape)?;
-            self.mark_read(&full);
-            if let Some(scale) = Some(format!("{full}_scale_inv")).filter(|s| tensors.has(s)) {
-                self.mark_read(&scale);
-            }
+        if !tensors.has(&full) {
+            return Ok(());
+        }
+        self.check_shape(tensors, &full, shape)?;
+        self.mark_read(&full);
+        let scale = format!("{full}_scale_inv");
+        if tensors.has(&scale) {
+            self.mark_read(&scale);
         }
         Ok(())
     }

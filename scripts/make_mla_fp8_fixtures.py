@@ -52,7 +52,10 @@ Output layout (default: tests/fixtures/mla relative to the repository root):
                           hidden_states_f64, final_prenorm, log-probabilities)
     <out>/deepseek_v3_fp8/reference.json
 
-Usage: python scripts/make_mla_fp8_fixtures.py [--out tests/fixtures/mla]
+As for make_fp8_fixtures.py, the committed files were generated with torch's AVX2 CPU kernels
+(ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine: the same weight seed, references a few float32
+ulps apart from the AVX-512 kernels').
+Usage: ATEN_CPU_CAPABILITY=avx2 python scripts/make_mla_fp8_fixtures.py [--out tests/fixtures/mla]
 """
 
 import os

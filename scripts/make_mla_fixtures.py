@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Generate tiny random-weight checkpoints of the multi-head latent attention families (DeepSeek-V3,
-DeepSeek-V2, GLM-4.7-Flash), built with transformers' own config classes, and Hugging Face reference
+DeepSeek-V2, GLM-4.7-Flash, DeepSeek-V3.2, GLM-5), built with transformers' own config classes, and Hugging Face reference
 hidden states and log-probabilities, used by tests/mla.rs.
 
 Output layout (default: tests/fixtures/mla relative to the repository root):
@@ -37,8 +37,14 @@ Variants (hidden 64, 3 layers: the first a dense MLP of 96, then mixtures of 8 e
                        qk 24), default rope (theta 10,000), mlp_layer_types [dense, sparse, sparse],
                        sigmoid scores, 2 groups of 4 with 1 kept, routed_scaling_factor 1.8, tied
                        embeddings.
+    deepseek_v32       DeepseekV32Config (DeepSeek-V3.2): as deepseek_v3 (no multi-token-prediction layer),
+                       with its sparse attention's lightning indexer in every layer: index_topk 16, 2 indexer
+                       heads of 16; sequences of 1, 5, 11 and 16 tokens, so every query keeps all its keys.
+    glm_moe_dsa        GlmMoeDsaConfig (GLM-5): as glm4_moe_lite with routed_scaling_factor 2.5, untied,
+                       the same indexer, indexer_types [full, shared, full] (layer 1 stores no indexer and
+                       reuses layer 0's choice); the same sequences.
 
-Every parameter and the correction bias are random; every stored value is a bfloat16 value (the
+Every parameter (the indexers' LayerNorm too) and the correction bias are random; every stored value is a bfloat16 value (the
 float32 reference is exact for the stored values). The references are computed in float32 with eager
 attention and experts, each sequence alone; the float64 run (model.double(), the RMSNorms computing in
 float64; the routers stay float32 as transformers computes them) gives transformers-f32's own distance.
@@ -66,8 +72,12 @@ from transformers import (  # noqa: E402
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
     Glm4MoeLiteConfig,
     Glm4MoeLiteForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
 )
 
 from fixture_common import (  # noqa: E402
@@ -101,6 +111,10 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jin
 H, L, VOCAB, HEADS = 64, 3, 512, 4
 EXPERTS, TOP_K, MOE_INTER, INTER = 8, 3, 16, 96
 SEQ_LENGTHS = [1, 3, 17, 48]  # 48: past YaRN's 32 original positions
+# The sparse-attention variants: index_topk 16, so every sequence (at most 16 tokens) keeps all its
+# keys, and attention is dense (longer ones are refused by the engine).
+INDEX_TOPK = 16
+SPARSE_LENGTHS = [1, 5, 11, 16]
 SEQ_SEED = 4321
 WEIGHT_SEED = 0
 ROUTER_SEED = 100
@@ -147,12 +161,27 @@ VARIANTS = {
         n_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"], rope_interleave=True, rms_norm_eps=1e-5,
         tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     )),
+    "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM, dict(
+        q_lora_rank=24, v_head_dim=12, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        n_shared_experts=1, first_k_dense_replace=1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        index_topk=INDEX_TOPK, index_n_heads=2, index_head_dim=16, lengths=SPARSE_LENGTHS,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8),
+    )),
+    "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, dict(
+        q_lora_rank=24, v_head_dim=32, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        n_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"], first_k_dense_replace=1,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, index_topk=INDEX_TOPK, index_n_heads=2, index_head_dim=16,
+        indexer_types=["full", "shared", "full"], lengths=SPARSE_LENGTHS,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    )),
 }
 
 
 def build(name):
     cfg_cls, model_cls, kw = VARIANTS[name]
     kw = dict(kw)
+    kw.pop("lengths", None)
     mtp = kw.pop("num_nextn_predict_layers", 0)
     cfg = cfg_cls(**COMMON, **kw)
     if mtp:
@@ -189,6 +218,9 @@ def randomise(model, gen):
                     put(p, randn(p.shape, gen, EXPERT_STD), f"experts {pname}: {EXPERT_STD}*randn")
                 elif isinstance(mod, torch.nn.Embedding):
                     put(p, randn(p.shape, gen, EMBED_STD), f"embed_tokens: {EMBED_STD}*randn")
+                elif isinstance(mod, torch.nn.LayerNorm):  # the sparse attention's indexer
+                    mean = 1.0 if pname == "weight" else 0.0
+                    put(p, randn(p.shape, gen, NORM_STD, mean), f"LayerNorm {pname}: {mean} + {NORM_STD}*randn")
                 elif isinstance(mod, torch.nn.Linear) and pname == "weight":
                     put(p, randn(p.shape, gen, LINEAR_STD), f"Linear weight: {LINEAR_STD}*randn")
                 else:
@@ -341,7 +373,8 @@ def write_variant(name, model, out_dir, seqs, refs, facts):
     tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in saved.items()}
     for k, v in saved.items():
         assert torch.equal(tensors[k].float(), v), f"{k} is not a bfloat16 value"
-    assert any("e_score_correction_bias" in k for k in tensors) == (name in ("deepseek_v3", "glm4_moe_lite"))
+    assert any("e_score_correction_bias" in k for k in tensors) == (name not in ("deepseek_v2_lite",
+                                                                                  "deepseek_v2_grouped"))
     if name == "deepseek_v3":
         tensors.update(mtp_tensors(saved))
     save_tensors(tensors, os.path.join(vdir, "model.safetensors"), metadata={"format": "pt"}, mode=0o644)
@@ -379,7 +412,7 @@ def write_variant(name, model, out_dir, seqs, refs, facts):
     ref = {
         **versions(),
         "model_class": model_cls.__name__,
-        "lengths": SEQ_LENGTHS,
+        "lengths": [len(s) for s in seqs],
         "num_hidden_layers": L,
         "hidden_size": H,
         "logprobs_top_k": LOGPROB_K,
@@ -400,9 +433,9 @@ def main():
     args = fixture_args(__doc__.split("\n")[0], DEFAULT_OUT)
     setup_torch()
     os.makedirs(args.out, exist_ok=True)
-    seqs = random_sequences(VOCAB, SEQ_LENGTHS, SEQ_SEED)
     total = 0
-    for name, _ in selected(VARIANTS, args.only):
+    for name, (_, _, kw) in selected(VARIANTS, args.only):
+        seqs = random_sequences(VOCAB, kw.get("lengths", SEQ_LENGTHS), SEQ_SEED)
         model = build(name)
         counts = randomise(model, torch.Generator().manual_seed(WEIGHT_SEED))
         rejected = []

@@ -2,11 +2,14 @@
 //! checkpoints of scripts/make_mla_fixtures.py (tests/fixtures/mla): DeepSeek-V3 (low-rank queries,
 //! sigmoid scores with the correction bias, expert groups, YaRN with mscale, a multi-token-prediction
 //! layer in the file), DeepSeek-V2-Lite's shape (a plain q_proj, softmax scores, greedy and
-//! group-limited routing) and GLM-4.7-Flash's (V larger than Q/K, tied head): every index within
+//! group-limited routing), GLM-4.7-Flash's (V larger than Q/K, tied head), and DeepSeek-V3.2's and
+//! GLM-5's (sparse attention, on sequences up to its index_topk, where it is dense): every index within
 //! 1e-5 of transformers-f32 (or twice its own distance from float64), packed sequences the same bits
 //! as alone, next-token log-probabilities (also served over HTTP), `/v1/info`'s layer kinds and the
 //! self-check, each feature changing the states, and the refusals: on CUDA, and every config field
-//! not built.
+//! not built. DeepSeek-V3 in its release's block-wise FP8 layout (scripts/make_mla_fp8_fixtures.py)
+//! the same way, with what its reading depends on (the e4m3 rows reordered for the interleaved
+//! rotation, the block scales of ragged blocks) and what it refuses.
 
 mod common;
 
@@ -19,7 +22,13 @@ use layertap::engine::selfcheck::{check, Probe, Reference};
 use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
-const VARIANTS: [&str; 4] = ["deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "glm4_moe_lite"];
+const VARIANTS: [&str; 6] =
+    ["deepseek_v3", "deepseek_v2_lite", "deepseek_v2_grouped", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"];
+/// The sparse-attention variants (DeepSeek-V3.2, GLM-5: index_topk 16, sequences of at most 16
+/// tokens, on which their attention is dense).
+const SPARSE: [&str; 2] = ["deepseek_v32", "glm_moe_dsa"];
+/// DeepSeek-V3 in its release's block-wise FP8 layout (scripts/make_mla_fp8_fixtures.py).
+const FP8: &str = "deepseek_v3_fp8";
 
 fn dir(name: &str) -> PathBuf {
     common::fixtures().join("mla").join(name)
@@ -57,62 +66,88 @@ fn rel_err_f64(a: &[f32], b: &[f64]) -> f64 {
 #[test]
 fn every_index_matches_transformers() {
     for name in VARIANTS {
-        let d = dir(name);
-        let reference = read_safetensors(&d.join("reference.safetensors"));
-        let drift: Vec<f64> = facts(name)["f32_vs_f64_relative_error_per_index"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
-        let mut engine = load_cpu(&d, DType::F32);
-        let n = engine.decoder.cfg.num_hidden_layers;
-        assert_eq!(drift.len(), n + 1);
-        let all: Vec<usize> = (0..=n + 1).collect();
-        let (mut worst, mut worst64) = (vec![0f64; n + 2], vec![0f64; n + 1]);
-        for i in 0..reference_sequences(&reference) {
-            let hs = &reference[&format!("seq{i}.hidden_states")];
-            let hs64 = &reference[&format!("seq{i}.hidden_states_f64")];
-            let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
-            let (t, h) = (hs.shape[1], hs.shape[2]);
-            let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
-            for layer in 0..=n + 1 {
-                let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
-                let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
-                let e = rel_err(&ours, want);
-                worst[layer] = worst[layer].max(e);
-                let allowed = F32_TOLERANCE.max(2.0 * drift[layer.min(n)]);
-                assert!(e <= allowed, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e} > {allowed:.1e}");
-                if layer <= n {
-                    let exact = &hs64.f64[layer * t * h..(layer + 1) * t * h];
-                    worst64[layer] = worst64[layer].max(rel_err_f64(&ours, exact));
-                }
+        every_index_within_tolerance(name);
+    }
+}
+
+/// DeepSeek-V3's block-wise FP8 release layout (every linear of attention, of the dense MLP, of
+/// each expert and of the shared expert in e4m3 with float32 `weight_scale_inv` per 128 x 128
+/// block, ragged last row blocks in `kv_a_proj_with_mqa` and `q_b_proj`, the router in bf16, an FP8
+/// multi-token-prediction layer after the decoder): read through the FP8 path, every index within
+/// the same tolerance of transformers on the dequantised weights with W8A8 dynamic activations.
+#[test]
+fn fp8_deepseek_v3_matches_transformers_at_every_index() {
+    let files = ModelFiles::locate(&dir(FP8).to_string_lossy()).unwrap();
+    let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
+    let described = loaded.info.quantization.clone().unwrap_or_default();
+    assert!(described.contains("fp8 e4m3") && described.contains("128x128"), "{described:?}");
+    let facts = facts(FP8);
+    let fp8 = facts["quantised_projections_of_the_decoder"].as_u64().unwrap();
+    assert!(described.contains(&format!("{fp8} dequantised to f32 at load")), "{described:?} ({fp8} projections)");
+    assert_eq!(facts["ragged_projections"], serde_json::json!(["kv_a_proj_with_mqa", "q_b_proj"]));
+    every_index_within_tolerance(FP8);
+}
+
+fn every_index_within_tolerance(name: &str) {
+    let d = dir(name);
+    let reference = read_safetensors(&d.join("reference.safetensors"));
+    let drift: Vec<f64> = facts(name)["f32_vs_f64_relative_error_per_index"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let mut engine = load_cpu(&d, DType::F32);
+    let n = engine.decoder.cfg.num_hidden_layers;
+    assert_eq!(drift.len(), n + 1);
+    let all: Vec<usize> = (0..=n + 1).collect();
+    let (mut worst, mut worst64) = (vec![0f64; n + 2], vec![0f64; n + 1]);
+    for i in 0..reference_sequences(&reference) {
+        let hs = &reference[&format!("seq{i}.hidden_states")];
+        let hs64 = &reference[&format!("seq{i}.hidden_states_f64")];
+        let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
+        let (t, h) = (hs.shape[1], hs.shape[2]);
+        let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
+        for layer in 0..=n + 1 {
+            let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
+            let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
+            let e = rel_err(&ours, want);
+            worst[layer] = worst[layer].max(e);
+            let allowed = F32_TOLERANCE.max(2.0 * drift[layer.min(n)]);
+            assert!(e <= allowed, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e} > {allowed:.1e}");
+            if layer <= n {
+                let exact = &hs64.f64[layer * t * h..(layer + 1) * t * h];
+                worst64[layer] = worst64[layer].max(rel_err_f64(&ours, exact));
             }
         }
-        for layer in 0..=n {
-            assert!(
-                worst64[layer] <= F32_TOLERANCE.max(2.0 * drift[layer]),
-                "{name} index {layer}: {:.3e} from float64 (transformers-f32: {:.1e})",
-                worst64[layer],
-                drift[layer]
-            );
-        }
-        let fmt = |v: &[f64]| v.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
-        println!("{name}: worst relative error per index 0..={n} and final_prenorm: {}", fmt(&worst));
-        println!("{name}: from float64 per index: {} (transformers-f32: {})", fmt(&worst64), fmt(&drift));
     }
+    for layer in 0..=n {
+        assert!(
+            worst64[layer] <= F32_TOLERANCE.max(2.0 * drift[layer]),
+            "{name} index {layer}: {:.3e} from float64 (transformers-f32: {:.1e})",
+            worst64[layer],
+            drift[layer]
+        );
+    }
+    let fmt = |v: &[f64]| v.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
+    println!("{name}: worst relative error per index 0..={n} and final_prenorm: {}", fmt(&worst));
+    println!("{name}: from float64 per index: {} (transformers-f32: {})", fmt(&worst64), fmt(&drift));
 }
 
 /// Sequences packed together give the bits they give alone.
 #[test]
 fn packed_sequences_equal_solo_runs_bitwise() {
-    for name in VARIANTS {
+    for name in VARIANTS.into_iter().chain([FP8]) {
         let d = dir(name);
         let reference = read_safetensors(&d.join("reference.safetensors"));
         let mut engine = load_cpu(&d, DType::F32);
         let n = engine.decoder.cfg.num_hidden_layers;
         let layers = vec![n, 0, 1, 2, n + 1];
-        let order = [3, 0, 2, 1];
+        // The longest first, the others out of their order ([3, 0, 2, 1] for four sequences).
+        let count = reference_sequences(&reference);
+        let mut order: Vec<usize> = (0..count).collect();
+        order.rotate_right(1);
+        order.swap(count - 2, count - 1);
         let seqs: Vec<Vec<u32>> = order.iter().map(|&i| reference_ids(&reference, i)).collect();
         let packed = run_packed(&mut engine, &seqs, &layers);
         for (p, s) in seqs.iter().enumerate() {
@@ -131,7 +166,7 @@ fn packed_sequences_equal_solo_runs_bitwise() {
 /// untied head (DeepSeek) and a tied one (GLM-4.7-Flash's fixture).
 #[test]
 fn log_probabilities_match_transformers() {
-    for name in VARIANTS {
+    for name in VARIANTS.into_iter().chain([FP8]) {
         let d = dir(name);
         let reference = read_safetensors(&d.join("reference.safetensors"));
         let allowed = F32_TOLERANCE.max(2.0 * facts(name)["logprobs_f32_vs_f64_max_abs"].as_f64().unwrap());
@@ -192,6 +227,83 @@ fn info_and_selfcheck() {
         let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
         assert!(b.passed(), "{name}: bf16 {:?}", b.errors);
     }
+}
+
+/// The FP8 checkpoint's layer kinds and quantisation in `/v1/info`, and the start-up self-check in
+/// f32 and bf16.
+#[test]
+fn fp8_info_and_selfcheck() {
+    let files = ModelFiles::locate(&dir(FP8).to_string_lossy()).unwrap();
+    let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
+    let k = &loaded.info.layer_kinds;
+    assert_eq!((k.latent_attention, k.dense_mlp, k.moe, k.experts), (2, 1, 1, Some(8)), "{k:?}");
+    let probe = Probe::new(files.config());
+    assert!(probe.routed && probe.fp8);
+    let portable = Reference::portable(&files, &probe).unwrap();
+    let mut engine = loaded.engine;
+    let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
+    assert!(r.passed() && r.worst().1 < 1e-5, "{:?}", r.errors);
+    let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
+    let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
+    assert!(b.passed(), "bf16 {:?}", b.errors);
+}
+
+/// What the FP8 checkpoint's reading depends on: the interleaved rotation's reordering of the e4m3
+/// rows, the block scales (the ragged last row block's included), the activations' quantisation
+/// groups; and what is refused: an FP8 weight without its scale, `--quantize fp8` (latent
+/// attention's projections are not among those it quantises), and a CUDA device.
+#[test]
+fn fp8_features_matter_and_what_is_not_built_is_refused() {
+    let reference = read_safetensors(&dir(FP8).join("reference.safetensors"));
+    let want = want_last(&reference);
+    let e = rel_err(&last_state(&mut load_cpu(&dir(FP8), DType::F32), &reference), &want);
+    assert!(e <= F32_TOLERANCE, "{e:.1e} unedited");
+    let model = format!("mla/{FP8}");
+    let copy = common::with_config(&model, |c| c["rope_interleave"] = false.into());
+    let e = rel_err(&last_state(&mut load_cpu(copy.path(), DType::F32), &reference), &want);
+    assert!(e > 1e-3, "rope_interleave moves the last state by only {e:.1e}");
+    // The ragged last row blocks of kv_a_proj_with_mqa (the rotated key rows) and q_b_proj (two
+    // heads), and o_proj's one block: their scales doubled in every decoder layer.
+    let n = facts(FP8)["num_hidden_layers"].as_u64().unwrap() as usize;
+    let mtp = format!(".layers.{n}.");
+    let scaled = |suffix: &'static str, rows: std::ops::Range<usize>| {
+        let mtp = mtp.clone();
+        move |tensors: &mut Vec<common::OwnedTensor>| {
+            let mut hit = 0;
+            for (name, dtype, shape, data) in tensors.iter_mut() {
+                if name.ends_with(suffix) && !name.contains(&mtp) {
+                    assert_eq!(format!("{dtype:?}"), "F32");
+                    let cols = shape[1];
+                    for v in data.chunks_mut(4).skip(rows.start * cols).take((rows.end - rows.start) * cols) {
+                        let x = 2.0 * f32::from_le_bytes([v[0], v[1], v[2], v[3]]);
+                        v.copy_from_slice(&x.to_le_bytes());
+                    }
+                    hit += 1;
+                }
+            }
+            assert_eq!(hit, n, "{suffix} in every decoder layer");
+        }
+    };
+    for (suffix, rows) in [
+        ("kv_a_proj_with_mqa.weight_scale_inv", 1..2),
+        ("q_b_proj.weight_scale_inv", 1..2),
+        ("o_proj.weight_scale_inv", 0..1),
+    ] {
+        let copy = common::with_tensors(&model, scaled(suffix, rows.clone()));
+        let e = rel_err(&last_state(&mut load_cpu(copy.path(), DType::F32), &reference), &want);
+        assert!(e > 1e-3, "{suffix} rows {rows:?} doubled move the last state by only {e:.1e}");
+    }
+    let copy = common::with_tensors(&model, |t| {
+        t.retain(|(n, ..)| n != "model.layers.1.self_attn.kv_b_proj.weight_scale_inv")
+    });
+    let e = common::refusal(copy.path()).expect("an FP8 weight without its scale");
+    assert!(e.contains("kv_b_proj.weight") && e.contains("has no"), "{e}");
+    let files = ModelFiles::locate(&dir(FP8).to_string_lossy()).unwrap();
+    let needs = files.config().needs_beyond_cuda();
+    assert!(needs.iter().any(|n| n.contains("multi-head latent attention")), "{needs:?}");
+    let bf16 = ModelFiles::locate(&dir("deepseek_v3").to_string_lossy()).unwrap();
+    let e = bf16.quantize(Some(layertap::engine::config::quant::Quantize::Fp8)).err().expect("--quantize fp8");
+    assert!(e.to_string().contains("--quantize fp8 does not quantise DeepseekV3ForCausalLM"), "{e}");
 }
 
 type Edit<'a> = (&'a str, &'a dyn Fn(&mut serde_json::Value));
@@ -288,7 +400,10 @@ fn the_mtp_layer_is_ignored_only_where_the_config_declares_it() {
 /// on a CUDA device naming what the GPU paths lack.
 #[test]
 fn what_is_not_built_is_refused() {
-    let cases: [(&str, Edit, &str); 12] = [
+    let cases: [(&str, Edit, &str); 15] = [
+        ("deepseek_v32", ("", &|c| c["rope_interleave"] = false.into()), "rope_interleave"),
+        ("glm_moe_dsa", ("", &|c| c["q_lora_rank"] = serde_json::Value::Null), "q_lora_rank"),
+        ("glm_moe_dsa", ("", &|c| c["first_k_dense_replace"] = 3.into()), "first_k_dense_replace"),
         ("deepseek_v3", ("", &|c| c["num_key_value_heads"] = 2.into()), "num_key_value_heads"),
         ("deepseek_v2_lite", ("", &|c| c["norm_topk_prob"] = true.into()), "norm_topk_prob"),
         ("deepseek_v2_lite", ("", &|c| c["topk_method"] = "noaux_tc".into()), "topk_method"),
@@ -314,6 +429,81 @@ fn what_is_not_built_is_refused() {
             assert!(needs.iter().any(|n| n.contains(what)), "{name}: {what} not named in {needs:?}");
         }
     }
+}
+
+/// DeepSeek-V3.2's and GLM-5's sparse attention keeps every causal key of a query that has at most
+/// index_topk of them, so it is dense attention on sequences of at most index_topk tokens (the
+/// fidelity tests above, up to 16 tokens): the indexer's weights are read for their shapes only
+/// (zeroed, they change no bit; of another shape, they are refused), GLM-5's layers that share
+/// another's selection store none, and a longer sequence is refused by the engine, naming why.
+#[test]
+fn sparse_attention_is_dense_up_to_index_topk_and_longer_sequences_are_refused() {
+    for name in SPARSE {
+        let d = dir(name);
+        let files = ModelFiles::locate(&d.to_string_lossy()).unwrap();
+        let (max, why) = files.config().max_sequence_tokens().expect("a sequence limit");
+        assert_eq!(max, 16, "{name}");
+        assert!(why.contains("index_topk = 16"), "{why}");
+        let lengths = facts(name)["lengths"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).max();
+        assert_eq!(lengths, Some(16), "{name}: the references reach index_topk");
+        let reference = read_safetensors(&d.join("reference.safetensors"));
+        let mut engine = load_cpu(&d, DType::F32);
+        let got = last_state(&mut engine, &reference);
+        let e = rel_err(&got, &want_last(&reference));
+        assert!(e <= F32_TOLERANCE, "{name}: {e:.1e}");
+        let long: Vec<u32> = (0..17).collect();
+        let short: Vec<u32> = (0..16).collect();
+        for seqs in [vec![&long[..]], vec![&short[..], &long[..]]] {
+            let e = engine.forward(&Batch::pack(seqs, [0])).err().expect("17 tokens refused").to_string();
+            assert!(e.contains("a sequence of 17 tokens is refused") && e.contains("index_topk = 16"), "{e}");
+        }
+        assert!(engine.forward(&Batch::pack([&short[..], &short[..]], [0])).is_ok(), "two of 16 tokens");
+        let zeroed = common::with_tensors(&format!("mla/{name}"), |tensors| {
+            let mut hit = 0;
+            for (n, _, _, data) in tensors.iter_mut().filter(|(n, ..)| n.contains(".indexer.")) {
+                assert!(!n.contains(".layers.1.") || name != "glm_moe_dsa", "{n}: a shared layer's indexer");
+                data.fill(0);
+                hit += 1;
+            }
+            assert_eq!(hit, if name == "glm_moe_dsa" { 10 } else { 15 }, "{name}: indexer tensors");
+        });
+        let again = last_state(&mut load_cpu(zeroed.path(), DType::F32), &reference);
+        assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the indexer was read");
+        let wider = common::with_config(&format!("mla/{name}"), |c| c["index_n_heads"] = 4.into());
+        let e = common::refusal(wider.path()).expect("indexer weights of another shape");
+        assert!(e.contains("indexer.wq_b.weight"), "{e}");
+    }
+}
+
+/// Over HTTP, an input longer than GLM-5's index_topk is refused (413) naming why, and one of
+/// index_topk tokens is answered with transformers' states.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_inputs_longer_than_index_topk() {
+    use serde_json::{json, Value};
+    let limits = layertap::http::Limits { max_input_tokens: 512, max_batch_tokens: 1024, ..common::limits() };
+    let (running, base) = common::real_server("mla/glm_moe_dsa", limits).await;
+    let client = reqwest::Client::new();
+    let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(info["architecture"], "GlmMoeDsaForCausalLM");
+    let ids: Vec<u32> = (0..17).collect();
+    let body = json!({"inputs": [{"input_ids": ids}], "layers": [1], "dtype": "float32"});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    let (status, _, message) = common::error_of(r).await;
+    assert_eq!(status, 413, "{message}");
+    assert!(message.contains("inputs[0] has 17 tokens") && message.contains("index_topk = 16"), "{message}");
+    let reference = read_safetensors(&dir("glm_moe_dsa").join("reference.safetensors"));
+    let last = reference_sequences(&reference) - 1;
+    let hs = &reference[&format!("seq{last}.hidden_states")];
+    let (t, h) = (hs.shape[1], hs.shape[2]);
+    assert_eq!(t, 16);
+    let body = json!({"inputs": [{"input_ids": reference[&format!("seq{last}.input_ids")].i64}], "layers": [2],
+                      "dtype": "float32"});
+    let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = common::read_safetensors_bytes(&zstd::decode_all(&r.bytes().await.unwrap()[..]).unwrap()).0;
+    let e = rel_err(&got["hidden_states"].f32, &hs.f32[2 * t * h..3 * t * h]);
+    assert!(e <= F32_TOLERANCE, "index 2: relative error {e:.3e}");
+    running.shutdown.cancel();
 }
 
 /// A real server on DeepSeek-V3's fixture: `/v1/info` reports the latent-attention layers, and the

@@ -91,6 +91,11 @@ pub struct ModelInfo {
     pub lm_head: bool,
     /// How the checkpoint's weights are quantised (None: float weights).
     pub quantization: Option<String>,
+    /// The longest input the model is computed exactly for, and why, where it has such a limit
+    /// (sparse attention's `index_topk`, [`ModelConfig::max_sequence_tokens`]): a longer input is
+    /// refused.
+    #[serde(skip)]
+    pub sequence_limit: Option<(usize, String)>,
 }
 
 impl ModelInfo {
@@ -105,6 +110,7 @@ impl ModelInfo {
             layer_kinds: cfg.layer_kinds(),
             lm_head: cfg.tie_word_embeddings,
             quantization: cfg.quantization.as_ref().map(config::quant::Quantization::describe),
+            sequence_limit: cfg.max_sequence_tokens(),
         }
     }
 

@@ -153,6 +153,11 @@ impl Engine for ModelEngine {
                 "cu_seqlens must start at 0, end at the token count and grow strictly (no empty sequence)".into(),
             ));
         }
+        if let Some((max, why)) = self.decoder.cfg.max_sequence_tokens() {
+            if let Some(len) = cu.windows(2).map(|w| w[1] - w[0]).find(|&len| len > max) {
+                return Err(EngineError::InvalidInput(format!("a sequence of {len} tokens is refused: {why}")));
+            }
+        }
         let n = self.decoder.cfg.num_hidden_layers;
         if let Some(l) = batch.layers.iter().find(|&&l| l > n + 1) {
             return Err(EngineError::InvalidInput(format!(

@@ -78,10 +78,12 @@ impl Probe {
         }
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         let vocab = cfg.vocab_size as u64;
+        // A model computed only for sequences up to a length is probed with sequences within it.
+        let longest = cfg.max_sequence_tokens().map_or(usize::MAX, |(max, _)| max);
         let seqs = PROBE_LENGTHS
             .iter()
             .map(|&len| {
-                (0..len)
+                (0..len.min(longest))
                     .map(|_| {
                         // xorshift64*: the same ids on every machine.
                         state ^= state >> 12;

@@ -181,6 +181,24 @@ impl Fp8Host<'_> {
         let n = ranges.iter().map(|r| r.end - r.start).sum();
         Ok(Fp8Host { bytes: std::borrow::Cow::Owned(bytes), scale, n, k: self.k })
     }
+
+    /// The projection whose row `r` is this one's row `order[r]`, owned: each row stays in its
+    /// 128-row block, so the block scales apply unchanged to the reordered bytes. A row moved to
+    /// another block would need scales the checkpoint does not hold, and is an error.
+    pub fn permute_rows(&self, order: &[usize]) -> Result<Fp8Host<'static>, EngineError> {
+        let k = self.k;
+        if order.len() != self.n {
+            return Err(EngineError::Load(format!("{} rows reordered as {}", self.n, order.len())));
+        }
+        if let Some((r, &from)) = order.iter().enumerate().find(|&(r, &from)| from / FP8_BLOCK != r / FP8_BLOCK) {
+            return Err(EngineError::Load(format!(
+                "row {from} of an FP8 projection would move to row {r}, another {FP8_BLOCK}-row block with \
+                 another scale"
+            )));
+        }
+        let bytes = order.iter().flat_map(|&from| &self.bytes[from * k..(from + 1) * k]).copied().collect();
+        Ok(Fp8Host { bytes: std::borrow::Cow::Owned(bytes), scale: self.scale.clone(), n: self.n, k })
+    }
 }
 
 /// A fused experts tensor `[E, parts * N, K]` quantised at load ([`Quantization::Fp8AtLoad`])
@@ -877,6 +895,25 @@ impl Weights {
         Ok(Some(Fp8Host { bytes: std::borrow::Cow::Borrowed(view.data), scale, n, k }))
     }
 
+    /// Accepts the tensor `name` without reading it, where the checkpoint stores it: its shape
+    /// checked against `shape`, then counted as read ([`Weights::check_unread`]). For parameters
+    /// of a part the model holds but never computes with (sparse attention's indexer, see
+    /// `config::KeyIndexer`).
+    pub fn accept_unread(&self, name: &str, shape: &[usize]) -> Result<(), EngineError> {
+        let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(()) };
+        let full = self.full_name(name);
+        if !tensors.has(&full) {
+            return Ok(());
+        }
+        self.check_shape(tensors, &full, shape)?;
+        self.mark_read(&full);
+        let scale = format!("{full}_scale_inv");
+        if tensors.has(&scale) {
+            self.mark_read(&scale);
+        }
+        Ok(())
+    }
+
     /// Whether the projections are quantised at load (`--quantize fp8`), not read as stored.
     pub fn quantises_at_load(&self) -> bool {
         self.quantization == Some(Quantization::Fp8AtLoad)
@@ -1154,5 +1191,27 @@ mod tests {
         for bad in [[0..128, 64..192], [0..100, 128..256], [512..517, 0..128], [0..128, 0..1000]] {
             assert!(w.gather_rows(&bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn rows_reordered_within_their_blocks_keep_the_block_scales() {
+        let w = numbered(FP8_BLOCK + 16);
+        // The last, ragged block's 16 rows: even ones first, then odd ones (the interleaved rotary
+        // reordering); row 0 and row 1 swapped in the first block.
+        let mut order: Vec<usize> = (0..w.n).collect();
+        order.swap(0, 1);
+        for j in 0..8 {
+            order[FP8_BLOCK + j] = FP8_BLOCK + 2 * j;
+            order[FP8_BLOCK + 8 + j] = FP8_BLOCK + 2 * j + 1;
+        }
+        let p = w.permute_rows(&order).unwrap();
+        assert_eq!((p.n, p.k, &p.scale), (w.n, w.k, &w.scale));
+        for (r, &from) in order.iter().enumerate() {
+            assert_eq!(p.bytes[r * FP8_BLOCK..(r + 1) * FP8_BLOCK], w.bytes[from * FP8_BLOCK..(from + 1) * FP8_BLOCK]);
+        }
+        // A row moved to another block (whose scale is another), or an order of another length.
+        order.swap(127, 128);
+        assert!(w.permute_rows(&order).is_err());
+        assert!(w.permute_rows(&order[..10]).is_err());
     }
 }

@@ -108,6 +108,7 @@ async fn tokenize_all(
         return Err(request_too_large(ids_total, max_request));
     }
     let tok = s.tokenizer.clone();
+    let sequence_limit = s.info.sequence_limit.clone();
     let gone = Arc::new(AtomicBool::new(false));
     let _guard = CancelOnDrop(gone.clone());
     tokio::task::spawn_blocking(move || {
@@ -130,6 +131,12 @@ async fn tokenize_all(
                 }
                 other => ApiError::from(other).prefixed(i),
             })?;
+            if let Some((max, why)) = sequence_limit.as_ref().filter(|(max, _)| t.ids.len() > *max) {
+                return Err(too_large(format!(
+                    "inputs[{i}] has {} tokens; this model accepts at most {max} per input: {why}",
+                    t.ids.len()
+                )));
+            }
             if let Some(bad) = t.ids.iter().find(|&&id| id as usize >= vocab) {
                 return Err(ApiError::internal(format!(
                     "the tokenizer produced id {bad} outside the model's vocabulary"

@@ -264,6 +264,7 @@ pub fn fake_info() -> ModelInfo {
         },
         lm_head: false,
         quantization: None,
+        sequence_limit: None,
     }
 }
 

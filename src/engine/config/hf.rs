@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use super::{
     bad, DeepseekRouting, ExpertActivation, ExpertsLayout, Family, FfnKind, FullAttentionShape, GdnLayout, GroupScore,
-    LayerSpec, LinearAttentionConfig, MixerKind, MlaConfig, ModelConfig, MoeConfig, PerLayerInputs, RopeScaling,
-    Routing, ScoreFunction,
+    KeyIndexer, LayerSpec, LinearAttentionConfig, MixerKind, MlaConfig, ModelConfig, MoeConfig, PerLayerInputs,
+    RopeScaling, Routing, ScoreFunction,
 };
 use crate::engine::EngineError;
 
@@ -323,9 +323,12 @@ fn check_str(cfg: &Value, key: &str, allowed: &[&str], family: Family) -> Result
 /// one MLP, routed as [`DeepseekRouting`] says, with transformers' defaults for each family.
 fn deepseek_ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>, Option<MoeConfig>), EngineError> {
     let v2 = family == Family::DeepseekV2;
-    let kinds: Vec<FfnKind> = if family == Family::Glm4MoeLite {
+    let kinds: Vec<FfnKind> = if family == Family::Glm4MoeLite || family.is_sparse_attention() {
+        // Without mlp_layer_types, GLM-4.7-Flash's first layer is dense; DeepSeek-V3.2's and
+        // GLM-5's first first_k_dense_replace (3 by default), as their configs derive the list.
+        let dense = if family == Family::Glm4MoeLite { 1 } else { usize_or(cfg, "first_k_dense_replace", 3)? };
         let kinds = match cfg.get("mlp_layer_types").filter(|v| !v.is_null()) {
-            None => (0..n).map(|i| if i == 0 { FfnKind::Dense } else { FfnKind::Moe }).collect::<Vec<_>>(),
+            None => (0..n).map(|i| if i < dense { FfnKind::Dense } else { FfnKind::Moe }).collect::<Vec<_>>(),
             Some(v) => {
                 let a = v.as_array().filter(|a| a.len() == n).ok_or_else(|| {
                     bad(format!("config.json: \"mlp_layer_types\" must list num_hidden_layers ({n}) entries, got {v}"))
@@ -394,16 +397,21 @@ fn deepseek_ffns(cfg: &Value, family: Family, n: usize) -> Result<(Vec<FfnKind>,
     } else {
         check_str(cfg, "scoring_func", &["sigmoid"], family)?;
         check_str(cfg, "topk_method", &["noaux_tc"], family)?;
-        let glm = family == Family::Glm4MoeLite;
+        // transformers' defaults: one group for the GLMs, 8 of which 4 kept for DeepSeek.
+        let one_group = matches!(family, Family::Glm4MoeLite | Family::GlmMoeDsa);
         DeepseekRouting {
             scores: ScoreFunction::Sigmoid,
             correction_bias: true,
             groups: Some((
-                usize_or(cfg, "n_group", if glm { 1 } else { 8 })?,
-                usize_or(cfg, "topk_group", if glm { 1 } else { 4 })?,
+                usize_or(cfg, "n_group", if one_group { 1 } else { 8 })?,
+                usize_or(cfg, "topk_group", if one_group { 1 } else { 4 })?,
                 GroupScore::TopTwoSum,
             )),
-            routed_scaling_factor: f64_or(cfg, "routed_scaling_factor", if glm { 1.8 } else { 2.5 })?,
+            routed_scaling_factor: f64_or(
+                cfg,
+                "routed_scaling_factor",
+                if family == Family::Glm4MoeLite { 1.8 } else { 2.5 },
+            )?,
         }
     };
     let moe = MoeConfig {
@@ -454,15 +462,35 @@ fn mla(cfg: &Value, family: Family) -> Result<MlaConfig, EngineError> {
         }
     }
     let rope_interleaved = match family {
-        Family::DeepseekV2 => {
+        Family::DeepseekV2 | Family::DeepseekV32 | Family::GlmMoeDsa => {
             if opt_bool(cfg, "rope_interleave") == Some(false) {
-                return Err(bad("config.json: rope_interleave = false is not supported for DeepseekV2ForCausalLM \
-                     (transformers always rotates its interleaved pairs)"));
+                return Err(bad(format!(
+                    "config.json: rope_interleave = false is not supported for {family:?} (transformers always \
+                     rotates its interleaved pairs)"
+                )));
             }
             true
         }
         _ => opt_bool(cfg, "rope_interleave").unwrap_or(true),
     };
+    let indexer = if family.is_sparse_attention() {
+        if q_lora_rank.is_none() {
+            return Err(bad(format!(
+                "config.json: q_lora_rank = null is not supported for {family:?} (transformers always builds its \
+                 low-rank queries, which its indexer reads)"
+            )));
+        }
+        Some(KeyIndexer {
+            topk: usize_or(cfg, "index_topk", 2048)?,
+            heads: usize_or(cfg, "index_n_heads", if family == Family::GlmMoeDsa { 32 } else { 64 })?,
+            head_dim: usize_or(cfg, "index_head_dim", 128)?,
+        })
+    } else {
+        None
+    };
+    if indexer.as_ref().is_some_and(|i| i.topk == 0) {
+        return Err(bad("config.json: index_topk must be positive"));
+    }
     let qk_nope_head_dim = req_usize(cfg, "qk_nope_head_dim")?;
     let qk_rope_head_dim = req_usize(cfg, "qk_rope_head_dim")?;
     let mut softmax_scale = ((qk_nope_head_dim + qk_rope_head_dim) as f64).powf(-0.5);
@@ -483,6 +511,7 @@ fn mla(cfg: &Value, family: Family) -> Result<MlaConfig, EngineError> {
         v_head_dim: req_usize(cfg, "v_head_dim")?,
         rope_interleaved,
         softmax_scale,
+        indexer,
     })
 }
 
@@ -900,7 +929,7 @@ impl ModelConfig {
             },
             vocab_size: req_usize(cfg, "vocab_size")?,
             rms_norm_eps: opt_f64(cfg, "rms_norm_eps").unwrap_or(match family {
-                Family::GptOss | Family::Glm4MoeLite => 1e-5,
+                Family::GptOss | Family::Glm4MoeLite | Family::GlmMoeDsa => 1e-5,
                 _ => 1e-6,
             }),
             rope_theta,
@@ -932,7 +961,7 @@ impl ModelConfig {
             kv_sources: Vec::new(),
             per_layer_inputs: None,
             mtp_layers: match family {
-                Family::DeepseekV3 | Family::Glm4MoeLite => {
+                Family::DeepseekV3 | Family::Glm4MoeLite | Family::DeepseekV32 | Family::GlmMoeDsa => {
                     opt_usize(cfg, "num_nextn_predict_layers").or_else(|| opt_usize(cfg, "num_mtp_layers")).unwrap_or(0)
                 }
                 _ => 0,

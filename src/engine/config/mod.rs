@@ -28,6 +28,8 @@ pub const ARCHITECTURES: &[(&str, Family)] = &[
     ("DeepseekV2ForCausalLM", Family::DeepseekV2),
     ("DeepseekV3ForCausalLM", Family::DeepseekV3),
     ("Glm4MoeLiteForCausalLM", Family::Glm4MoeLite),
+    ("DeepseekV32ForCausalLM", Family::DeepseekV32),
+    ("GlmMoeDsaForCausalLM", Family::GlmMoeDsa),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -46,6 +48,11 @@ pub enum Family {
     DeepseekV2,
     DeepseekV3,
     Glm4MoeLite,
+    /// DeepSeek-V3.2: DeepSeek-V3 with DeepSeek's sparse attention (a lightning indexer keeps the
+    /// `index_topk` best keys per query).
+    DeepseekV32,
+    /// GLM-5: DeepSeek-V3.2's sparse attention with the indexers' choice shared across layers.
+    GlmMoeDsa,
 }
 
 impl Family {
@@ -66,9 +73,18 @@ impl Family {
     }
 
     /// Multi-head latent attention and DeepSeek's routing (DeepSeek-V2, DeepSeek-V3,
-    /// GLM-4.7-Flash).
+    /// GLM-4.7-Flash, DeepSeek-V3.2, GLM-5).
     pub fn is_mla(self) -> bool {
-        matches!(self, Family::DeepseekV2 | Family::DeepseekV3 | Family::Glm4MoeLite)
+        matches!(
+            self,
+            Family::DeepseekV2 | Family::DeepseekV3 | Family::Glm4MoeLite | Family::DeepseekV32 | Family::GlmMoeDsa
+        )
+    }
+
+    /// DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5): latent attention whose keys a
+    /// lightning indexer selects, `index_topk` per query.
+    pub fn is_sparse_attention(self) -> bool {
+        matches!(self, Family::DeepseekV32 | Family::GlmMoeDsa)
     }
 }
 
@@ -217,6 +233,22 @@ pub struct MlaConfig {
     /// The softmax scale: `(qk_nope_head_dim + qk_rope_head_dim)^-1/2`, times YaRN's
     /// `mscale(factor, mscale_all_dim)^2` where the rope scaling sets `mscale_all_dim`.
     pub softmax_scale: f64,
+    /// Sparse attention's key selection, where the model has one ([`KeyIndexer`]).
+    pub indexer: Option<KeyIndexer>,
+}
+
+/// A lightning indexer that keeps the `topk` best-scored keys of each query (sparse attention).
+/// A query with at most `topk` causal keys keeps them all, whatever the scores: the attention is
+/// then exactly dense causal attention. That is the only case computed: the indexer's weights
+/// (`{attention}.indexer.*`, shapes checked) are accepted and never read, and every sequence
+/// longer than `topk` tokens is refused ([`ModelConfig::max_sequence_tokens`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KeyIndexer {
+    /// `index_topk`.
+    pub topk: usize,
+    /// `index_n_heads`, `index_head_dim`: the shapes of its weights.
+    pub heads: usize,
+    pub head_dim: usize,
 }
 
 /// How the router's logits become the scores experts are chosen by (DeepSeek's routing).
@@ -489,6 +521,23 @@ impl ModelConfig {
     /// Whether a later layer reuses layer `i`'s keys and values.
     pub fn kv_reused(&self, i: usize) -> bool {
         self.kv_sources.contains(&Some(i))
+    }
+
+    /// The longest sequence this model is computed exactly for, and why, where it has a limit
+    /// below its context: sparse attention's `index_topk` (a longer sequence's queries would
+    /// attend to the keys its indexer picks, which is not built). The engine refuses a longer
+    /// sequence, and the HTTP layer a longer input, with this message.
+    pub fn max_sequence_tokens(&self) -> Option<(usize, String)> {
+        let k = self.mla.as_ref()?.indexer.as_ref()?.topk;
+        Some((
+            k,
+            format!(
+                "{} attends each query to the index_topk = {k} keys its sparse attention's indexer selects; \
+                 layertap computes it exactly for sequences of at most {k} tokens (every key kept) and does not \
+                 build the indexer's selection beyond that",
+                self.architecture
+            ),
+        ))
     }
 
     pub fn validate(&self) -> Result<(), EngineError> {

@@ -16,7 +16,7 @@ pub const FP8_BLOCK: usize = 128;
 /// refusal of every other scheme names it (GGUF files carry their own quantised types, which the
 /// GGUF loader dequantises).
 pub const SUPPORTED_QUANTIZATION: &str = "quant_method \"fp8\" with fmt \"e4m3\", activation_scheme \"dynamic\" and \
-     weight_block_size [128, 128] (Qwen's block-wise FP8 releases); quant_method \"mxfp4\" for the experts of \
+     weight_block_size [128, 128] (Qwen's and DeepSeek-V3's block-wise FP8 releases); quant_method \"mxfp4\" for the experts of \
      GptOssForCausalLM (its released checkpoints)";
 
 /// A scheme a float checkpoint's projections can be quantised to at load (`--quantize`).
@@ -142,8 +142,24 @@ impl Quantization {
 /// MoE (their Gated DeltaNet projections are separate, each read as stored); and Qwen3-Next,
 /// whose fused `in_proj_qkvz` is regrouped at load in whole 128-row blocks (the FP8 rows with
 /// their block scales). A family added to the engine is refused here until its FP8 layout is
-/// checked against references of its own.
+/// checked against references of its own. DeepSeek-V3 (its release: every linear of attention, of
+/// the dense MLPs, of each expert and of the shared experts in FP8, the router in bf16) is read,
+/// not quantised at load ([`QUANTISED_AT_LOAD_FAMILIES`]).
 const FP8_FAMILIES: &[Family] = &[
+    Family::Llama,
+    Family::Mistral,
+    Family::Qwen2,
+    Family::Qwen3,
+    Family::Qwen3Moe,
+    Family::Qwen3Next,
+    Family::Qwen3_5,
+    Family::Qwen3_5Moe,
+    Family::DeepseekV3,
+];
+
+/// The families `--quantize fp8` quantises at load: those whose FP8 releases name the projections
+/// [`QUANTISED_AT_LOAD`] lists (latent attention's are not among them).
+const QUANTISED_AT_LOAD_FAMILIES: &[Family] = &[
     Family::Llama,
     Family::Mistral,
     Family::Qwen2,
@@ -168,11 +184,11 @@ pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Res
              release"
         )));
     }
-    if FP8_FAMILIES.contains(&family) {
+    let families = if *q == Quantization::Fp8AtLoad { QUANTISED_AT_LOAD_FAMILIES } else { FP8_FAMILIES };
+    if families.contains(&family) {
         return Ok(());
     }
-    let read: Vec<&str> =
-        super::ARCHITECTURES.iter().filter(|(_, f)| FP8_FAMILIES.contains(f)).map(|(a, _)| *a).collect();
+    let read: Vec<&str> = super::ARCHITECTURES.iter().filter(|(_, f)| families.contains(f)).map(|(a, _)| *a).collect();
     if *q == Quantization::Fp8AtLoad {
         return Err(bad(format!(
             "--quantize fp8 does not quantise {architecture} yet (only {}); drop --quantize fp8",

@@ -7,7 +7,8 @@
 //! DeepSeek's interleaved rotary layout (pairs `(x0, x1), (x2, x3), ...`) is read by permuting
 //! the rotated rows of the projections that produce it at load (even dimensions first, then odd):
 //! the rotation of the halves is then exactly the pairs' rotation, and since queries and keys are
-//! permuted alike, their dot products are the same.
+//! permuted alike, their dot products are the same. Block-wise FP8 projections (DeepSeek-V3's
+//! release) are read through [`Linear`], their rotated rows reordered in e4m3 within their blocks.
 
 use candle_core::Tensor;
 
@@ -40,7 +41,9 @@ pub struct LatentAttention {
 }
 
 /// The projection `{name}.weight` `[out, inp]` (no bias); when `interleaved`, each block of `rope`
-/// rows starting at one of `blocks` reordered: its even rows first, then its odd ones.
+/// rows starting at one of `blocks` reordered: its even rows first, then its odd ones. An FP8
+/// projection has its e4m3 rows reordered, each within its 128-row block, so its block scales
+/// hold as stored (a rotary block that straddles two blocks is refused).
 fn load_permuted(
     w: &Weights,
     name: &str,
@@ -53,14 +56,22 @@ fn load_permuted(
     if !interleaved {
         return Linear::load(w, name, out, inp, false);
     }
-    let weight = w.get(&format!("{name}.weight"), &[out, inp])?;
-    let mut order: Vec<u32> = (0..out as u32).collect();
+    let mut order: Vec<usize> = (0..out).collect();
     for &start in blocks {
         for j in 0..rope / 2 {
-            order[start + j] = (start + 2 * j) as u32;
-            order[start + rope / 2 + j] = (start + 2 * j + 1) as u32;
+            order[start + j] = start + 2 * j;
+            order[start + rope / 2 + j] = start + 2 * j + 1;
         }
     }
+    let weight = format!("{name}.weight");
+    if let Some(fp8) = w.get_fp8(&weight, &[out, inp])? {
+        let permuted = fp8.permute_rows(&order).map_err(|e| {
+            EngineError::Load(format!("{weight:?}: the interleaved rotary rows cannot be reordered: {e}"))
+        })?;
+        return Linear::from_fp8(w, permuted);
+    }
+    let weight = w.get(&weight, &[out, inp])?;
+    let order: Vec<u32> = order.iter().map(|&i| i as u32).collect();
     let idx = Tensor::new(order.as_slice(), weight.device())?;
     Ok(Linear::from_weight(weight.index_select(&idx, 0)?.contiguous()?, None)?)
 }
@@ -100,6 +111,20 @@ impl LatentAttention {
             rope,
             m.rope_interleaved,
         )?;
+        if let Some(ix) = &m.indexer {
+            // Sparse attention's indexer: its weights are checked and left unread (see
+            // `KeyIndexer`); a layer that shares another's selection stores none.
+            let q_rank = m.q_lora_rank.unwrap_or(h);
+            for (name, shape) in [
+                ("wq_b.weight", vec![ix.heads * ix.head_dim, q_rank]),
+                ("wk.weight", vec![ix.head_dim, h]),
+                ("k_norm.weight", vec![ix.head_dim]),
+                ("k_norm.bias", vec![ix.head_dim]),
+                ("weights_proj.weight", vec![ix.heads, h]),
+            ] {
+                w.accept_unread(&format!("{prefix}.indexer.{name}"), &shape)?;
+            }
+        }
         Ok(LatentAttention {
             q,
             kv_a,

@@ -130,6 +130,8 @@ pub struct AppState {
     pub loaded: Arc<AtomicBool>,
     /// Memory readers of the loaded devices, by device name.
     pub memory: Arc<std::sync::Mutex<Vec<(String, MemoryProbe)>>>,
+    /// The stages of each loaded replica, by its device name.
+    pub stages: Arc<std::sync::Mutex<Vec<(String, Vec<crate::engine::StageLayout>)>>>,
     /// Shutdown has begun.
     pub draining: Arc<AtomicBool>,
     /// The drain deadline has passed (or a second signal came): handlers stop waiting for the

@@ -297,6 +297,7 @@ pub async fn fake_server_with(setup: Setup, drain: Duration) -> FakeServer {
                     max_batch_tokens: None,
                     memory: MemoryProbe::new(&Device::Cpu),
                     selfcheck: None,
+                    stages: vec![],
                 })
             })
         },
@@ -428,6 +429,7 @@ pub fn real_server_with(
                     max_batch_tokens: None,
                     memory: MemoryProbe::new(&Device::Cpu),
                     selfcheck: Some(report),
+                    stages: vec![],
                 })
             })
         },

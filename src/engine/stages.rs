@@ -88,8 +88,8 @@ pub fn split(bytes: &StageBytes, n: usize) -> Result<Vec<(Range<usize>, u64)>, E
     // where stage k starts in that split.
     let mut best = vec![vec![u64::MAX; l + 1]; n];
     let mut cut = vec![vec![0usize; l + 1]; n];
-    for j in 1..=l {
-        best[0][j] = bytes.of(0..j, 0, n);
+    for (j, b) in best[0].iter_mut().enumerate().skip(1) {
+        *b = bytes.of(0..j, 0, n);
     }
     for k in 1..n {
         for j in k + 1..=l {

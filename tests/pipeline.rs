@@ -17,8 +17,18 @@ use layertap::engine::{
 };
 use serde_json::{json, Value};
 
-/// Dense attention, hybrid (Gated DeltaNet and attention), MoE, and hybrid with MoE.
-const MODELS: [&str; 4] = ["tiny/qwen3_qknorm", "tiny/qwen3_5_text", "tiny/qwen3_moe", "tiny/qwen3_next_per_expert"];
+/// Dense attention, hybrid (Gated DeltaNet and attention), MoE, hybrid with MoE, and the block
+/// variants: sandwich norms with a dense MLP beside the experts (Gemma 4), latent attention
+/// (DeepSeek-V3), attention sinks with MXFP4 experts (gpt-oss).
+const MODELS: [&str; 7] = [
+    "tiny/qwen3_qknorm",
+    "tiny/qwen3_5_text",
+    "tiny/qwen3_moe",
+    "tiny/qwen3_next_per_expert",
+    "gemma4/gemma4_moe",
+    "mla/deepseek_v3",
+    "gpt_oss/gpt_oss_mxfp4",
+];
 
 fn files(model: &str) -> layertap::engine::loader::ModelFiles {
     layertap::engine::loader::ModelFiles::locate(&fixtures().join(model).to_string_lossy()).unwrap()
@@ -123,7 +133,8 @@ fn cancellation_stops_between_layers_across_stages() {
 }
 
 /// The bytes of the fixture's stored tensors: per decoder layer, the embeddings, and the final
-/// norm with the head (the embeddings again where tied), read from the file here.
+/// norm with the head (the embeddings again where tied), read from the file here; anything else
+/// (a vision tower, an MTP head) counts nowhere.
 fn stored_bytes(model: &str, layers: usize, tied: bool) -> (Vec<u64>, u64, u64) {
     let bytes = std::fs::read(fixtures().join(model).join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -132,7 +143,10 @@ fn stored_bytes(model: &str, layers: usize, tied: bool) -> (Vec<u64>, u64, u64) 
         let size = view.data().len() as u64;
         let name = name.strip_prefix("model.language_model.").or(name.strip_prefix("model.")).unwrap_or(&name);
         if let Some(i) = name.strip_prefix("layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok()) {
-            per_layer[i] += size;
+            // Layers past the decoder's (a multi-token-prediction head) are never loaded.
+            if let Some(l) = per_layer.get_mut(i) {
+                *l += size;
+            }
         } else if name.starts_with("embed_tokens.") {
             first += size;
             last += if tied { size } else { 0 };
@@ -274,4 +288,20 @@ async fn the_binary_serves_three_stages_with_the_states_of_one() {
     assert!(metrics.contains("layertap_tokens_total"), "{metrics}");
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// Without `--pipeline`, `/v1/info` shows one replica of one stage holding every layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stage_holds_every_layer_in_info() {
+    let (running, base) = common::real_server("tiny/qwen3_qknorm", common::limits()).await;
+    let info: Value = common::client().get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
+    let stages = &info["replicas"][0]["stages"];
+    assert_eq!(info["replicas"].as_array().map(Vec::len), Some(1), "{info}");
+    assert_eq!(
+        (&stages[0]["device"], &stages[0]["first_layer"], &stages[0]["last_layer"]),
+        (&json!("cpu"), &json!(1), &json!(3))
+    );
+    assert!(stages[0]["weight_bytes"].as_u64().unwrap() > 0);
+    running.shutdown.cancel();
+    running.task.await.unwrap().unwrap();
 }

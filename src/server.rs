@@ -233,6 +233,19 @@ where
                 match rx.recv() {
                     Ok(Ok(l)) => {
                         tracing::info!(device = %l.device, fits_tokens = ?l.max_batch_tokens, "model loaded");
+                        if l.stages.len() > 1 {
+                            let stages: Vec<String> = l
+                                .stages
+                                .iter()
+                                .map(|s| {
+                                    format!(
+                                        "{} layers {}-{} ({} bytes)",
+                                        s.device, s.first_layer, s.last_layer, s.weight_bytes
+                                    )
+                                })
+                                .collect();
+                            tracing::info!(device = %l.device, stages = %stages.join(", "), "stages of the replica");
+                        }
                         if let Some(t) = l.max_batch_tokens {
                             fits = Some(fits.map_or(t, |f| f.min(t)));
                         }
@@ -464,10 +477,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let d = d.to_string();
         let stage_devices = stage_devices.get(&d).cloned().unwrap_or_else(|| vec![d.clone()]);
         Box::new(move || {
-            let stages = stage_devices.iter().map(|s| parse_device(s)).collect::<Result<Vec<_>, _>>()?;
-            let engine = files.load_stages(&stages, dtype.candle(), EngineOptions::startup())?.engine;
+            // Each device opened once, however many stages it serves.
+            let mut opened: Vec<(&String, crate::engine::Device)> = Vec::new();
+            for s in &stage_devices {
+                if !opened.iter().any(|(name, _)| *name == s) {
+                    opened.push((s, parse_device(s)?));
+                }
+            }
+            let stages: Vec<_> = stage_devices
+                .iter()
+                .filter_map(|s| opened.iter().find(|(name, _)| *name == s).map(|(_, d)| d.clone()))
+                .collect();
+            let mut engine = files.load_stages(&stages, dtype.candle(), EngineOptions::startup())?.engine;
             let layout = engine.decoder.stages().iter().map(|s| s.layout()).collect();
-            let mut engine = engine;
             let selfcheck = match mode {
                 SelfCheckMode::Off => None,
                 _ => Some(run_selfcheck(&mut engine, &files, &d, dtype, &reference)?),

@@ -16,7 +16,7 @@ use super::layers::norm::RmsNorm;
 use super::layers::rope::Rope;
 use super::options::EngineOptions;
 use super::profile::Phase;
-use super::stages::Stage;
+use super::stages::{device_of, Stage};
 use super::weights::Weights;
 use super::{Cancel, EngineError};
 
@@ -224,7 +224,7 @@ impl Decoder {
         progress: impl FnMut(usize, usize),
     ) -> Result<Self, EngineError> {
         let shape = [cfg.vocab_size, cfg.hidden_size];
-        let embed = w.on(&stage_device(&stages, 0)?, |w| w.get("embed_tokens.weight", &shape))?;
+        let embed = w.on(&device_of(&stages, 0)?, |w| w.get("embed_tokens.weight", &shape))?;
         let mut d = Self::load_with(cfg, w, embed, stages, options, progress)?;
         let last = d.output_device().clone();
         d.head = match d.cfg.tie_word_embeddings {
@@ -278,7 +278,7 @@ impl Decoder {
                 Ok(())
             })?;
         }
-        let last = stage_device(&stages, stages.len() - 1)?;
+        let last = device_of(&stages, stages.len() - 1)?;
         let norm = w.on(&last, |w| RmsNorm::load_for(w, &cfg, "norm"))?.fusing_add(options.fused_add_norm);
         let rope = Rope::new(&cfg);
         let full_rope = Rope::full_attention(&cfg);
@@ -390,8 +390,8 @@ impl Decoder {
         for stage in self.stages.iter().take_while(|s| s.layers.start < deepest) {
             self.forward_stage(stage, &mut pass, layers_run, cancel)?;
         }
-        // States are returned in the compute dtype (the f32 stream rounded once), on the output
-        // device.
+        // States are returned in the compute dtype (the f32 stream rounded once, before it moves:
+        // fewer bytes to copy), on the output device.
         let out = self.output_device();
         taps.iter()
             .map(|&i| {
@@ -400,7 +400,7 @@ impl Decoder {
                     .get(i)
                     .and_then(|k| k.as_ref())
                     .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
-                Ok(super::large::map_rows(&t.to_device(out)?, |t| t.to_dtype(self.dtype()))?)
+                Ok(super::large::map_rows(t, |t| t.to_dtype(self.dtype()))?.to_device(out)?)
             })
             .collect()
     }
@@ -462,14 +462,6 @@ impl Decoder {
         p.ctx = Some(ctx);
         Ok(())
     }
-}
-
-/// The device of stage `k`.
-fn stage_device(stages: &[Stage], k: usize) -> Result<candle_core::Device, EngineError> {
-    stages
-        .get(k)
-        .map(|s| s.device.clone())
-        .ok_or_else(|| EngineError::Load("a decoder needs at least one stage".into()))
 }
 
 /// The kernels the batches of a model with `cfg` prepare for on `device` in `dtype`: those its

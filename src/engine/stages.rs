@@ -62,6 +62,14 @@ impl Stage {
     }
 }
 
+/// The device of stage `k`.
+pub fn device_of(stages: &[Stage], k: usize) -> Result<Device, EngineError> {
+    stages
+        .get(k)
+        .map(|s| s.device.clone())
+        .ok_or_else(|| EngineError::Load("a decoder needs at least one stage".into()))
+}
+
 /// Checks a pipeline of `stages` stages for a model of `layers` decoder layers: at least one
 /// stage, and no more stages than layers (every stage runs at least one layer).
 pub fn check_stages(stages: usize, layers: usize) -> Result<(), EngineError> {

@@ -14,7 +14,8 @@ use crate::cli::{default, SelfCheckMode, ServeArgs};
 use crate::engine::loader::ModelFiles;
 use crate::engine::selfcheck::{self, Probe, Reference, Report, SharedReference};
 use crate::engine::{
-    parse_device, tokens_for_memory, ComputeDType, Engine, EngineError, LoadedEngine, MemoryProbe, ModelInfo,
+    parse_device, tokens_for_memory, ComputeDType, Engine, EngineError, EngineOptions, LoadedEngine, MemoryProbe,
+    ModelInfo,
 };
 use crate::http::{app, conn, AppState, Limits, SelfCheckState};
 use crate::metrics::Metrics;
@@ -205,6 +206,7 @@ where
         api_keys: Arc::new(setup.api_keys),
         loaded: Arc::new(AtomicBool::new(false)),
         memory: Default::default(),
+        stages: Default::default(),
         draining: Arc::new(AtomicBool::new(false)),
         abandon: CancellationToken::new(),
         selfcheck: Arc::new(SelfCheckState::new(setup.selfcheck)),
@@ -217,6 +219,7 @@ where
         let loaded = state.loaded.clone();
         let scheduler = state.scheduler.clone();
         let probes = state.memory.clone();
+        let stages = state.stages.clone();
         let limits = state.limits.clone();
         let auto_size = setup.auto_batch_tokens;
         let n = setup.devices.len();
@@ -230,6 +233,19 @@ where
                 match rx.recv() {
                     Ok(Ok(l)) => {
                         tracing::info!(device = %l.device, fits_tokens = ?l.max_batch_tokens, "model loaded");
+                        if l.stages.len() > 1 {
+                            let stages: Vec<String> = l
+                                .stages
+                                .iter()
+                                .map(|s| {
+                                    format!(
+                                        "{} layers {}-{} ({} bytes)",
+                                        s.device, s.first_layer, s.last_layer, s.weight_bytes
+                                    )
+                                })
+                                .collect();
+                            tracing::info!(device = %l.device, stages = %stages.join(", "), "stages of the replica");
+                        }
                         if let Some(t) = l.max_batch_tokens {
                             fits = Some(fits.map_or(t, |f| f.min(t)));
                         }
@@ -238,6 +254,9 @@ where
                             if let Ok(mut reports) = selfcheck.reports.lock() {
                                 reports.push(r);
                             }
+                        }
+                        if let Ok(mut s) = stages.lock() {
+                            s.push((l.device.clone(), l.stages));
                         }
                         if let Ok(mut p) = probes.lock() {
                             p.push((l.device, l.memory));
@@ -388,6 +407,18 @@ pub fn run_selfcheck(
     Ok(report)
 }
 
+/// A replica's name: its stages' devices, each once, joined by `+` (`cuda:0+cuda:1`; `cpu` for
+/// a replica whose every stage is the CPU).
+pub fn replica_name(devices: &[String]) -> String {
+    let mut distinct: Vec<&str> = Vec::new();
+    for d in devices {
+        if !distinct.contains(&d.as_str()) {
+            distinct.push(d);
+        }
+    }
+    distinct.join("+")
+}
+
 /// Whether `device` in `dtype` runs the portable f32 path itself.
 fn is_portable(device: &str, dtype: ComputeDType) -> bool {
     device == "cpu" && dtype == ComputeDType::Float32
@@ -398,7 +429,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     args.validate().map_err(anyhow::Error::msg)?;
     args.validate_connections().map_err(anyhow::Error::msg)?;
     return_free_memory_periodically();
-    let devices = args.devices().map_err(anyhow::Error::msg)?;
+    let replicas = args.replicas().map_err(anyhow::Error::msg)?;
+    // Each replica's worker is named by its devices ("cuda:0+cuda:1"; "cpu" for every stage on the CPU).
+    let devices: Vec<String> = replicas.iter().map(|r| replica_name(r)).collect();
     let spec = args.model.clone();
     let (quantize, synthetic) = (args.quantize, args.synthetic_weights);
     let files = Arc::new(
@@ -406,6 +439,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let tokenizer = TextTokenizer::from_source(&files.tokenizer_source()?)?;
     let cfg = files.config().clone();
+    crate::engine::stages::check_stages(args.pipeline, cfg.num_hidden_layers)?;
     if let Some(t) = &tokenizer {
         if t.vocab_size() > cfg.vocab_size {
             tracing::warn!(
@@ -436,22 +470,42 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         SharedReference::default()
     });
+    let stage_devices: std::collections::HashMap<String, Vec<String>> = devices.iter().cloned().zip(replicas).collect();
     let make = move |d: &str| -> EngineFactory {
         let files = files.clone();
         let reference = reference.clone();
         let d = d.to_string();
+        let stage_devices = stage_devices.get(&d).cloned().unwrap_or_else(|| vec![d.clone()]);
         Box::new(move || {
-            let device = parse_device(&d)?;
-            let mut engine = files.load(&device, dtype.candle())?.engine;
+            // Each device opened once, however many stages it serves.
+            let mut opened: Vec<(&String, crate::engine::Device)> = Vec::new();
+            for s in &stage_devices {
+                if !opened.iter().any(|(name, _)| *name == s) {
+                    opened.push((s, parse_device(s)?));
+                }
+            }
+            let stages: Vec<_> = stage_devices
+                .iter()
+                .filter_map(|s| opened.iter().find(|(name, _)| *name == s).map(|(_, d)| d.clone()))
+                .collect();
+            let mut engine = files.load_stages(&stages, dtype.candle(), EngineOptions::startup())?.engine;
+            let layout = engine.decoder.stages().iter().map(|s| s.layout()).collect();
             let selfcheck = match mode {
                 SelfCheckMode::Off => None,
                 _ => Some(run_selfcheck(&mut engine, &files, &d, dtype, &reference)?),
             };
-            let memory = MemoryProbe::new(&device);
-            let fits = memory.sample().map(|(used, total)| {
-                tokens_for_memory(files.config(), &device, dtype.candle(), total.saturating_sub(used), max_input_tokens)
-            });
-            Ok(LoadedEngine { engine: Box::new(engine), max_batch_tokens: fits, memory, selfcheck })
+            let memory = MemoryProbe::of(&stages);
+            // Each stage's device sized on its own; the batch fits the tightest.
+            let fits = stages
+                .iter()
+                .filter_map(|device| {
+                    MemoryProbe::new(device).sample().map(|(used, total)| {
+                        let free = total.saturating_sub(used);
+                        tokens_for_memory(files.config(), device, dtype.candle(), free, max_input_tokens)
+                    })
+                })
+                .min();
+            Ok(LoadedEngine { engine: Box::new(engine), max_batch_tokens: fits, memory, selfcheck, stages: layout })
         })
     };
     let setup =

@@ -218,3 +218,42 @@ fn the_batch_budget_counts_no_attention_scores_for_the_cuda_kernels() {
     assert_eq!(cuda, short, "the longest input does not enter the CUDA budget");
     assert!(cpu < cuda, "{cpu} {cuda}");
 }
+
+/// The decoder in stages on the GPU: two stages on one GPU (the same device: nothing moves, the
+/// batch's context is kept) and, where a second GPU is visible, one stage on each, give the
+/// states and log-probabilities of one stage bitwise, in f32 and bf16, for every family.
+#[test]
+fn stages_over_gpus_give_the_states_of_one_bitwise() {
+    let Some(dev) = common::cuda_device() else { return };
+    let second = (layertap::engine::cuda_device_count() >= 2).then(|| layertap::engine::Device::new_cuda(1).unwrap());
+    if second.is_none() {
+        eprintln!("one GPU visible: stages over two GPUs skipped");
+    }
+    let options = layertap::engine::EngineOptions::startup();
+    for dir in common::fixture_models() {
+        let files = ModelFiles::locate(&dir.to_string_lossy()).unwrap();
+        let (_, seqs, cu) = reference_batch(&dir);
+        for dtype in [DType::F32, DType::BF16] {
+            let mut one = files.load(&dev, dtype).unwrap().engine;
+            let n = one.decoder.cfg.num_hidden_layers;
+            let mut batch = Batch::new(seqs.concat(), cu.clone(), (0..=n + 1).collect());
+            batch.output = Output {
+                logprobs: Some(layertap::engine::LogprobRows { rows: Rows::All, top_k: 4 }),
+                ..Output::default()
+            };
+            let bits = |t: &layertap::engine::Taps| {
+                let lp = t.logprobs.as_ref().unwrap();
+                let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                (t.host.data.to_vec(), lp.ids.clone(), f(&lp.logprobs), f(&lp.target))
+            };
+            let want = bits(&one.forward(&batch).unwrap());
+            let mut replicas = vec![vec![dev.clone(), dev.clone()]];
+            replicas.extend(second.iter().map(|d| vec![dev.clone(), d.clone()]));
+            for stages in replicas {
+                let mut e = files.load_stages(&stages, dtype, options).unwrap().engine;
+                let got = bits(&e.forward(&batch).unwrap());
+                assert!(got == want, "{} {dtype:?} over {:?}: differs from one stage", dir.display(), stages);
+            }
+        }
+    }
+}

@@ -17,6 +17,8 @@ pub struct Loaded {
     pub memory: MemoryProbe,
     /// The start-up self-check of the device's serving path, unless it is off.
     pub selfcheck: Option<crate::engine::selfcheck::Report>,
+    /// The replica's stages, in order.
+    pub stages: Vec<crate::engine::StageLayout>,
 }
 
 /// A device worker thread. Join it after closing the queue.
@@ -55,6 +57,7 @@ where
                     max_batch_tokens: l.max_batch_tokens,
                     memory: l.memory,
                     selfcheck: l.selfcheck,
+                    stages: l.stages,
                 };
                 let _ = loaded.send(Ok(report));
                 drop(loaded);

@@ -50,6 +50,13 @@ pub struct ServeArgs {
     /// Compute dtype (also the default output dtype): f32, bf16 or f16.
     #[arg(long, default_value = "f32", env = "LAYERTAP_DTYPE")]
     pub dtype: ComputeDType,
+    /// Stages per replica: the decoder's layers split into N consecutive stages, each on its own
+    /// device, balanced by weight bytes (the embeddings with the first, the final norm and head
+    /// with the last). The devices are grouped in order: --device cuda:0,1,2,3 --pipeline 2 makes
+    /// two replicas of two stages; on the CPU every stage is the CPU. The device count must be a
+    /// multiple of N, and N at most the model's layer count.
+    #[arg(long, default_value_t = 1, env = "LAYERTAP_PIPELINE")]
+    pub pipeline: usize,
     /// Quantise the float checkpoint's projections at load: fp8 is Qwen's block-wise FP8
     /// (e4m3 weights in 128x128 blocks, dynamic per-token fp8 activations; attention, MLP and
     /// expert projections, the Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj). Reads
@@ -265,6 +272,30 @@ impl ServeArgs {
             .collect()
     }
 
+    /// The replicas: each one's devices, one per stage, in order (`--device` grouped by
+    /// `--pipeline`). On the CPU, one replica whose every stage is the CPU; with CUDA devices,
+    /// as many replicas as the device count holds `--pipeline`s, refused unless it holds a whole
+    /// number of them.
+    pub fn replicas(&self) -> Result<Vec<Vec<String>>, String> {
+        let n = self.pipeline;
+        if n < 1 {
+            return Err(format!("--pipeline {n}: a replica needs at least 1 stage"));
+        }
+        let devices = self.devices()?;
+        if devices == ["cpu"] {
+            return Ok(vec![vec!["cpu".into(); n]]);
+        }
+        if devices.len() % n != 0 {
+            return Err(format!(
+                "--pipeline {n} needs a multiple of {n} devices (each replica takes {n}, grouped in order); --device \
+                 names {} ({})",
+                devices.len(),
+                devices.join(",")
+            ));
+        }
+        Ok(devices.chunks(n).map(<[String]>::to_vec).collect())
+    }
+
     /// Checks the connection limits (timeouts and the connection cap must be positive).
     pub fn validate_connections(&self) -> Result<(), String> {
         for (v, flag) in [
@@ -329,6 +360,30 @@ mod tests {
         let from_flags = crate::http::Limits::from_args(&a, tokens, batch);
         assert_eq!(format!("{from_flags:?}"), format!("{:?}", crate::http::Limits::default()));
         assert_eq!((tokens.input, tokens.queue, tokens.request), (8192, 131072, 65536));
+    }
+
+    /// `--pipeline N` groups the devices in order, N per replica; the CPU serves every stage of
+    /// one replica; a device count that is not a multiple of N, and N below 1, are refused with
+    /// the numbers.
+    #[test]
+    fn pipeline_groups_the_devices_into_replicas() {
+        let r = |extra: &[&str]| serve(extra).unwrap().replicas();
+        let names = |v: &[&[&str]]| Ok(v.iter().map(|r| r.iter().map(|d| d.to_string()).collect()).collect());
+        assert_eq!(r(&[]), names(&[&["cpu"]]));
+        assert_eq!(r(&["--pipeline", "3"]), names(&[&["cpu", "cpu", "cpu"]]));
+        assert_eq!(r(&["--device", "cuda:0,1"]), names(&[&["cuda:0"], &["cuda:1"]]));
+        assert_eq!(
+            r(&["--device", "cuda:0,1,2,3", "--pipeline", "2"]),
+            names(&[&["cuda:0", "cuda:1"], &["cuda:2", "cuda:3"]])
+        );
+        assert_eq!(r(&["--device", "cuda:3,1", "--pipeline", "2"]), names(&[&["cuda:3", "cuda:1"]]));
+        let e = r(&["--device", "cuda:0,1,2", "--pipeline", "2"]).unwrap_err();
+        assert!(
+            e.contains("--pipeline 2 needs a multiple of 2 devices") && e.contains("names 3 (cuda:0,cuda:1,cuda:2)"),
+            "{e}"
+        );
+        let e = r(&["--pipeline", "0"]).unwrap_err();
+        assert!(e.contains("--pipeline 0"), "{e}");
     }
 
     #[test]

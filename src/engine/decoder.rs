@@ -17,6 +17,7 @@ use super::layers::per_layer::{PerLayerEmbeddings, PerLayerInputGate};
 use super::layers::rope::Rope;
 use super::options::EngineOptions;
 use super::profile::Phase;
+use super::stages::{device_of, Stage};
 use super::weights::Weights;
 use super::{Cancel, EngineError};
 
@@ -228,57 +229,111 @@ pub struct Decoder {
     /// The output head `[vocab, hidden]` (the embeddings where the model ties them); `None` for
     /// a checkpoint that has none, or a decoder loaded for a few tokens only.
     head: Option<Tensor>,
+    /// The stages the layers are split into, each with its device (one stage: every layer).
+    stages: Vec<Stage>,
+}
+
+/// One batch on its way through the stages: what it asked for, what it has kept, and the
+/// residual stream with what goes along with it from stage to stage.
+struct Pass<'a> {
+    cu_seqlens: &'a [usize],
+    taps: &'a [usize],
+    /// The decoder layers to run: those up to the deepest tap.
+    deepest: usize,
+    /// The states kept so far, by index (each on the device of the stage that made it).
+    kept: Vec<Option<Tensor>>,
+    /// The residual stream.
+    x: Tensor,
+    /// The next layer's input norm of `x`, where the layer before made it with its last add
+    /// (only ever within a stage: the next norm's weights sit on the stage's device).
+    normed: Option<Tensor>,
+    /// The batch's context, and the device it was built on.
+    ctx: Option<(candle_core::Device, BatchCtx)>,
+    /// Every layer's own input `[T, L, width]` (on the first stage's device), where the model has them.
+    per_layer: Option<Tensor>,
+    /// The keys and values of the layers whose ones a later layer reuses.
+    kept_kv: Vec<Option<KeyValues>>,
 }
 
 impl Decoder {
     /// Loads every tensor the decoder needs and its output head (for next-token
     /// log-probabilities: `lm_head`, or the embeddings where the model ties them; never a vision
     /// tower or MTP head), with a progress callback per layer. Each layer picks its kernels now,
-    /// as `options` say.
+    /// as `options` say. Each stage's layers are read onto its device, the embeddings onto the
+    /// first stage's and the final norm and head onto the last's (one stage: every part on one
+    /// device).
     pub fn load(
         cfg: ModelConfig,
-        w: &Weights,
+        w: &mut Weights,
+        stages: Vec<Stage>,
         options: &EngineOptions,
         progress: impl FnMut(usize, usize),
     ) -> Result<Self, EngineError> {
         let shape = [cfg.vocab_size, cfg.hidden_size];
-        let embed = w.get("embed_tokens.weight", &shape)?;
-        let head = if cfg.tie_word_embeddings { Some(embed.clone()) } else { w.get_head(&shape)? };
-        let mut d = Self::load_with(cfg, w, embed, None, options, progress)?;
-        d.head = head;
+        let embed = w.on(&device_of(&stages, 0)?, |w| w.get("embed_tokens.weight", &shape))?;
+        let mut d = Self::load_with(cfg, w, embed, None, stages, options, progress)?;
+        let last = d.output_device().clone();
+        d.head = match d.cfg.tie_word_embeddings {
+            true => Some(d.embed.to_device(&last)?),
+            false => w.on(&last, |w| w.get_head(&shape))?,
+        };
         Ok(d)
     }
 
-    /// [`Decoder::load`] with only the embedding rows of `tokens`: token `tokens[i]` is then id
-    /// `i` (for a decoder that runs a few known sequences, such as the self-check's reference).
+    /// [`Decoder::load`] with only the embedding rows of `tokens`, in one stage on the weights'
+    /// device: token `tokens[i]` is then id `i` (for a decoder that runs a few known sequences,
+    /// such as the self-check's reference).
     pub fn load_for_tokens(
         cfg: ModelConfig,
-        w: &Weights,
+        w: &mut Weights,
         tokens: &[u32],
         options: &EngineOptions,
     ) -> Result<Self, EngineError> {
         let embed = w.get_rows("embed_tokens.weight", tokens, &[cfg.vocab_size, cfg.hidden_size])?;
-        Self::load_with(cfg, w, embed, Some(tokens), options, |_, _| {})
+        let bytes = w.stage_bytes(cfg.num_hidden_layers, cfg.tie_word_embeddings);
+        let stages = super::stages::plan(&bytes, std::slice::from_ref(&w.device))?;
+        Self::load_with(cfg, w, embed, Some(tokens), stages, options, |_, _| {})
     }
 
     /// `rows`: the tokens whose rows of the embedding tables were loaded, where not all were.
     fn load_with(
         cfg: ModelConfig,
-        w: &Weights,
+        w: &mut Weights,
         embed: Tensor,
         rows: Option<&[u32]>,
+        stages: Vec<Stage>,
         options: &EngineOptions,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self, EngineError> {
         let n = cfg.num_hidden_layers;
-        let mut layers = Vec::with_capacity(n);
-        for i in 0..n {
-            layers.push(Block::load(w, &cfg, i, options)?);
-            progress(i + 1, n);
+        let covered = stages.first().is_some_and(|s| s.layers.start == 0)
+            && stages.last().is_some_and(|s| s.layers.end == n)
+            && stages.windows(2).all(|p| p[0].layers.end == p[1].layers.start)
+            && stages.iter().all(|s| !s.layers.is_empty());
+        if !covered {
+            let ranges: Vec<_> = stages.iter().map(|s| s.layers.clone()).collect();
+            return Err(EngineError::Load(format!(
+                "stages {ranges:?} do not split the {n} decoder layers into consecutive non-empty ranges"
+            )));
         }
-        let norm = RmsNorm::load_for(w, &cfg, "norm")?.fusing_add(options.fused_add_norm);
-        let per_layer =
-            cfg.per_layer_inputs.as_ref().map(|p| PerLayerEmbeddings::load(w, &cfg, p, rows)).transpose()?;
+        let mut layers = Vec::with_capacity(n);
+        for s in &stages {
+            w.on(&s.device, |w| {
+                for i in s.layers.clone() {
+                    layers.push(Block::load(w, &cfg, i, options)?);
+                    progress(i + 1, n);
+                }
+                Ok(())
+            })?;
+        }
+        let last = device_of(&stages, stages.len() - 1)?;
+        let norm = w.on(&last, |w| RmsNorm::load_for(w, &cfg, "norm"))?.fusing_add(options.fused_add_norm);
+        // The per-layer tables go with the embeddings (the first stage); each layer's share of
+        // what they give moves to its stage.
+        let per_layer = match cfg.per_layer_inputs.as_ref() {
+            Some(p) => Some(w.on(&device_of(&stages, 0)?, |w| PerLayerEmbeddings::load(w, &cfg, p, rows))?),
+            None => None,
+        };
         let rope = Rope::new(&cfg);
         let full_rope = Rope::full_attention(&cfg);
         let embed_scale = match cfg.embed_scale {
@@ -302,10 +357,11 @@ impl Decoder {
             f32_residual,
             kernels,
             head: None,
+            stages,
         })
     }
 
-    /// The output head `[vocab, hidden]`, where the model has one.
+    /// The output head `[vocab, hidden]`, where the model has one (on the last stage's device).
     pub fn head(&self) -> Option<&Tensor> {
         self.head.as_ref()
     }
@@ -319,110 +375,167 @@ impl Decoder {
         self.embed.dtype()
     }
 
+    /// The first stage's device: where the token ids and the embeddings are.
     pub fn device(&self) -> &candle_core::Device {
         self.embed.device()
     }
 
-    pub fn packing(&self, cu_seqlens: &[usize]) -> candle_core::Result<BatchCtx> {
+    /// The last stage's device: where the final norm and the head are, and where the states a
+    /// batch asked for are gathered and prepared for the host.
+    pub fn output_device(&self) -> &candle_core::Device {
+        self.stages.last().map_or(self.embed.device(), |s| &s.device)
+    }
+
+    /// The stages, in order (one for a decoder on one device).
+    pub fn stages(&self) -> &[Stage] {
+        &self.stages
+    }
+
+    fn packing(&self, cu_seqlens: &[usize], device: &candle_core::Device) -> candle_core::Result<BatchCtx> {
         BatchCtx::new(
             &self.cfg,
             (&self.rope, self.full_rope.as_ref()),
             cu_seqlens,
             self.dtype(),
-            self.device(),
+            device,
             self.kernels,
             self.options.profile,
         )
     }
 
-    /// Runs the decoder on packed `ids` and returns, for each entry of `taps` (indices in
+    /// Runs the decoder on packed `ids` (on the first stage's device; sequence `i` is
+    /// `cu_seqlens[i]..cu_seqlens[i + 1]`) and returns, for each entry of `taps` (indices in
     /// `0..=L + 1`, any order, repeats allowed), the `[T, hidden]` state Hugging Face reports as
     /// `hidden_states[i]` (and for `L + 1` the last layer's output before the final norm, which
-    /// it does not report). Layers past the deepest tap are not run. `layers_run` counts the
-    /// decoder layers executed. Before each layer `cancel` is asked whether the batch is still
-    /// wanted; once it is not, the loop stops with [`EngineError::Cancelled`] (on a GPU the
-    /// kernels already queued finish on their own and their results are dropped).
+    /// it does not report), on [`Decoder::output_device`]. Layers past the deepest tap are not
+    /// run, and stages past it not entered. `layers_run` counts the decoder layers executed.
+    /// Before each layer `cancel` is asked whether the batch is still wanted; once it is not, the
+    /// loop stops with [`EngineError::Cancelled`] (on a GPU the kernels already queued finish on
+    /// their own and their results are dropped). The stages run one after the other.
     pub fn forward_taps(
         &self,
         ids: &Tensor,
-        pk: &BatchCtx,
+        cu_seqlens: &[usize],
         taps: &[usize],
         layers_run: &mut usize,
         cancel: &Cancel,
     ) -> Result<Vec<Tensor>, EngineError> {
         let n = self.layers.len();
-        // Index n + 1 is the last layer's output before the final norm: every layer runs.
-        let deepest = taps.iter().copied().max().unwrap_or(0).min(n);
-        let mut kept: Vec<Option<Tensor>> = vec![None; n + 2];
         let mut x = embed(&self.embed, ids)?;
         if let Some(s) = &self.embed_scale {
             x = x.broadcast_mul(s)?;
         }
         // Every layer's own input, from the tokens and their scaled embeddings.
         let per_layer = self.per_layer.as_ref().map(|p| p.forward(ids, &x)).transpose()?;
-        // The keys and values of the layers whose ones a later layer reuses.
-        let mut kept_kv: Vec<Option<KeyValues>> = vec![None; n];
         if self.f32_residual {
             x = super::large::map_rows(&x, |x| x.to_dtype(DType::F32))?;
         }
+        let mut pass = Pass {
+            cu_seqlens,
+            taps,
+            // Index n + 1 is the last layer's output before the final norm: every layer runs.
+            deepest: taps.iter().copied().max().unwrap_or(0).min(n),
+            kept: vec![None; n + 2],
+            x,
+            normed: None,
+            ctx: None,
+            per_layer,
+            kept_kv: vec![None; n],
+        };
         if taps.contains(&0) {
-            kept[0] = Some(x.clone());
+            pass.kept[0] = Some(pass.x.clone());
         }
-        // The next layer's input norm of `x`, where the layer before made it with its last add.
-        let mut normed: Option<Tensor> = None;
-        for (i, layer) in self.layers.iter().enumerate().take(deepest) {
+        let deepest = pass.deepest;
+        for stage in self.stages.iter().take_while(|s| s.layers.start < deepest) {
+            self.forward_stage(stage, &mut pass, layers_run, cancel)?;
+        }
+        // States are returned in the compute dtype (the f32 stream rounded once, before it moves:
+        // fewer bytes to copy), on the output device.
+        let out = self.output_device();
+        taps.iter()
+            .map(|&i| {
+                let t = pass
+                    .kept
+                    .get(i)
+                    .and_then(|k| k.as_ref())
+                    .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
+                Ok(super::large::map_rows(t, |t| t.to_dtype(self.dtype()))?.to_device(out)?)
+            })
+            .collect()
+    }
+
+    /// Runs `stage`'s layers (those up to the deepest tap) on the pass, keeping the taps they
+    /// produce. Only the residual stream moves into the stage (`to_device`: nothing on the same
+    /// device); the batch's context is built again on the stage's device where that differs.
+    fn forward_stage(
+        &self,
+        stage: &Stage,
+        p: &mut Pass,
+        layers_run: &mut usize,
+        cancel: &Cancel,
+    ) -> Result<(), EngineError> {
+        let n = self.layers.len();
+        p.x = p.x.to_device(&stage.device)?;
+        if let Some(h) = p.normed.take() {
+            p.normed = Some(h.to_device(&stage.device)?);
+        }
+        let ctx = match p.ctx.take() {
+            Some((d, ctx)) if d.same_device(&stage.device) => (d, ctx),
+            _ => (stage.device.clone(), self.packing(p.cu_seqlens, &stage.device)?),
+        };
+        let end = stage.layers.end.min(p.deepest);
+        for (i, layer) in self.layers.iter().enumerate().take(end).skip(stage.layers.start) {
             cancel.check(*layers_run)?;
             let idx = i + 1;
-            let h = match normed.take() {
+            let h = match p.normed.take() {
                 Some(h) => h,
-                None => layer.input_norm.forward(&x)?,
+                None => layer.input_norm.forward(&p.x)?,
             };
-            // The norm after this layer: the next one's input norm, or the final norm after the last.
+            // The norm after this layer: the next one's input norm (within this stage), or the
+            // final norm after the last.
             let next = if idx == n {
                 Some(&self.norm)
-            } else if idx < deepest {
+            } else if idx < end {
                 Some(&self.layers[idx].input_norm)
             } else {
                 None
             };
-            let input = per_layer.as_ref().map(|p| p.narrow(1, i, 1)?.squeeze(1)).transpose()?;
-            let reused = match layer.kv_source {
-                Some(j) => Some(kept_kv[j].as_ref().ok_or_else(|| {
-                    candle_core::Error::Msg(format!("layer {i} reuses the keys and values of layer {j}, not kept"))
-                })?),
+            let input = match p.per_layer.as_ref() {
+                Some(t) => Some(t.narrow(1, i, 1)?.squeeze(1)?.to_device(&stage.device)?),
                 None => None,
             };
-            let (out, h_next, kv) = layer.forward(&x, &h, next, pk, input.as_ref(), reused)?;
+            let reused = match layer.kv_source {
+                Some(j) => {
+                    let (k, v) = p.kept_kv[j].as_ref().ok_or_else(|| {
+                        candle_core::Error::Msg(format!("layer {i} reuses the keys and values of layer {j}, not kept"))
+                    })?;
+                    Some((k.to_device(&stage.device)?, v.to_device(&stage.device)?))
+                }
+                None => None,
+            };
+            let (out, h_next, kv) = layer.forward(&p.x, &h, next, &ctx.1, input.as_ref(), reused.as_ref())?;
             if kv.is_some() {
-                kept_kv[i] = kv;
+                p.kept_kv[i] = kv;
             }
-            x = out;
+            p.x = out;
             *layers_run += 1;
             if idx == n {
-                if taps.contains(&(n + 1)) {
-                    kept[n + 1] = Some(x.clone());
+                if p.taps.contains(&(n + 1)) {
+                    p.kept[n + 1] = Some(p.x.clone());
                 }
-                x = match h_next {
+                p.x = match h_next {
                     Some(h) => h,
-                    None => self.norm.forward(&x)?,
+                    None => self.norm.forward(&p.x)?,
                 };
             } else {
-                normed = h_next;
+                p.normed = h_next;
             }
-            if taps.contains(&idx) {
-                kept[idx] = Some(x.clone());
+            if p.taps.contains(&idx) {
+                p.kept[idx] = Some(p.x.clone());
             }
         }
-        // States are returned in the compute dtype (the f32 stream rounded once).
-        taps.iter()
-            .map(|&i| {
-                let t = kept
-                    .get(i)
-                    .and_then(|k| k.as_ref())
-                    .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
-                Ok(super::large::map_rows(t, |t| t.to_dtype(self.dtype()))?)
-            })
-            .collect()
+        p.ctx = Some(ctx);
+        Ok(())
     }
 }
 

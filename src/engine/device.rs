@@ -70,17 +70,28 @@ pub fn device_memory(device: &Device) -> Option<(u64, u64)> {
 }
 
 /// A handle for reading a device's memory from another thread (the metrics endpoint), taken once
-/// the device's model is loaded.
+/// the device's model is loaded; for a replica in stages, its devices' memory added up.
 #[derive(Clone)]
-pub struct MemoryProbe(Device);
+pub struct MemoryProbe(Vec<Device>);
 
 impl MemoryProbe {
     pub fn new(device: &Device) -> Self {
-        MemoryProbe(device.clone())
+        MemoryProbe(vec![device.clone()])
     }
 
-    /// Used and total bytes, where the device reports them (GPUs).
+    /// The probe of a replica whose stages are on `devices` (each device counted once).
+    pub fn of(devices: &[Device]) -> Self {
+        let mut distinct: Vec<Device> = Vec::new();
+        for d in devices {
+            if !distinct.iter().any(|o| o.same_device(d)) {
+                distinct.push(d.clone());
+            }
+        }
+        MemoryProbe(distinct)
+    }
+
+    /// Used and total bytes, where the devices report them (GPUs).
     pub fn sample(&self) -> Option<(u64, u64)> {
-        device_memory(&self.0)
+        self.0.iter().try_fold((0, 0), |(u, t), d| device_memory(d).map(|(du, dt)| (u + du, t + dt)))
     }
 }

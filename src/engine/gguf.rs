@@ -203,6 +203,26 @@ impl GgufTensors {
         format!("GGUF file {}", self.file.path.display())
     }
 
+    /// Every tensor's bytes as stored, under the Hugging Face names of the decoder's parts
+    /// (`layers.{i}.*`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`); others as named.
+    pub fn stored_bytes(&self) -> Vec<(String, u64)> {
+        let infos = &self.file.content.tensor_infos;
+        infos
+            .iter()
+            .map(|(name, info)| {
+                let d = info.ggml_dtype;
+                let bytes = (info.shape.elem_count() / d.block_size() * d.type_size()) as u64;
+                let hf = match name.as_str() {
+                    "token_embd.weight" => "embed_tokens.weight".to_string(),
+                    "output_norm.weight" => "norm.weight".to_string(),
+                    "output.weight" => "lm_head.weight".to_string(),
+                    other => other.strip_prefix("blk.").map_or_else(|| other.to_string(), |r| format!("layers.{r}")),
+                };
+                (hf, bytes)
+            })
+            .collect()
+    }
+
     /// Whether the file holds the tensor transformers names `hf`.
     pub fn has(&self, hf: &str) -> bool {
         gguf_name(hf).is_some_and(|g| self.file.content.tensor_infos.contains_key(&g))

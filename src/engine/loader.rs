@@ -305,13 +305,15 @@ impl ModelFiles {
 
     /// Whether the model has an output head: tied embeddings, or an `lm_head` tensor.
     pub fn has_head(&self) -> bool {
-        self.config().tie_word_embeddings || self.weights(&Device::Cpu, DType::F32).is_ok_and(|w| w.has_head())
+        self.config().tie_word_embeddings || self.weights(&[Device::Cpu], DType::F32).is_ok_and(|w| w.has_head())
     }
 
-    /// The checkpoint's tensors, read onto `device` in `dtype`, checked before anything is loaded.
-    fn weights(&self, device: &Device, dtype: DType) -> Result<Weights, EngineError> {
+    /// The checkpoint's tensors, read onto `devices[0]` (the first stage's; the other stages
+    /// read theirs onto their own) in `dtype`, checked before anything is loaded.
+    fn weights(&self, devices: &[Device], dtype: DType) -> Result<Weights, EngineError> {
+        let device = devices.first().ok_or_else(|| err("no device to load the model onto"))?;
         let needs = self.config().needs_beyond_cuda();
-        if device.is_cuda() && !needs.is_empty() {
+        if devices.iter().any(Device::is_cuda) && !needs.is_empty() {
             return Err(err(format!(
                 "{} ({}) needs {}, which layertap's GPU kernels do not compute yet; it runs exactly on the CPU \
                  (--device cpu). layertap refuses it on a CUDA device rather than return wrong hidden states",
@@ -330,8 +332,17 @@ impl ModelFiles {
             Files::Synthetic { tensors, .. } => {
                 // Before anything is drawn: a manifest larger than the device's memory cannot
                 // load, and is refused here rather than by an allocation failure.
-                let (what, memory) = match super::device_memory(device) {
-                    Some((_, total)) => ("the device's", total),
+                let mut distinct: Vec<&Device> = Vec::new();
+                for d in devices {
+                    if !distinct.iter().any(|o| o.same_device(d)) {
+                        distinct.push(d);
+                    }
+                }
+                let totals: Option<Vec<u64>> =
+                    distinct.iter().map(|d| super::device_memory(d).map(|(_, total)| total)).collect();
+                let (what, memory) = match totals {
+                    Some(t) if t.len() > 1 => ("the stages' devices'", t.iter().sum()),
+                    Some(t) => ("the device's", t.iter().sum()),
                     None => ("the host's", crate::metrics::host_memory().1),
                 };
                 let need = tensors.total_bytes() as u64;
@@ -369,8 +380,22 @@ impl ModelFiles {
         dtype: DType,
         options: &EngineOptions,
     ) -> Result<LoadedModel, EngineError> {
+        self.load_stages(std::slice::from_ref(device), dtype, options)
+    }
+
+    /// The decoder in `devices.len()` consecutive stages (`--pipeline`), stage `k` on
+    /// `devices[k]` (the same device may serve several), split where the stages' weight bytes
+    /// come out most even ([`super::stages::split`]); one device is the ordinary decoder.
+    pub fn load_stages(
+        &self,
+        devices: &[Device],
+        dtype: DType,
+        options: &EngineOptions,
+    ) -> Result<LoadedModel, EngineError> {
         let config = self.config().clone();
-        let mut weights = self.weights(device, dtype)?;
+        let mut weights = self.weights(devices, dtype)?;
+        let bytes = weights.stage_bytes(config.num_hidden_layers, config.tie_word_embeddings);
+        let stages = super::stages::plan(&bytes, devices)?;
         weights.fp8_gemm = options.fp8_gemm;
         weights.fp8_fused = options.fp8_fused;
         let bar = indicatif::ProgressBar::new(config.num_hidden_layers as u64).with_style(
@@ -378,7 +403,7 @@ impl ModelFiles {
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         bar.set_message(self.id.clone());
-        let decoder = Decoder::load(config.clone(), &weights, options, |_, _| bar.inc(1));
+        let decoder = Decoder::load(config.clone(), &mut weights, stages, options, |_, _| bar.inc(1));
         bar.finish_and_clear();
         let decoder = decoder?;
         weights.check_unread(config.num_hidden_layers)?;
@@ -386,7 +411,7 @@ impl ModelFiles {
         let mut info =
             ModelInfo::new(&self.id, &config, ComputeDType::from_candle(dtype)).with_head(decoder.head().is_some());
         if let Some(paths) = weights.fp8_summary() {
-            tracing::info!(model = %self.id, device = ?device, "FP8 projections: {paths}");
+            tracing::info!(model = %self.id, devices = ?devices, "FP8 projections: {paths}");
             info.quantization = info.quantization.map(|q| format!("{q}; projections: {paths}"));
         }
         Ok(LoadedModel { engine: ModelEngine::new(decoder)?, info })
@@ -399,8 +424,8 @@ impl ModelFiles {
     /// (it has the final norm applied).
     pub fn load_prefix_f32(&self, depth: usize, tokens: &[u32]) -> Result<ModelEngine, EngineError> {
         let config = self.config().truncated(depth);
-        let weights = self.weights(&Device::Cpu, DType::F32)?;
-        ModelEngine::new(Decoder::load_for_tokens(config, &weights, tokens, EngineOptions::startup())?)
+        let mut weights = self.weights(&[Device::Cpu], DType::F32)?;
+        ModelEngine::new(Decoder::load_for_tokens(config, &mut weights, tokens, EngineOptions::startup())?)
     }
 }
 

@@ -21,6 +21,7 @@ pub mod output;
 pub mod profile;
 mod runner;
 pub mod selfcheck;
+pub mod stages;
 pub mod synthetic;
 pub mod weights;
 
@@ -38,6 +39,7 @@ pub use logprobs::{HostTopK, LogprobRows, MAX_TOP_K};
 pub use options::{AttentionKernel, EngineOptions};
 pub use output::{Output, Rows};
 pub use runner::{Cancel, Engine, LoadedEngine, ModelEngine, Pending};
+pub use stages::{Stage, StageLayout};
 
 /// Sequences packed along one token dimension, and the layers wanted from them.
 #[derive(Clone, Debug)]

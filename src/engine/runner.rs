@@ -53,6 +53,8 @@ pub struct LoadedEngine {
     pub memory: MemoryProbe,
     /// The start-up self-check of this device's serving path, unless it is off.
     pub selfcheck: Option<selfcheck::Report>,
+    /// Its stages, in order (empty where the engine does not say: a test's fake).
+    pub stages: Vec<super::StageLayout>,
 }
 
 /// A batch whose device work is under way; [`Pending::wait`] finishes it (on GPUs: waits for
@@ -108,7 +110,7 @@ impl ModelEngine {
     pub fn new(decoder: decoder::Decoder) -> Result<Self, EngineError> {
         #[cfg(feature = "cuda")]
         {
-            let copies = cuda::pinned::HostCopies::for_device(decoder.device(), decoder.options().spin_wait)?;
+            let copies = cuda::pinned::HostCopies::for_device(decoder.output_device(), decoder.options().spin_wait)?;
             Ok(ModelEngine { decoder, copies })
         }
         #[cfg(not(feature = "cuda"))]
@@ -175,9 +177,10 @@ impl Engine for ModelEngine {
                     .into(),
             ));
         }
-        let device = self.decoder.device().clone();
-        let ids = Tensor::new(batch.input_ids.as_slice(), &device)?;
-        let packing = self.decoder.packing(cu)?;
+        let ids = Tensor::new(batch.input_ids.as_slice(), self.decoder.device())?;
+        // The states come back on the last stage's device, where they are prepared and copied out.
+        #[cfg(feature = "cuda")]
+        let device = self.decoder.output_device().clone();
         let mut layers_run = 0;
         // Log-probabilities read the final-norm state (index L), computed for them when the
         // caller did not ask for it.
@@ -186,7 +189,7 @@ impl Engine for ModelEngine {
         if extra {
             taps.push(n);
         }
-        let mut states = self.decoder.forward_taps(&ids, &packing, &taps, &mut layers_run, cancel)?;
+        let mut states = self.decoder.forward_taps(&ids, cu, &taps, &mut layers_run, cancel)?;
         let logprobs = match lp {
             Some(l) => {
                 let at = taps.iter().position(|&t| t == n).unwrap_or(0);

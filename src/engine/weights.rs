@@ -9,6 +9,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use super::config::quant::{quantised_at_load, Quantization, FP8_BLOCK};
+use super::stages::StageBytes;
 use super::synthetic::SyntheticTensors;
 use super::EngineError;
 
@@ -81,6 +82,18 @@ impl Store {
                 .map(|(n, v)| (n, DType::try_from(v.dtype()).ok(), format!("{:?}", v.dtype())))
                 .collect(),
             Store::Synthetic(s) => s.list().map(|(n, d, dn)| (n.to_string(), d, dn.to_string())).collect(),
+        }
+    }
+
+    /// The bytes `name` takes as stored, if stored, without reading (or drawing) its values.
+    fn stored_bytes(&self, name: &str) -> Option<u64> {
+        match self {
+            Store::Files(t) => t.get(name).ok().map(|v| v.data().len() as u64),
+            Store::Synthetic(s) => {
+                let (dtype, _) = s.dtype(name)?;
+                let elems: usize = s.shape(name)?.iter().product();
+                Some((elems * dtype.map_or(1, |d| d.size_in_bytes())) as u64)
+            }
         }
     }
 
@@ -354,6 +367,18 @@ impl Weights {
         }
     }
 
+    /// `read` with the tensors read onto `device` (a stage's), then the weights' own device again.
+    pub fn on<T>(
+        &mut self,
+        device: &Device,
+        read: impl FnOnce(&Weights) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let own = std::mem::replace(&mut self.device, device.clone());
+        let r = read(self);
+        self.device = own;
+        r
+    }
+
     /// The quantisation scheme the checkpoint's config declares.
     pub fn with_quantization(mut self, quantization: Option<Quantization>) -> Self {
         self.quantization = quantization;
@@ -372,6 +397,40 @@ impl Weights {
             TensorSource::Safetensors { tensors, .. } => tensors.has(&full),
             TensorSource::Gguf(g) => g.has(name),
         }
+    }
+
+    /// The checkpoint's weight bytes as stored, as a split into stages weighs them: each of the
+    /// first `layers` decoder layers', the embeddings' and the final norm's and output head's
+    /// (the embeddings again where `tied`: the last stage holds the head on its own device).
+    /// Tensors outside the decoder (a vision tower, an MTP head) count nowhere.
+    pub fn stage_bytes(&self, layers: usize, tied: bool) -> StageBytes {
+        let stored: Vec<(String, u64)> = match &self.source {
+            TensorSource::Safetensors { tensors, .. } => tensors
+                .list()
+                .into_iter()
+                .filter_map(|(full, _, _)| {
+                    let bytes = tensors.stored_bytes(&full)?;
+                    Some((full.strip_prefix(self.prefix.as_str()).unwrap_or(&full).to_string(), bytes))
+                })
+                .collect(),
+            TensorSource::Gguf(g) => g.stored_bytes(),
+        };
+        let mut out = StageBytes { layers: vec![0; layers], first: 0, last: 0 };
+        for (name, bytes) in stored {
+            if let Some(rest) = name.strip_prefix("layers.") {
+                if let Some(i) = rest.split('.').next().and_then(|i| i.parse::<usize>().ok()).filter(|&i| i < layers) {
+                    out.layers[i] += bytes;
+                }
+            } else if name.starts_with("embed_tokens.") {
+                out.first += bytes;
+                if tied {
+                    out.last += bytes;
+                }
+            } else if name.starts_with("norm.") || name == "lm_head.weight" {
+                out.last += bytes;
+            }
+        }
+        out
     }
 
     /// The output head `lm_head.weight` (outside the decoder prefix; `output.weight` in GGUF) in

@@ -116,6 +116,9 @@ impl Default for Limits {
     }
 }
 
+/// A loaded replica's device name and its stages, in order.
+pub type ReplicaStages = (String, Vec<crate::engine::StageLayout>);
+
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
@@ -130,6 +133,8 @@ pub struct AppState {
     pub loaded: Arc<AtomicBool>,
     /// Memory readers of the loaded devices, by device name.
     pub memory: Arc<std::sync::Mutex<Vec<(String, MemoryProbe)>>>,
+    /// The stages of each loaded replica, by its device name.
+    pub stages: Arc<std::sync::Mutex<Vec<ReplicaStages>>>,
     /// Shutdown has begun.
     pub draining: Arc<AtomicBool>,
     /// The drain deadline has passed (or a second signal came): handlers stop waiting for the

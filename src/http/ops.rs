@@ -7,7 +7,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
 
-use super::types::{InfoResponse, SelfCheckInfo, StatusResponse};
+use super::types::{InfoResponse, ReplicaInfo, SelfCheckInfo, StageInfo, StatusResponse};
 use super::{status_code_ok, AppState};
 use crate::answer::CONVENTION;
 
@@ -50,6 +50,7 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         quantization: i.quantization.clone(),
         dtype: i.dtype.name().into(),
         devices: s.devices.as_ref().clone(),
+        replicas: replicas(&s),
         max_batch_tokens: s.scheduler.max_batch_tokens(),
         max_input_tokens: s.limits.max_input_tokens,
         max_queue_tokens: s.limits.max_queue_tokens,
@@ -71,6 +72,19 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         selfcheck: selfcheck_info(&s),
         version: env!("CARGO_PKG_VERSION").into(),
     })
+}
+
+/// The loaded replicas' stages, in the order of `devices`.
+fn replicas(s: &AppState) -> Vec<ReplicaInfo> {
+    let loaded = s.stages.lock().map(|l| l.clone()).unwrap_or_default();
+    s.devices
+        .iter()
+        .filter_map(|d| loaded.iter().find(|(name, _)| name == d))
+        .map(|(name, stages)| ReplicaInfo {
+            device: name.clone(),
+            stages: stages.iter().map(StageInfo::from).collect(),
+        })
+        .collect()
 }
 
 /// The self-check's worst figure over the devices that have reported (None while none has, or

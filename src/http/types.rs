@@ -138,6 +138,9 @@ pub struct InfoResponse {
     /// Compute dtype (the default output dtype).
     pub dtype: String,
     pub devices: Vec<String>,
+    /// Each loaded replica (one per entry of `devices`) and its stages, in order (`--pipeline`;
+    /// one stage holding every layer without it).
+    pub replicas: Vec<ReplicaInfo>,
     pub max_batch_tokens: usize,
     pub max_input_tokens: usize,
     pub max_queue_tokens: usize,
@@ -162,6 +165,35 @@ pub struct InfoResponse {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selfcheck: Option<SelfCheckInfo>,
     pub version: String,
+}
+
+/// A replica in `/v1/info`: its name (as in `devices`) and its stages.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ReplicaInfo {
+    pub device: String,
+    pub stages: Vec<StageInfo>,
+}
+
+/// One stage of a replica: its device, the decoder layers it runs (`first_layer..=last_layer`,
+/// 1-based: the hidden-state indices they produce) and its weight bytes as the checkpoint stores
+/// them (the embeddings count with the first stage, the final norm and output head with the last).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct StageInfo {
+    pub device: String,
+    pub first_layer: usize,
+    pub last_layer: usize,
+    pub weight_bytes: u64,
+}
+
+impl From<&crate::engine::StageLayout> for StageInfo {
+    fn from(s: &crate::engine::StageLayout) -> Self {
+        StageInfo {
+            device: s.device.clone(),
+            first_layer: s.first_layer,
+            last_layer: s.last_layer,
+            weight_bytes: s.weight_bytes,
+        }
+    }
 }
 
 /// How many layers of each kind, for `/v1/info`.

@@ -298,6 +298,7 @@ pub async fn fake_server_with(setup: Setup, drain: Duration) -> FakeServer {
                     max_batch_tokens: None,
                     memory: MemoryProbe::new(&Device::Cpu),
                     selfcheck: None,
+                    stages: vec![],
                 })
             })
         },
@@ -420,7 +421,9 @@ pub fn real_server_with(
         move |_| {
             let f = files.clone();
             Box::new(move || {
-                let mut engine = wrap(Box::new(f.load(&Device::Cpu, DType::F32)?.engine));
+                let real = f.load(&Device::Cpu, DType::F32)?.engine;
+                let stages = real.decoder.stages().iter().map(|s| s.layout()).collect();
+                let mut engine = wrap(Box::new(real));
                 let reference = layertap::engine::selfcheck::SharedReference::default();
                 let report =
                     layertap::server::run_selfcheck(engine.as_mut(), &f, "cpu", ComputeDType::Float32, &reference)?;
@@ -429,6 +432,7 @@ pub fn real_server_with(
                     max_batch_tokens: None,
                     memory: MemoryProbe::new(&Device::Cpu),
                     selfcheck: Some(report),
+                    stages,
                 })
             })
         },

@@ -8,7 +8,7 @@
 #
 #   source bench/gpu/cuda-libs.sh && PYTHONPATH=<layertap_client> OUTDIR=<dir> bench/gpu/online_probe.sh
 #
-# SHORT=1 leaves out the CPU consumers, the neighbour and the CPU-consuming workers.
+# SHORT=1 leaves out the CPU consumers, the neighbour, the CPU-consuming workers and one worker.
 # One JSON line per contender on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -39,7 +39,7 @@ if [[ -z "${SHORT:-}" ]]; then
   "${b[@]}" --workers 4 --touch none
 fi
 "${b[@]}" --workers 4 --device cuda:0
-"${b[@]}" --workers 1 --device cuda:0
+[[ -n "${SHORT:-}" ]] || "${b[@]}" --workers 1 --device cuda:0
 "${b[@]}" --device cuda:0 --step-ms "$STEP_MS"
 if [[ -n "${PYSPY:-}" ]]; then
   "$PYSPY" record --idle --threads --subprocesses --rate 250 --format raw -o "$OUTDIR/workers4.txt" -- "${b[@]}" --workers 4 --device cuda:0 || true

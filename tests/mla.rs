@@ -485,6 +485,7 @@ async fn serve_refuses_inputs_longer_than_index_topk() {
     let client = reqwest::Client::new();
     let info: Value = client.get(format!("{base}/v1/info")).send().await.unwrap().json().await.unwrap();
     assert_eq!(info["architecture"], "GlmMoeDsaForCausalLM");
+    assert_eq!(info["max_input_tokens"], 16, "/v1/info gives the model's own limit where it is the lower");
     let ids: Vec<u32> = (0..17).collect();
     let body = json!({"inputs": [{"input_ids": ids}], "layers": [1], "dtype": "float32"});
     let r = client.post(format!("{base}/v1/hidden-states")).json(&body).send().await.unwrap();

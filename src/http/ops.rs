@@ -52,7 +52,10 @@ pub async fn info(State(s): State<AppState>) -> Json<InfoResponse> {
         devices: s.devices.as_ref().clone(),
         replicas: replicas(&s),
         max_batch_tokens: s.scheduler.max_batch_tokens(),
-        max_input_tokens: s.limits.max_input_tokens,
+        max_input_tokens: i
+            .sequence_limit
+            .as_ref()
+            .map_or(s.limits.max_input_tokens, |(max, _)| s.limits.max_input_tokens.min(*max)),
         max_queue_tokens: s.limits.max_queue_tokens,
         max_request_tokens: s.limits.max_request_tokens,
         max_inputs: s.limits.max_inputs,

@@ -142,6 +142,8 @@ pub struct InfoResponse {
     /// one stage holding every layer without it).
     pub replicas: Vec<ReplicaInfo>,
     pub max_batch_tokens: usize,
+    /// Most tokens one input may hold: `--max-input-tokens`, or less where the model computes
+    /// exactly only up to a length of its own (sparse attention's `index_topk`).
     pub max_input_tokens: usize,
     pub max_queue_tokens: usize,
     /// Most tokens, inputs and chat messages one request may hold, and the largest answer in bytes.

@@ -17,8 +17,7 @@ use std::path::PathBuf;
 use common::{fixtures, load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed, Read};
 use layertap::engine::config::{FfnKind, MixerKind, ModelConfig};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::selfcheck::{check, Probe, Reference};
-use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
+use layertap::engine::{Batch, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 3] = ["gemma4_dense", "gemma4_moe", "gemma4_e2b"];
@@ -176,15 +175,8 @@ fn info_and_selfcheck() {
             (k.dense_mlp, k.moe, k.experts, k.experts_per_token, k.shared_expert),
             if moe { (6, 6, Some(6), Some(3), false) } else { (6, 0, None, None, false) }
         );
-        let probe = Probe::new(files.config());
+        let probe = common::selfcheck_passes_on_cpu(&files, loaded.engine, name);
         assert_eq!(probe.routed, moe);
-        let portable = Reference::portable(&files, &probe).unwrap();
-        let mut engine = loaded.engine;
-        let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
-        assert!(r.passed() && r.worst().1 < 1e-5, "{name}: {:?}", r.errors);
-        let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
-        let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
-        assert!(b.passed(), "{name}: bf16 {:?}", b.errors);
     }
 }
 

@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 
 use common::{fixtures, load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::selfcheck::{check, Probe, Reference};
-use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
+use layertap::engine::{Batch, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 2] = ["gpt_oss_mxfp4", "gpt_oss_bf16"];
@@ -193,15 +192,8 @@ fn info_and_selfcheck() {
             "gpt_oss_mxfp4" => assert!(q.as_deref().is_some_and(|q| q.starts_with("mxfp4 experts")), "{q:?}"),
             _ => assert_eq!(q, None),
         }
-        let probe = Probe::new(files.config());
+        let probe = common::selfcheck_passes_on_cpu(&files, loaded.engine, name);
         assert!(probe.routed && !probe.fp8);
-        let portable = Reference::portable(&files, &probe).unwrap();
-        let mut engine = loaded.engine;
-        let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
-        assert!(r.passed() && r.worst().1 < 1e-5, "{name}: {:?}", r.errors);
-        let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
-        let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
-        assert!(b.passed(), "{name}: bf16 {:?}", b.errors);
     }
 }
 

@@ -18,8 +18,7 @@ use std::path::PathBuf;
 
 use common::{load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed, Read};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::selfcheck::{check, Probe, Reference};
-use layertap::engine::{Batch, ComputeDType, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
+use layertap::engine::{Batch, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 6] =
@@ -217,15 +216,8 @@ fn info_and_selfcheck() {
             "{name}"
         );
         assert_eq!(loaded.info.quantization, None);
-        let probe = Probe::new(files.config());
+        let probe = common::selfcheck_passes_on_cpu(&files, loaded.engine, name);
         assert!(probe.routed && !probe.fp8);
-        let portable = Reference::portable(&files, &probe).unwrap();
-        let mut engine = loaded.engine;
-        let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
-        assert!(r.passed() && r.worst().1 < 1e-5, "{name}: {:?}", r.errors);
-        let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
-        let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
-        assert!(b.passed(), "{name}: bf16 {:?}", b.errors);
     }
 }
 
@@ -237,15 +229,8 @@ fn fp8_info_and_selfcheck() {
     let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
     let k = &loaded.info.layer_kinds;
     assert_eq!((k.latent_attention, k.dense_mlp, k.moe, k.experts), (2, 1, 1, Some(8)), "{k:?}");
-    let probe = Probe::new(files.config());
+    let probe = common::selfcheck_passes_on_cpu(&files, loaded.engine, FP8);
     assert!(probe.routed && probe.fp8);
-    let portable = Reference::portable(&files, &probe).unwrap();
-    let mut engine = loaded.engine;
-    let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).unwrap();
-    assert!(r.passed() && r.worst().1 < 1e-5, "{:?}", r.errors);
-    let mut half = files.load(&Device::Cpu, DType::BF16).unwrap().engine;
-    let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).unwrap();
-    assert!(b.passed(), "bf16 {:?}", b.errors);
 }
 
 /// What the FP8 checkpoint's reading depends on: the interleaved rotation's reordering of the e4m3

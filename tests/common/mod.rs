@@ -549,6 +549,25 @@ pub fn load_cpu(dir: &Path, dtype: layertap::engine::DType) -> layertap::engine:
         .engine
 }
 
+/// The start-up self-check of `files`' model on the CPU: `engine` (loaded in f32) passes it with
+/// a worst error below 1e-5, and the model loaded in bf16 passes it too. Returns the probe.
+pub fn selfcheck_passes_on_cpu(
+    files: &layertap::engine::loader::ModelFiles,
+    mut engine: layertap::engine::ModelEngine,
+    what: &str,
+) -> layertap::engine::selfcheck::Probe {
+    use layertap::engine::selfcheck::{check, Probe, Reference};
+    use layertap::engine::{ComputeDType, DType, Device};
+    let probe = Probe::new(files.config());
+    let portable = Reference::portable(files, &probe).expect("the portable reference");
+    let r = check(&mut engine, &probe, &portable, "cpu", ComputeDType::Float32).expect("f32 self-check");
+    assert!(r.passed() && r.worst().1 < 1e-5, "{what}: {:?}", r.errors);
+    let mut half = files.load(&Device::Cpu, DType::BF16).expect("load in bf16").engine;
+    let b = check(&mut half, &probe, &portable, "cpu", ComputeDType::Bfloat16).expect("bf16 self-check");
+    assert!(b.passed(), "{what}: bf16 {:?}", b.errors);
+    probe
+}
+
 /// The token ids of a reference file's sequence `i` (`seq{i}.input_ids`).
 pub fn reference_ids(reference: &HashMap<String, Read>, i: usize) -> Vec<u32> {
     reference[&format!("seq{i}.input_ids")].i64.iter().map(|&x| x as u32).collect()

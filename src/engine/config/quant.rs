@@ -136,27 +136,6 @@ impl Quantization {
     }
 }
 
-/// The families whose FP8 checkpoints are read: those of attention + MLP layers; the MoE families
-/// with experts stored one module per expert, as their FP8 releases do (FP8 experts fused into
-/// 3-D tensors are refused as a dtype the loader does not read); the Qwen3.5 hybrids, dense and
-/// MoE (their Gated DeltaNet projections are separate, each read as stored); and Qwen3-Next,
-/// whose fused `in_proj_qkvz` is regrouped at load in whole 128-row blocks (the FP8 rows with
-/// their block scales). A family added to the engine is refused here until its FP8 layout is
-/// checked against references of its own. DeepSeek-V3 (its release: every linear of attention, of
-/// the dense MLPs, of each expert and of the shared experts in FP8, the router in bf16) is read,
-/// not quantised at load ([`QUANTISED_AT_LOAD_FAMILIES`]).
-const FP8_FAMILIES: &[Family] = &[
-    Family::Llama,
-    Family::Mistral,
-    Family::Qwen2,
-    Family::Qwen3,
-    Family::Qwen3Moe,
-    Family::Qwen3Next,
-    Family::Qwen3_5,
-    Family::Qwen3_5Moe,
-    Family::DeepseekV3,
-];
-
 /// The families `--quantize fp8` quantises at load: those whose FP8 releases name the projections
 /// [`QUANTISED_AT_LOAD`] lists (latent attention's are not among them).
 const QUANTISED_AT_LOAD_FAMILIES: &[Family] = &[
@@ -169,6 +148,19 @@ const QUANTISED_AT_LOAD_FAMILIES: &[Family] = &[
     Family::Qwen3_5,
     Family::Qwen3_5Moe,
 ];
+
+/// Whether the family's FP8 checkpoints are read: those of attention + MLP layers; the MoE
+/// families with experts stored one module per expert, as their FP8 releases do (FP8 experts
+/// fused into 3-D tensors are refused as a dtype the loader does not read); the Qwen3.5 hybrids,
+/// dense and MoE (their Gated DeltaNet projections are separate, each read as stored); Qwen3-Next,
+/// whose fused `in_proj_qkvz` is regrouped at load in whole 128-row blocks (the FP8 rows with
+/// their block scales); and DeepSeek-V3 (its release: every linear of attention, of the dense
+/// MLPs, of each expert and of the shared experts in FP8, the router in bf16), read but not
+/// quantised at load. A family added to the engine is refused here until its FP8 layout is
+/// checked against references of its own.
+fn reads_fp8(family: Family) -> bool {
+    QUANTISED_AT_LOAD_FAMILIES.contains(&family) || family == Family::DeepseekV3
+}
 
 /// Refuses `q` for a family whose quantised layout is not read yet, naming the architectures
 /// whose FP8 checkpoints are read.
@@ -184,11 +176,12 @@ pub fn check_family(q: &Quantization, family: Family, architecture: &str) -> Res
              release"
         )));
     }
-    let families = if *q == Quantization::Fp8AtLoad { QUANTISED_AT_LOAD_FAMILIES } else { FP8_FAMILIES };
-    if families.contains(&family) {
+    let listed =
+        |f: Family| if *q == Quantization::Fp8AtLoad { QUANTISED_AT_LOAD_FAMILIES.contains(&f) } else { reads_fp8(f) };
+    if listed(family) {
         return Ok(());
     }
-    let read: Vec<&str> = super::ARCHITECTURES.iter().filter(|(_, f)| families.contains(f)).map(|(a, _)| *a).collect();
+    let read: Vec<&str> = super::ARCHITECTURES.iter().filter(|(_, f)| listed(*f)).map(|(a, _)| *a).collect();
     if *q == Quantization::Fp8AtLoad {
         return Err(bad(format!(
             "--quantize fp8 does not quantise {architecture} yet (only {}); drop --quantize fp8",

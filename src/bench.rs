@@ -19,7 +19,9 @@ use crate::answer::{Assembly, LayerSet};
 use crate::batching::Part;
 use crate::cli::BenchArgs;
 use crate::engine::loader::ModelFiles;
-use crate::engine::{device_memory, parse_device, Batch, Engine, LogprobRows, OutDType, Output, Pending, Rows};
+use crate::engine::{
+    device_memory, parse_device, Batch, Engine, EngineOptions, LogprobRows, OutDType, Output, Pending, Rows,
+};
 use crate::tokenizer::Tokenized;
 
 /// (layers, sequences) from a workload sidecar and its JSONL file.
@@ -160,7 +162,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     anyhow::ensure!(!seqs.is_empty(), "the workload has no sequences");
     let files = ModelFiles::locate_with(&a.model, a.synthetic_weights)?.quantize(a.quantize)?;
     let layers = LayerSet::of_indices(&layers, files.config().num_hidden_layers).map_err(anyhow::Error::msg)?;
-    let mut m = files.load(&device, dtype.candle())?;
+    anyhow::ensure!(a.pipeline >= 1, "--pipeline {}: a decoder needs at least 1 stage", a.pipeline);
+    let mut m = files.load_stages(&vec![device.clone(); a.pipeline], dtype.candle(), EngineOptions::startup())?;
     seqs.sort_by_key(|s| s.len());
     let mut batches: Vec<Vec<Vec<u32>>> = vec![vec![]];
     let mut cur = 0;
@@ -256,7 +259,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             "device": a.device, "max_device_memory_used_after_batch_bytes": peak, "answers": answers,
             "output": if a.fp8 { "float8_e4m3fn" } else { dtype.name() }, "screen": !a.no_screen,
-            "top_k": a.top_k,
+            "top_k": a.top_k, "pipeline": a.pipeline,
+            "stages": m.engine.decoder.stages().iter().map(|s| [s.layers.start, s.layers.end]).collect::<Vec<_>>(),
             "profile_seconds": crate::engine::profile::enabled().then(|| {
                 crate::engine::profile::totals().into_iter().collect::<std::collections::HashMap<_, _>>()
             }),

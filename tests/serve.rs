@@ -319,6 +319,32 @@ fn bench_runs_a_workload_file_and_reports_every_token() {
     assert_eq!(v["tokens"], 6);
     assert_eq!(v["batches"], 2, "sorted by length, 1+2 tokens fit in 4 and 3 more do not: two batches");
     assert_eq!(v["output_bytes"], 6 * 2 * 64 * 4);
+    assert_eq!(v["stages"], serde_json::json!([[0, 3]]));
+    // In stages on the one device (what the stages cost against one): the same tokens, the
+    // layers split; more stages than layers refused with the numbers.
+    let bench = |pipeline: &str| {
+        Command::new(env!("CARGO_BIN_EXE_layertap"))
+            .args(["bench", "--workload", &dir.path().join("w.json").to_string_lossy()])
+            .args(["--model", &fixtures().join("tiny/qwen2_bias_tied").to_string_lossy(), "--pipeline", pipeline])
+            .output()
+            .unwrap()
+    };
+    let o = bench("2");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!((v["tokens"].clone(), v["pipeline"].clone()), (serde_json::json!(6), serde_json::json!(2)));
+    let stages = v["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2);
+    assert_eq!(
+        (&stages[0][0], &stages[0][1], &stages[1][0], &stages[1][1]),
+        (&0.into(), &stages[1][0], &stages[0][1], &3.into())
+    );
+    for bad in ["4", "0"] {
+        let o = bench(bad);
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(&format!("--pipeline {bad}")), "{err}");
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

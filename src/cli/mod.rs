@@ -68,6 +68,11 @@ pub struct BenchArgs {
     /// Most tokens per forward pass.
     #[arg(long, default_value_t = 4096)]
     pub max_batch_tokens: usize,
+    /// Split the decoder's layers into this many consecutive stages, all on --device (balanced
+    /// by weight bytes, as `serve --pipeline` splits them over devices): what the stages cost
+    /// against one.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline: usize,
     /// Time the workload with fp8 answers (quantised on the device, one scale per token and layer).
     #[arg(long)]
     pub fp8: bool,

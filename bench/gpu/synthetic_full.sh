@@ -12,6 +12,8 @@
 #                     rates of its projection shapes, then layertap bf16 and FP8 (the FP8
 #                     releases' layout), each as the engine in process and as the server (zstd,
 #                     64 in flight)
+#   27b-stages        the 27B shape's engine in bf16 in one stage, in two stages on the one GPU
+#                     (layertap bench --pipeline 2: what the stages cost), and in one again
 #   27b-transformers  the same shape and workload in transformers + hooks (+ fla when PYTHONPATH
 #                     holds it), bf16, its cold pass (warmup_seconds: every batch once, in which
 #                     fla's kernels compile and autotune) and its warm pass
@@ -41,7 +43,7 @@ mkdir -p "$out" "$work"
 results="$out/synthetic.jsonl"
 # shellcheck source=bench/gpu/serve.sh
 source bench/gpu/serve.sh
-step="${1:?STEP: 27b-layertap, 27b-transformers, moe, 122b, 27b-bf16, moe-bf16 or kernels}"
+step="${1:?STEP: 27b-layertap, 27b-stages, 27b-transformers, moe, 122b, 27b-bf16, moe-bf16 or kernels}"
 
 manifest() {  # manifest NAME SHAPE [FLAGS...]: the model folder NAME, its bench.json line tagged
   local name="$1" shape="$2"
@@ -51,10 +53,12 @@ manifest() {  # manifest NAME SHAPE [FLAGS...]: the model folder NAME, its bench
     | sed "s/^{/{\"step\":\"manifest\",\"model\":\"$name\",/" | tee -a "$results"
 }
 
-engine() {  # engine LABEL MODEL [BINARY]
-  "${3:-$BIN}" bench --workload "$work/$2/workload.json" --model "$work/$2" --device cuda:0 --dtype bf16 \
-    --max-batch-tokens "$MAX_BATCH_TOKENS" --synthetic-weights 2>"$out/engine-$1.log" \
-    | sed "s/^{/{\"contender\":\"layertap $1\",/" | tee -a "$results"
+engine() {  # engine LABEL MODEL [BINARY [FLAGS...]]
+  local label="$1" model="$2" bin="${3:-$BIN}"
+  shift $(($# < 3 ? $# : 3))
+  "$bin" bench --workload "$work/$model/workload.json" --model "$work/$model" --device cuda:0 --dtype bf16 \
+    --max-batch-tokens "$MAX_BATCH_TOKENS" --synthetic-weights "$@" 2>"$out/engine-$label.log" \
+    | sed "s/^{/{\"contender\":\"layertap $label\",/" | tee -a "$results"
 }
 
 server() {  # server LABEL MODEL: the server's startup (process start to /ready, to a first answer) and its HTTP run
@@ -108,6 +112,12 @@ case "$step" in
     engine fp8 27b-fp8
     server bf16 27b
     server fp8 27b-fp8
+    ;;
+  27b-stages)
+    manifest 27b 27b --taps 2,17,32,47,62
+    engine bf16-1-stage 27b "$BIN" --pipeline 1
+    engine bf16-2-stages-1-gpu 27b "$BIN" --pipeline 2
+    engine bf16-1-stage-again 27b "$BIN" --pipeline 1
     ;;
   27b-transformers)
     manifest 27b 27b --taps 2,17,32,47,62

@@ -49,35 +49,7 @@ fn text(c: &mut serde_json::Value) -> &mut serde_json::Value {
 #[test]
 fn every_index_matches_transformers() {
     for name in VARIANTS {
-        let d = dir(name);
-        let reference = read_safetensors(&d.join("reference.safetensors"));
-        let drift: Vec<f64> = facts(name)["f32_vs_f64_relative_error_per_index"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
-        let mut engine = load_cpu(&d, DType::F32);
-        let n = engine.decoder.cfg.num_hidden_layers;
-        assert_eq!(drift.len(), n + 1);
-        let all: Vec<usize> = (0..=n + 1).collect();
-        let mut worst = vec![0f64; n + 2];
-        for i in 0..reference_sequences(&reference) {
-            let hs = &reference[&format!("seq{i}.hidden_states")];
-            let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
-            let (t, h) = (hs.shape[1], hs.shape[2]);
-            let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
-            for layer in 0..=n + 1 {
-                let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
-                let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
-                let e = rel_err(&ours, want);
-                worst[layer] = worst[layer].max(e);
-                let allowed = F32_TOLERANCE.max(2.0 * drift[layer.min(n)]);
-                assert!(e <= allowed, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e} > {allowed:.1e}");
-            }
-        }
-        let per_index: Vec<String> = worst.iter().map(|e| format!("{e:.1e}")).collect();
-        println!("{name}: worst relative error per index 0..={n} and final_prenorm: {}", per_index.join(" "));
+        common::every_index_within_tolerance(&dir(name), name);
     }
 }
 
@@ -85,22 +57,7 @@ fn every_index_matches_transformers() {
 #[test]
 fn packed_sequences_equal_solo_runs_bitwise() {
     for name in VARIANTS {
-        let d = dir(name);
-        let reference = read_safetensors(&d.join("reference.safetensors"));
-        let mut engine = load_cpu(&d, DType::F32);
-        let n = engine.decoder.cfg.num_hidden_layers;
-        let layers = vec![n, 0, 1, 3, n + 1];
-        let order = [5, 3, 0, 4, 2, 1];
-        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| reference_ids(&reference, i)).collect();
-        let packed = run_packed(&mut engine, &seqs, &layers);
-        for (p, s) in seqs.iter().enumerate() {
-            let alone = run_packed(&mut engine, std::slice::from_ref(s), &layers).remove(0);
-            assert!(
-                packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{name}: sequence {} differs when packed",
-                order[p]
-            );
-        }
+        common::packed_equals_alone(&dir(name), name, &[5, 3, 0, 4, 2, 1], |n| vec![n, 0, 1, 3, n + 1]);
     }
 }
 

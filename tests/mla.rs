@@ -52,13 +52,6 @@ fn want_last(reference: &HashMap<String, Read>) -> Vec<f32> {
     hs.f32[(l1 - 1) * t * h..].to_vec()
 }
 
-/// `|a - b| / |b|` (L2), `b` in float64.
-fn rel_err_f64(a: &[f32], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (f64::from(x) - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    (num / den.max(1e-300)).sqrt()
-}
-
 /// Every index of every sequence within 1e-5 of transformers-f32 (or, where transformers-f32 is
 /// itself farther than half that from its float64 run, within twice that distance); the distance
 /// from the float64 run is measured too.
@@ -88,75 +81,21 @@ fn fp8_deepseek_v3_matches_transformers_at_every_index() {
 }
 
 fn every_index_within_tolerance(name: &str) {
-    let d = dir(name);
-    let reference = read_safetensors(&d.join("reference.safetensors"));
-    let drift: Vec<f64> = facts(name)["f32_vs_f64_relative_error_per_index"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
-    let mut engine = load_cpu(&d, DType::F32);
-    let n = engine.decoder.cfg.num_hidden_layers;
-    assert_eq!(drift.len(), n + 1);
-    let all: Vec<usize> = (0..=n + 1).collect();
-    let (mut worst, mut worst64) = (vec![0f64; n + 2], vec![0f64; n + 1]);
-    for i in 0..reference_sequences(&reference) {
-        let hs = &reference[&format!("seq{i}.hidden_states")];
-        let hs64 = &reference[&format!("seq{i}.hidden_states_f64")];
-        let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
-        let (t, h) = (hs.shape[1], hs.shape[2]);
-        let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
-        for layer in 0..=n + 1 {
-            let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
-            let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
-            let e = rel_err(&ours, want);
-            worst[layer] = worst[layer].max(e);
-            let allowed = F32_TOLERANCE.max(2.0 * drift[layer.min(n)]);
-            assert!(e <= allowed, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e} > {allowed:.1e}");
-            if layer <= n {
-                let exact = &hs64.f64[layer * t * h..(layer + 1) * t * h];
-                worst64[layer] = worst64[layer].max(rel_err_f64(&ours, exact));
-            }
-        }
-    }
-    for layer in 0..=n {
-        assert!(
-            worst64[layer] <= F32_TOLERANCE.max(2.0 * drift[layer]),
-            "{name} index {layer}: {:.3e} from float64 (transformers-f32: {:.1e})",
-            worst64[layer],
-            drift[layer]
-        );
-    }
-    let fmt = |v: &[f64]| v.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
-    println!("{name}: worst relative error per index 0..={n} and final_prenorm: {}", fmt(&worst));
-    println!("{name}: from float64 per index: {} (transformers-f32: {})", fmt(&worst64), fmt(&drift));
+    let reference = read_safetensors(&dir(name).join("reference.safetensors"));
+    assert!(reference.contains_key("seq0.hidden_states_f64"), "{name}: the float64 states are in the reference");
+    common::every_index_within_tolerance(&dir(name), name);
 }
 
 /// Sequences packed together give the bits they give alone.
 #[test]
 fn packed_sequences_equal_solo_runs_bitwise() {
     for name in VARIANTS.into_iter().chain([FP8]) {
-        let d = dir(name);
-        let reference = read_safetensors(&d.join("reference.safetensors"));
-        let mut engine = load_cpu(&d, DType::F32);
-        let n = engine.decoder.cfg.num_hidden_layers;
-        let layers = vec![n, 0, 1, 2, n + 1];
         // The longest first, the others out of their order ([3, 0, 2, 1] for four sequences).
-        let count = reference_sequences(&reference);
+        let count = reference_sequences(&read_safetensors(&dir(name).join("reference.safetensors")));
         let mut order: Vec<usize> = (0..count).collect();
         order.rotate_right(1);
         order.swap(count - 2, count - 1);
-        let seqs: Vec<Vec<u32>> = order.iter().map(|&i| reference_ids(&reference, i)).collect();
-        let packed = run_packed(&mut engine, &seqs, &layers);
-        for (p, s) in seqs.iter().enumerate() {
-            let alone = run_packed(&mut engine, std::slice::from_ref(s), &layers).remove(0);
-            assert!(
-                packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{name}: sequence {} differs when packed",
-                order[p]
-            );
-        }
+        common::packed_equals_alone(&dir(name), name, &order, |n| vec![n, 0, 1, 2, n + 1]);
     }
 }
 

@@ -590,3 +590,84 @@ pub fn run_packed(engine: &mut layertap::engine::ModelEngine, seqs: &[Vec<u32>],
         })
         .collect()
 }
+
+/// `|a - b| / |b|` (L2), `b` in float64.
+pub fn rel_err_f64(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (f64::from(x) - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Every index of every sequence of the fixture in `dir` (run alone, every index asked at once)
+/// within 1e-5 of transformers-f32, or, where transformers-f32 is itself farther than half that
+/// from its float64 run (`reference.json`), within twice that distance; the last layer's output
+/// before the final norm is held to the last index's bound. Where the reference also holds the
+/// float64 states (`seq{i}.hidden_states_f64`), the distance from them is held to the same bound.
+/// Prints the worst errors per index.
+pub fn every_index_within_tolerance(dir: &Path, name: &str) {
+    const F32_TOLERANCE: f64 = 1e-5;
+    let reference = read_safetensors(&dir.join("reference.safetensors"));
+    let drift: Vec<f64> = reference_facts(dir)["f32_vs_f64_relative_error_per_index"]
+        .as_array()
+        .expect("f32_vs_f64_relative_error_per_index")
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let mut engine = load_cpu(dir, layertap::engine::DType::F32);
+    let n = engine.decoder.cfg.num_hidden_layers;
+    assert_eq!(drift.len(), n + 1);
+    let all: Vec<usize> = (0..=n + 1).collect();
+    let (mut worst, mut worst64) = (vec![0f64; n + 2], vec![0f64; n + 1]);
+    let mut has64 = false;
+    for i in 0..reference_sequences(&reference) {
+        let hs = &reference[&format!("seq{i}.hidden_states")];
+        let hs64 = reference.get(&format!("seq{i}.hidden_states_f64"));
+        let prenorm = &reference[&format!("seq{i}.final_prenorm")].f32;
+        let (t, h) = (hs.shape[1], hs.shape[2]);
+        let got = run_packed(&mut engine, &[reference_ids(&reference, i)], &all).remove(0);
+        for layer in 0..=n + 1 {
+            let want = if layer <= n { &hs.f32[layer * t * h..(layer + 1) * t * h] } else { &prenorm[..] };
+            let ours: Vec<f32> = (0..t).flat_map(|r| got[(r * (n + 2) + layer) * h..][..h].to_vec()).collect();
+            let e = rel_err(&ours, want);
+            worst[layer] = worst[layer].max(e);
+            let allowed = F32_TOLERANCE.max(2.0 * drift[layer.min(n)]);
+            assert!(e <= allowed, "{name} seq{i} (T={t}) index {layer}: relative error {e:.3e} > {allowed:.1e}");
+            if let Some(hs64) = hs64.filter(|_| layer <= n) {
+                has64 = true;
+                let exact = &hs64.f64[layer * t * h..(layer + 1) * t * h];
+                worst64[layer] = worst64[layer].max(rel_err_f64(&ours, exact));
+            }
+        }
+    }
+    let fmt = |v: &[f64]| v.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ");
+    println!("{name}: worst relative error per index 0..={n} and final_prenorm: {}", fmt(&worst));
+    if has64 {
+        for layer in 0..=n {
+            assert!(
+                worst64[layer] <= F32_TOLERANCE.max(2.0 * drift[layer]),
+                "{name} index {layer}: {:.3e} from float64 (transformers-f32: {:.1e})",
+                worst64[layer],
+                drift[layer]
+            );
+        }
+        println!("{name}: from float64 per index: {} (transformers-f32: {})", fmt(&worst64), fmt(&drift));
+    }
+}
+
+/// The reference's sequences taken in `order` and packed in one batch give, at `layers`, the
+/// bits each gives alone.
+pub fn packed_equals_alone(dir: &Path, name: &str, order: &[usize], layers: impl Fn(usize) -> Vec<usize>) {
+    let reference = read_safetensors(&dir.join("reference.safetensors"));
+    let mut engine = load_cpu(dir, layertap::engine::DType::F32);
+    let layers = layers(engine.decoder.cfg.num_hidden_layers);
+    let seqs: Vec<Vec<u32>> = order.iter().map(|&i| reference_ids(&reference, i)).collect();
+    let packed = run_packed(&mut engine, &seqs, &layers);
+    for (p, s) in seqs.iter().enumerate() {
+        let alone = run_packed(&mut engine, std::slice::from_ref(s), &layers).remove(0);
+        assert!(
+            packed[p].iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name}: sequence {} differs when packed",
+            order[p]
+        );
+    }
+}

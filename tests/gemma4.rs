@@ -11,13 +11,12 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
-use common::{fixtures, load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed, Read};
+use common::{fixtures, load_cpu, read_safetensors, reference_ids, rel_err, run_packed};
 use layertap::engine::config::{FfnKind, MixerKind, ModelConfig};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{Batch, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
+use layertap::engine::{DType, Device, ModelEngine};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 3] = ["gemma4_dense", "gemma4_moe", "gemma4_e2b"];
@@ -61,36 +60,6 @@ fn packed_sequences_equal_solo_runs_bitwise() {
     }
 }
 
-/// The top-k of every position's next-token log-probabilities through the head (its logits
-/// softcapped), with the target's; returns the largest error against the reference.
-fn logprob_error(engine: &mut ModelEngine, reference: &HashMap<String, Read>, name: &str) -> f64 {
-    let mut worst = 0f64;
-    for i in 0..reference_sequences(reference) {
-        let seq = reference_ids(reference, i);
-        let (want_ids, want) = (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
-        let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
-        let k = want_ids.shape[1];
-        let mut batch = Batch::pack([&seq[..]], []);
-        batch.output.logprobs = Some(LogprobRows { rows: Rows::All, top_k: k });
-        let lp = engine.forward(&batch).unwrap().logprobs.expect("log-probabilities");
-        let (got_ids, got, target) = lp.slice(0, seq.len(), k).unwrap();
-        for at in 0..seq.len() * k {
-            if got_ids[at] != want_ids.i64[at] {
-                return f64::INFINITY;
-            }
-            worst = worst.max(f64::from((got[at] - want.f32[at]).abs()));
-        }
-        for (r, (&g, &w)) in target.iter().zip(want_target).enumerate() {
-            if w.is_nan() {
-                assert_eq!(r + 1, seq.len(), "{name}: only the last position has no target");
-            } else {
-                worst = worst.max(f64::from((g - w).abs()));
-            }
-        }
-    }
-    worst
-}
-
 /// Next-token log-probabilities of every position: transformers' top ids, their values and the
 /// target's within 1e-5 (or twice transformers-f32's own distance from float64), through the
 /// tied head with the final-logit softcapping; without the cap they are far off.
@@ -108,13 +77,13 @@ fn log_probabilities_match_transformers_through_the_softcap() {
         let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
         assert!(loaded.info.lm_head, "{name}: a head for log-probabilities");
         let mut engine = loaded.engine;
-        let worst = logprob_error(&mut engine, &reference, name);
+        let worst = common::logprob_error(&mut engine, &reference, name);
         println!("{name}: largest log-probability error {worst:.2e} (allowed {allowed:.1e})");
         assert!(worst <= allowed, "{name}: log-probabilities off by {worst:.3e}");
         let uncapped = common::with_config(&format!("gemma4/{name}"), |c| {
             text(c)["final_logit_softcapping"] = serde_json::Value::Null;
         });
-        let e = logprob_error(&mut load_cpu(uncapped.path(), DType::F32), &reference, name);
+        let e = common::logprob_error(&mut load_cpu(uncapped.path(), DType::F32), &reference, name);
         assert!(e > 1e-2, "{name}: without the cap the log-probabilities move by only {e:.1e}");
     }
 }

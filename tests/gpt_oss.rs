@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use common::{fixtures, load_cpu, read_safetensors, reference_ids, reference_sequences, rel_err, run_packed};
 use layertap::engine::loader::ModelFiles;
-use layertap::engine::{Batch, DType, Device, Engine, LogprobRows, ModelEngine, Rows};
+use layertap::engine::{DType, Device, ModelEngine};
 
 const F32_TOLERANCE: f64 = 1e-5;
 const VARIANTS: [&str; 2] = ["gpt_oss_mxfp4", "gpt_oss_bf16"];
@@ -70,29 +70,7 @@ fn log_probabilities_match_transformers_with_either_head() {
         let loaded = files.load(&Device::Cpu, DType::F32).unwrap();
         assert!(loaded.info.lm_head, "{name}: a head for log-probabilities");
         let mut engine = loaded.engine;
-        let mut worst = 0f64;
-        for i in 0..reference_sequences(&reference) {
-            let seq = reference_ids(&reference, i);
-            let (want_ids, want) =
-                (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
-            let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
-            let k = want_ids.shape[1];
-            let mut batch = Batch::pack([&seq[..]], []);
-            batch.output.logprobs = Some(LogprobRows { rows: Rows::All, top_k: k });
-            let lp = engine.forward(&batch).unwrap().logprobs.expect("log-probabilities");
-            let (got_ids, got, target) = lp.slice(0, seq.len(), k).unwrap();
-            for at in 0..seq.len() * k {
-                assert_eq!(got_ids[at], want_ids.i64[at], "{name} seq{i} entry {at}: another id");
-                worst = worst.max(f64::from((got[at] - want.f32[at]).abs()));
-            }
-            for (r, (&g, &w)) in target.iter().zip(want_target).enumerate() {
-                if w.is_nan() {
-                    assert_eq!(r + 1, seq.len(), "only the last position has no target");
-                } else {
-                    worst = worst.max(f64::from((g - w).abs()));
-                }
-            }
-        }
+        let worst = common::logprob_error(&mut engine, &reference, name);
         println!("{name}: largest log-probability error {worst:.2e} (allowed {allowed:.1e})");
         assert!(worst <= allowed, "{name}: log-probabilities off by {worst:.3e}");
     }

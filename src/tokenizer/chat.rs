@@ -95,19 +95,17 @@ impl TextTokenizer {
                 continue;
             }
             budget.check()?;
-            let before = self.render_chat(&msgs[..i], false).unwrap_or_default();
             let header = self.render_chat(&msgs[..i], true).unwrap_or_default();
-            let upto = self.render_chat(&msgs[..=i], false)?;
-            let start =
-                if full.starts_with(&header) && header.len() >= before.len() { header.len() } else { before.len() };
-            let end = if full.starts_with(&upto) { upto.len() } else { full.len() };
-            if full.starts_with(&before) {
-                spans.push((real.map(start), real.map(end.max(start))));
-            } else if let Some(pos) = full.find(m.content.as_str()) {
-                // Templates that rewrite earlier turns: fall back to the content itself.
-                spans.push((real.map(pos), real.map(pos + m.content.len())));
-            }
+            let floor = spans.last().map_or(0, |&(_, b)| b);
+            let (start, end) = self.turn_span(full, &header, &m.content, floor).ok_or_else(|| {
+                TokenizeError::Unsupported(format!(
+                    "the loss mask cannot be placed: messages[{i}] (assistant) does not appear in the rendered chat \
+                     as written (this model's chat template rewrites it); send \"text\" or \"input_ids\" instead"
+                ))
+            })?;
+            spans.push((start, end));
         }
+        let spans: Vec<(usize, usize)> = spans.into_iter().map(|(a, b)| (real.map(a), real.map(b))).collect();
         budget.check()?;
         let mut ids = Vec::new();
         let mut offsets = Vec::new();
@@ -126,14 +124,49 @@ impl TextTokenizer {
                 budget.max_tokens
             )));
         }
+        // A token is masked when it overlaps a turn (as transformers' assistant mask marks the
+        // tokens from the one holding a span's first character to the one holding its last).
         let loss_mask = offsets
             .iter()
             .map(|&(s, e)| {
-                let mid = if e > s { s } else { s.saturating_sub(1) };
-                u8::from(spans.iter().any(|&(a, b)| mid >= a && mid < b))
+                let (s, e) = if e > s { (s, e) } else { (s.saturating_sub(1), s) };
+                u8::from(spans.iter().any(|&(a, b)| s < b && e > a))
             })
             .collect();
         Ok(Tokenized { ids, loss_mask })
+    }
+
+    /// Where an assistant turn lies in the rendered chat `full`: from where the generation prompt
+    /// ends (`header` is the chat before the turn rendered with it; where a template writes the
+    /// turn otherwise than its prompt, from where the two part) to the end of the content, and on
+    /// through the control token that closes the turn when one follows (after whitespace at most)
+    /// with the whitespace after it. The end comes from `full` itself, not from rendering the chat
+    /// up to this turn: templates write the last turn otherwise (gpt-oss ends it with `<|return|>`,
+    /// the others with `<|end|>`; Qwen3 keeps the empty thinking block only there). None when the
+    /// content is not in `full` after `floor` as written.
+    fn turn_span(&self, full: &str, header: &str, content: &str, floor: usize) -> Option<(usize, usize)> {
+        let start = common_prefix(full, header).max(floor);
+        let (at, len) = match full[start..].find(content) {
+            Some(p) => (p, content.len()),
+            None => {
+                let trimmed = content.trim();
+                (full[start..].find(trimmed)?, trimmed.len())
+            }
+        };
+        let body_end = start + at + len;
+        let rest = &full[body_end..];
+        let gap = if content.is_empty() { rest.len() } else { rest.len() - rest.trim_start().len() };
+        let closing = (0..=gap)
+            .filter(|&k| rest.is_char_boundary(k))
+            .find_map(|k| self.specials.iter().find(|t| rest[k..].starts_with(t.as_str())).map(|t| k + t.len()));
+        let end = match closing {
+            Some(k) => {
+                let after = &rest[k..];
+                body_end + k + (after.len() - after.trim_start().len())
+            }
+            None => body_end,
+        };
+        Some((start, end))
     }
 
     /// The messages with every special-token text in their content replaced by a placeholder
@@ -171,6 +204,11 @@ impl TextTokenizer {
         }
         Ok((out, table))
     }
+}
+
+/// The length of the longest common prefix of `a` and `b`, on a character boundary.
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.char_indices().zip(b.chars()).find(|&((_, x), y)| x != y).map_or(a.len().min(b.len()), |((i, _), _)| i)
 }
 
 fn no_template() -> TokenizeError {

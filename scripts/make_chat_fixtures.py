@@ -65,6 +65,15 @@ CONVERSATIONS = {
         {"role": "user", "content": "Café naïve — 日本語 😀\n\ttabs and  two spaces"},
         {"role": "assistant", "content": "Ünïcödé answer: 42 ✓\nline two"},
     ],
+    # Reasoning: templates that write it (in the last turn) put it before the answer; the answers
+    # also occur inside the reasoning, which the loss mask must not be fooled by.
+    "reasoning_two_turns": [
+        {"role": "system", "content": "Think, then answer."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Two plus two is 4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "Three plus three is 6."},
+    ],
     "prompt_only": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},

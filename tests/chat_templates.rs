@@ -115,34 +115,61 @@ fn masked_runs(tok: &TextTokenizer, msgs: &[ChatMessage]) -> Vec<String> {
     runs.iter().map(|r| tok.decode(r).unwrap()).collect()
 }
 
-/// The text each assistant turn's masked tokens decode to: (content, is the chat's last turn).
-type Turn = fn(&str, bool) -> String;
+/// The text each assistant turn's masked tokens decode to: (the message, is the chat's last turn).
+type Turn = fn(&ChatMessage, bool) -> String;
+
+/// The reasoning of a message, or "".
+fn r(m: &ChatMessage) -> &str {
+    m.reasoning_content.as_deref().unwrap_or("")
+}
 
 /// The loss mask covers what the model writes after the generation prompt, up to and including
 /// its end-of-turn marker, in every assistant turn, including templates that write an earlier
 /// turn differently from the last one (Qwen3 drops the empty thinking block, gpt-oss ends the last
-/// turn with `<|return|>` and the others with `<|end|>`) or that always end with a generation prompt.
+/// turn with `<|return|>` and the others with `<|end|>`) or that always end with a generation
+/// prompt, and the reasoning where a template writes it (in the last turn), even where the answer
+/// also occurs inside the reasoning.
 #[test]
 fn the_loss_mask_covers_each_assistant_turn_of_real_templates() {
-    let r = reference();
+    let r_ = reference();
     let expect: Vec<(&str, Turn)> = vec![
-        ("gpt-oss", |c, last| format!("<|channel|>final<|message|>{c}{}", if last { "<|return|>" } else { "<|end|>" })),
-        ("qwen3", |c, last| format!("{}{c}<|im_end|>\n", if last { "<think>\n\n</think>\n\n" } else { "" })),
-        // The prompt ends inside the token "\n\n": a token that overlaps the turn is masked.
-        ("qwen3.5", |c, last| format!("{}{c}<|im_end|>\n", if last { "\n\n</think>\n\n" } else { "" })),
-        ("llama3", |c, _| format!("{c}<|eot_id|>")),
-        ("llama-3.1", |c, _| format!("{c}<|eot_id|>")),
-        ("gemma3", |c, _| format!("{c}<end_of_turn>\n")),
-        ("gemma-4", |c, _| format!("{c}<turn|>\n")),
-        ("deepseek-v3", |c, _| format!("{c}<｜end▁of▁sentence｜>")),
-        ("deepseek-v3.1", |c, _| format!("{c}<｜end▁of▁sentence｜>")),
-        // GLM ends a turn by writing the next role (`<|user|>` is among its end tokens).
-        ("glm-4.7-flash", |c, last| format!("</think>{c}{}", if last { "" } else { "<|user|>" })),
+        ("gpt-oss", |m, last| match (last, r(m)) {
+            (false, _) => format!("<|channel|>final<|message|>{}<|end|>", m.content),
+            (true, "") => format!("<|channel|>final<|message|>{}<|return|>", m.content),
+            (true, r) => format!(
+                "<|channel|>analysis<|message|>{r}<|end|><|start|>assistant<|channel|>final<|message|>{}<|return|>",
+                m.content
+            ),
+        }),
+        ("qwen3", |m, last| match last {
+            false => format!("{}<|im_end|>\n", m.content),
+            true => format!("<think>\n{}\n</think>\n\n{}<|im_end|>\n", r(m), m.content),
+        }),
+        // The prompt ends with "<think>\n": with no reasoning, inside the token "\n\n", and a token
+        // that overlaps the turn is masked.
+        ("qwen3.5", |m, last| match (last, r(m)) {
+            (false, _) => format!("{}<|im_end|>\n", m.content),
+            (true, "") => format!("\n\n</think>\n\n{}<|im_end|>\n", m.content),
+            (true, r) => format!("{r}\n</think>\n\n{}<|im_end|>\n", m.content),
+        }),
+        ("llama3", |m, _| format!("{}<|eot_id|>", m.content)),
+        ("llama-3.1", |m, _| format!("{}<|eot_id|>", m.content)),
+        ("gemma3", |m, _| format!("{}<end_of_turn>\n", m.content)),
+        ("gemma-4", |m, _| format!("{}<turn|>\n", m.content)),
+        ("deepseek-v3", |m, _| format!("{}<｜end▁of▁sentence｜>", m.content)),
+        ("deepseek-v3.1", |m, _| format!("{}<｜end▁of▁sentence｜>", m.content)),
+        // GLM's prompt ends with "<think>"; it ends a turn by writing the next role (`<|user|>` is
+        // among its end tokens).
+        ("glm-4.7-flash", |m, last| match (last, r(m)) {
+            (false, _) => format!("</think>{}<|user|>", m.content),
+            (true, "") => format!("</think>{}", m.content),
+            (true, r) => format!("{r}</think>{}", m.content),
+        }),
     ];
     let mut wrong = Vec::new();
     let mut turns = 0;
     for (name, turn) in expect {
-        let c = case(&r, name);
+        let c = case(&r_, name);
         let tok = tokenizer(c);
         for conv in c["conversations"].as_array().unwrap() {
             let msgs = messages(&conv["messages"]);
@@ -150,7 +177,7 @@ fn the_loss_mask_covers_each_assistant_turn_of_real_templates() {
             let want: Vec<String> = answers
                 .iter()
                 .enumerate()
-                .map(|(k, m)| turn(&m.content, k + 1 == answers.len() && msgs.last() == Some(m)))
+                .map(|(k, m)| turn(m, k + 1 == answers.len() && msgs.last() == Some(m)))
                 .collect();
             turns += want.len();
             let got = masked_runs(&tok, &msgs);
@@ -160,7 +187,7 @@ fn the_loss_mask_covers_each_assistant_turn_of_real_templates() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
-    assert!(turns >= 40, "{turns} turns checked");
+    assert!(turns >= 60, "{turns} turns checked");
 }
 
 /// Content that holds a control token's text, tokenized as plain text (`split_special_tokens`),

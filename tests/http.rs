@@ -138,6 +138,15 @@ async fn every_error_class_has_its_status_and_a_json_body() {
         (json!({"inputs": [{"messages": []}], "layers": [1]}), "at least one message"),
         (json!({"inputs": [{"input_ids": [1]}], "layers": "all"}), "layers"),
         (json!({"inputs": [{"input_ids": [1]}], "layers": [1], "extra": 1}), "unknown field"),
+        (
+            json!({"inputs": [{"messages": [{"role": "assistant", "content": "a", "thinking": "b",
+                                              "reasoning_content": "c"}]}], "layers": [1]}),
+            "duplicate field",
+        ),
+        (
+            json!({"inputs": [{"messages": [{"role": "assistant", "content": "a", "reasoning": 5}]}], "layers": [1]}),
+            "invalid type",
+        ),
     ];
     for (body, needle) in cases {
         let (code, kind, msg) = error_of(post(&s.base, "/v1/hidden-states", body.clone()).await).await;
@@ -159,6 +168,24 @@ async fn every_error_class_has_its_status_and_a_json_body() {
     assert_eq!(code, 405);
     // None of it reached the engine.
     assert!(s.control.seen.lock().unwrap().is_empty());
+}
+
+/// An assistant's reasoning is taken under each of the names transformers reads
+/// (`reasoning_content`, `thinking`, `reasoning`), with the same answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_is_taken_under_each_of_its_names() {
+    let s = fake_server(limits(), vec![]).await;
+    let mut answers = Vec::new();
+    for name in ["reasoning_content", "thinking", "reasoning"] {
+        let msgs =
+            json!([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", name: "Two and two."}]);
+        let r = post(&s.base, "/v1/tokenize", json!({"inputs": [{"messages": msgs}]})).await;
+        assert_eq!(r.status(), 200, "{name}");
+        let v: Value = r.json().await.unwrap();
+        assert!(v["results"][0]["loss_mask"].as_array().unwrap().contains(&json!(1)), "{name}: {v}");
+        answers.push(v);
+    }
+    assert!(answers.windows(2).all(|w| w[0] == w[1]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

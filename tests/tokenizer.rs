@@ -45,11 +45,11 @@ fn chat_rendering_and_ids_equal_transformers() {
 fn loss_mask_covers_assistant_turns_and_their_end_marker_only() {
     let tok = tiny_tokenizer();
     let msgs = vec![
-        ChatMessage { role: "system".into(), content: "Be brief.".into() },
-        ChatMessage { role: "user".into(), content: "Name a color.".into() },
-        ChatMessage { role: "assistant".into(), content: "Blue.".into() },
-        ChatMessage { role: "user".into(), content: "Another?".into() },
-        ChatMessage { role: "assistant".into(), content: "Red.".into() },
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "Name a color."),
+        ChatMessage::new("assistant", "Blue."),
+        ChatMessage::new("user", "Another?"),
+        ChatMessage::new("assistant", "Red."),
     ];
     let t = tok.encode_chat(&msgs).unwrap();
     assert_eq!(t.ids.len(), t.loss_mask.len());
@@ -79,6 +79,6 @@ fn a_model_without_chat_template_refuses_messages_clearly() {
         chat_template: None,
     };
     let tok = layertap::tokenizer::TextTokenizer::from_source(&src).unwrap().unwrap();
-    let e = tok.encode_chat(&[ChatMessage { role: "user".into(), content: "hi".into() }]).unwrap_err();
+    let e = tok.encode_chat(&[ChatMessage::new("user", "hi")]).unwrap_err();
     assert!(e.to_string().contains("no chat template"), "{e}");
 }

@@ -24,6 +24,17 @@ impl TextTokenizer {
         });
         env.add_template("chat", template)
             .map_err(|e| TokenizeError::Unsupported(format!("the model's chat template does not parse: {e}")))?;
+        // As transformers passes them: a message's reasoning under both names templates read.
+        let messages: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|m| {
+                let mut fields = vec![("role", m.role.as_str()), ("content", m.content.as_str())];
+                if let Some(r) = &m.reasoning_content {
+                    fields.extend([("thinking", r.as_str()), ("reasoning_content", r.as_str())]);
+                }
+                minijinja::Value::from_iter(fields.into_iter().map(|(k, v)| (k, minijinja::Value::from(v))))
+            })
+            .collect();
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -69,7 +80,11 @@ impl TextTokenizer {
             }
         }
         if let Some(b) = self.bytes_per_token {
-            let at_least = messages.iter().map(|m| m.content.len()).sum::<usize>() / b;
+            let at_least = messages
+                .iter()
+                .map(|m| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len))
+                .sum::<usize>()
+                / b;
             if at_least > budget.max_tokens {
                 return Err(TokenizeError::TooLarge(format!(
                     "the chat has at least {at_least} tokens; at most {} fit here",
@@ -97,7 +112,18 @@ impl TextTokenizer {
             budget.check()?;
             let header = self.render_chat(&msgs[..i], true).unwrap_or_default();
             let floor = spans.last().map_or(0, |&(_, b)| b);
-            let (start, end) = self.turn_span(full, &header, &m.content, floor).ok_or_else(|| {
+            // Where the template writes this turn's reasoning, the content comes after it: the
+            // chat rendered without it tells where the reasoning ends.
+            let mut after_reasoning = 0;
+            if m.reasoning_content.is_some() {
+                let mut plain = msgs.to_vec();
+                plain[i].reasoning_content = None;
+                let other = self.render_chat(&plain, false)?;
+                if other != full {
+                    after_reasoning = full.len() - common_suffix(full, &other);
+                }
+            }
+            let (start, end) = self.turn_span(full, &header, &m.content, floor, after_reasoning).ok_or_else(|| {
                 TokenizeError::Unsupported(format!(
                     "the loss mask cannot be placed: messages[{i}] (assistant) does not appear in the rendered chat \
                      as written (this model's chat template rewrites it); send \"text\" or \"input_ids\" instead"
@@ -142,26 +168,33 @@ impl TextTokenizer {
     /// through the control token that closes the turn when one follows (after whitespace at most)
     /// with the whitespace after it. The end comes from `full` itself, not from rendering the chat
     /// up to this turn: templates write the last turn otherwise (gpt-oss ends it with `<|return|>`,
-    /// the others with `<|end|>`; Qwen3 keeps the empty thinking block only there). None when the
-    /// content is not in `full` after `floor` as written.
-    fn turn_span(&self, full: &str, header: &str, content: &str, floor: usize) -> Option<(usize, usize)> {
+    /// the others with `<|end|>`; Qwen3 keeps the empty thinking block only there). The content is
+    /// looked for after `after` (the end of the turn's reasoning, where the template writes it)
+    /// and, of its places, the first that a control token closes (text such as "a" also occurs
+    /// inside "<|channel|>"). None when the content is not in `full` after `floor` as written.
+    fn turn_span(&self, full: &str, header: &str, content: &str, floor: usize, after: usize) -> Option<(usize, usize)> {
         let start = common_prefix(full, header).max(floor);
-        let (at, len) = match full[start..].find(content) {
-            Some(p) => (p, content.len()),
-            None => {
-                let trimmed = content.trim();
-                (full[start..].find(trimmed)?, trimmed.len())
-            }
+        let from = after.max(start);
+        let content = if full[from..].contains(content) { content } else { content.trim() };
+        let places: Vec<usize> = if content.is_empty() {
+            vec![from]
+        } else {
+            full[from..].match_indices(content).map(|(p, _)| from + p).collect()
         };
-        let body_end = start + at + len;
-        let rest = &full[body_end..];
-        let gap = if content.is_empty() { rest.len() } else { rest.len() - rest.trim_start().len() };
-        let closing = (0..=gap)
-            .filter(|&k| rest.is_char_boundary(k))
-            .find_map(|k| self.specials.iter().find(|t| rest[k..].starts_with(t.as_str())).map(|t| k + t.len()));
+        let closed = |body_end: usize| {
+            let rest = &full[body_end..];
+            let gap = if content.is_empty() { rest.len() } else { rest.len() - rest.trim_start().len() };
+            (0..=gap)
+                .filter(|&k| rest.is_char_boundary(k))
+                .find_map(|k| self.specials.iter().find(|t| rest[k..].starts_with(t.as_str())).map(|t| k + t.len()))
+        };
+        let (body_end, closing) = places
+            .iter()
+            .find_map(|&p| closed(p + content.len()).map(|k| (p + content.len(), Some(k))))
+            .or_else(|| places.first().map(|&p| (p + content.len(), None)))?;
         let end = match closing {
             Some(k) => {
-                let after = &rest[k..];
+                let after = &full[body_end + k..];
                 body_end + k + (after.len() - after.trim_start().len())
             }
             None => body_end,
@@ -175,35 +208,52 @@ impl TextTokenizer {
         let mut table: Vec<String> = Vec::new();
         let mut out = Vec::with_capacity(messages.len());
         for m in messages {
-            let mut content = String::with_capacity(m.content.len());
-            let mut rest = m.content.as_str();
-            while let Some(c) = rest.chars().next() {
-                let hit = if is_placeholder(c) {
-                    Some(c.len_utf8())
-                } else {
-                    self.specials.iter().find(|t| rest.starts_with(t.as_str())).map(|t| t.len())
-                };
-                match hit {
-                    Some(n) => {
-                        let k = table.len() as u32;
-                        let p =
-                            char::from_u32(PLACEHOLDER_BASE + k).filter(|&p| is_placeholder(p)).ok_or_else(|| {
-                                TokenizeError::TooLarge("the chat holds too many special-token texts".into())
-                            })?;
-                        table.push(rest[..n].to_string());
-                        content.push(p);
-                        rest = &rest[n..];
-                    }
-                    None => {
-                        content.push(c);
-                        rest = &rest[c.len_utf8()..];
-                    }
-                }
-            }
-            out.push(ChatMessage { role: m.role.clone(), content });
+            let content = self.protect_text(&m.content, &mut table)?;
+            let reasoning_content =
+                m.reasoning_content.as_deref().map(|r| self.protect_text(r, &mut table)).transpose()?;
+            out.push(ChatMessage { role: m.role.clone(), content, reasoning_content });
         }
         Ok((out, table))
     }
+
+    /// `text` with every special-token text (and placeholder character) replaced by the next
+    /// placeholder, recorded in `table`.
+    fn protect_text(&self, text: &str, table: &mut Vec<String>) -> Result<String, TokenizeError> {
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(c) = rest.chars().next() {
+            let hit = if is_placeholder(c) {
+                Some(c.len_utf8())
+            } else {
+                self.specials.iter().find(|t| rest.starts_with(t.as_str())).map(|t| t.len())
+            };
+            match hit {
+                Some(n) => {
+                    let k = table.len() as u32;
+                    let p = char::from_u32(PLACEHOLDER_BASE + k)
+                        .filter(|&p| is_placeholder(p))
+                        .ok_or_else(|| TokenizeError::TooLarge("the chat holds too many special-token texts".into()))?;
+                    table.push(rest[..n].to_string());
+                    out.push(p);
+                    rest = &rest[n..];
+                }
+                None => {
+                    out.push(c);
+                    rest = &rest[c.len_utf8()..];
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The length of the longest common suffix of `a` and `b`, on a character boundary.
+fn common_suffix(a: &str, b: &str) -> usize {
+    a.char_indices()
+        .rev()
+        .zip(b.chars().rev())
+        .find(|&((_, x), y)| x != y)
+        .map_or(a.len().min(b.len()), |((i, x), _)| a.len() - i - x.len_utf8())
 }
 
 /// The length of the longest common prefix of `a` and `b`, on a character boundary.

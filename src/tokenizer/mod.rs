@@ -40,11 +40,22 @@ pub struct ChatMessage {
     /// "system", "user", "assistant", "tool", or another role the model's chat template names.
     pub role: String,
     pub content: String,
+    /// An assistant's reasoning (also accepted as `thinking` or `reasoning`). Templates see it
+    /// under both `reasoning_content` and `thinking`, as transformers passes it; a template that
+    /// writes it (Qwen3 and gpt-oss in the last turn) puts it inside the turn's loss mask.
+    #[serde(default, skip_serializing_if = "Option::is_none", alias = "thinking", alias = "reasoning")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), reasoning_content: None }
+    }
+
+    /// An assistant turn with its reasoning.
+    pub fn with_reasoning(mut self, reasoning: impl Into<String>) -> Self {
+        self.reasoning_content = Some(reasoning.into());
+        self
     }
 }
 

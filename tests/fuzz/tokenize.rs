@@ -17,7 +17,15 @@ fn chat() -> impl Strategy<Value = Vec<ChatMessage>> {
         8 => prop::sample::select(vec!["user", "assistant", "system", "tool"]).prop_map(String::from),
         1 => nasty_text(),
     ];
-    prop::collection::vec((role, nasty_text()).prop_map(|(role, content)| ChatMessage { role, content }), 0..6)
+    let reasoning = prop_oneof![3 => Just(None), 1 => nasty_text().prop_map(Some)];
+    prop::collection::vec(
+        (role, nasty_text(), reasoning).prop_map(|(role, content, reasoning_content)| ChatMessage {
+            role,
+            content,
+            reasoning_content,
+        }),
+        0..6,
+    )
 }
 
 fn check_chat(m: &[ChatMessage]) -> Result<(), TestCaseError> {
@@ -111,9 +119,9 @@ fn seed_texts_tokenize_and_render() {
     for t in &texts {
         let p = Path::new(t.as_str());
         fail_with(p, check_text(t));
-        let user = ChatMessage { role: "user".into(), content: t.clone() };
-        let asst = ChatMessage { role: "assistant".into(), content: t.clone() };
-        let odd = ChatMessage { role: t.clone(), content: "hi".into() };
+        let user = ChatMessage::new("user", t.clone());
+        let asst = ChatMessage::new("assistant", t.clone());
+        let odd = ChatMessage::new(t.clone(), "hi");
         for chat in [vec![user.clone()], vec![user.clone(), asst.clone()], vec![odd.clone(), asst], vec![odd]] {
             fail_with(p, check_chat(&chat));
         }

@@ -81,7 +81,18 @@ CONVERSATIONS = {
 }
 
 
-def render(tok, messages, template, add_generation_prompt, tokenize):
+# Template variables beside the messages (`apply_chat_template(..., **kwargs)`), each read by some
+# of the templates: gpt-oss's reasoning effort and identity, Qwen3's / Qwen3.5's / GLM's switch for
+# thinking, DeepSeek-V3.1's.
+KWARGS = {
+    "reasoning_effort": "high",
+    "model_identity": "You are a test model.",
+    "enable_thinking": False,
+    "thinking": True,
+}
+
+
+def render(tok, messages, template, add_generation_prompt, tokenize, kwargs=None):
     try:
         out = tok.apply_chat_template(
             messages,
@@ -89,6 +100,7 @@ def render(tok, messages, template, add_generation_prompt, tokenize):
             tokenize=tokenize,
             add_generation_prompt=add_generation_prompt,
             return_dict=False,
+            **(kwargs or {}),
         )
     except Exception as e:  # the template raised: layertap must refuse the same chat
         return {"error": str(e)}
@@ -123,6 +135,17 @@ def main():
             }
             entry["input_ids"] = render(tok, messages, template, False, True)
             convs.append(entry)
+        messages = CONVERSATIONS["system_two_turns"]
+        convs.append(
+            {
+                "name": "system_two_turns_with_kwargs",
+                "messages": messages,
+                "chat_template_kwargs": KWARGS,
+                "text": render(tok, messages, template, False, False, KWARGS),
+                "text_with_generation_prompt": render(tok, messages, template, True, False, KWARGS),
+                "input_ids": render(tok, messages, template, False, True, KWARGS),
+            }
+        )
         cases.append(
             {
                 "name": name,

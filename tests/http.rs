@@ -147,6 +147,17 @@ async fn every_error_class_has_its_status_and_a_json_body() {
             json!({"inputs": [{"messages": [{"role": "assistant", "content": "a", "reasoning": 5}]}], "layers": [1]}),
             "invalid type",
         ),
+        (json!({"inputs": [{"text": "a", "chat_template_kwargs": {"x": 1}}], "layers": [1]}), "goes with messages"),
+        (
+            json!({"inputs": [{"messages": [{"role": "user", "content": "a"}],
+                               "chat_template_kwargs": {"add_generation_prompt": true}}], "layers": [1]}),
+            "sets itself",
+        ),
+        (
+            json!({"inputs": [{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": 3}],
+                   "layers": [1]}),
+            "invalid type",
+        ),
     ];
     for (body, needle) in cases {
         let (code, kind, msg) = error_of(post(&s.base, "/v1/hidden-states", body.clone()).await).await;
@@ -171,7 +182,8 @@ async fn every_error_class_has_its_status_and_a_json_body() {
 }
 
 /// An assistant's reasoning is taken under each of the names transformers reads
-/// (`reasoning_content`, `thinking`, `reasoning`), with the same answer.
+/// (`reasoning_content`, `thinking`, `reasoning`), with the same answer, and a chat takes its
+/// template variables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reasoning_is_taken_under_each_of_its_names() {
     let s = fake_server(limits(), vec![]).await;
@@ -186,6 +198,13 @@ async fn reasoning_is_taken_under_each_of_its_names() {
         answers.push(v);
     }
     assert!(answers.windows(2).all(|w| w[0] == w[1]));
+    // Template variables go with the chat (this template reads none: the same answer).
+    let msgs =
+        json!([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "thinking": "Two and two."}]);
+    let body = json!({"inputs": [{"messages": msgs, "chat_template_kwargs": {"reasoning_effort": "high"}}]});
+    let r = post(&s.base, "/v1/tokenize", body).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap(), answers[0]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,7 @@ use crate::answer::{metadata, Assembly, HiddenStatesJson, LayerSet, LogprobsAsk,
 use crate::batching::Submission;
 use crate::engine::OutDType;
 use crate::error::{ApiError, ErrorKind};
-use crate::tokenizer::{Budget, Input, TokenizeError, Tokenized};
+use crate::tokenizer::{check_template_kwargs, Budget, Input, TokenizeError, Tokenized};
 
 /// Checks one input's shape (exactly one kind, ids in range) and turns it into an [`Input`].
 fn to_input(i: usize, item: InputItem, vocab: usize) -> Result<Input, ApiError> {
@@ -41,10 +41,17 @@ fn to_input(i: usize, item: InputItem, vocab: usize) -> Result<Input, ApiError> 
         }
         return Ok(Input::Ids(ids.into_iter().map(|t| t as u32).collect()));
     }
+    if item.chat_template_kwargs.is_some() && item.messages.is_none() {
+        return Err(ApiError::invalid(format!(
+            "inputs[{i}].chat_template_kwargs goes with messages (a chat template renders only chats)"
+        )));
+    }
     if let Some(t) = item.text {
         return Ok(Input::Text(t));
     }
-    Ok(Input::Messages(item.messages.unwrap_or_default()))
+    let kwargs = item.chat_template_kwargs.unwrap_or_default();
+    check_template_kwargs(&kwargs).map_err(|e| ApiError::invalid(format!("inputs[{i}].{e}")))?;
+    Ok(Input::Messages(item.messages.unwrap_or_default(), kwargs))
 }
 
 /// Sets its flag when dropped: the handler holding it has finished or was dropped (the client
@@ -95,7 +102,7 @@ async fn tokenize_all(
                 }
                 ids_total += ids.len();
             }
-            Input::Messages(m) if m.len() > max_messages => {
+            Input::Messages(m, _) if m.len() > max_messages => {
                 return Err(too_large(format!(
                     "inputs[{i}] has {} messages; this server accepts at most {max_messages} per chat (--max-messages)",
                     m.len()

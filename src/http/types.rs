@@ -16,6 +16,12 @@ pub struct InputItem {
     pub text: Option<String>,
     /// A chat, rendered with the model's chat template; `loss_mask` marks the assistant turns.
     pub messages: Option<Vec<ChatMessage>>,
+    /// With `messages`: more variables for the chat template, as transformers'
+    /// `apply_chat_template(messages, **kwargs)` passes them, e.g. `{"reasoning_effort": "high"}`
+    /// (gpt-oss) or `{"enable_thinking": false}` (Qwen3). `messages`, `add_generation_prompt`,
+    /// `bos_token` and `eos_token` are set by the server and refused here.
+    #[schema(value_type = Option<Object>, example = json!({"reasoning_effort": "high"}))]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// `POST /v1/hidden-states`.

@@ -1,11 +1,24 @@
 //! Chats: the template rendered as transformers' `apply_chat_template`, tokenized with a loss mask
 //! over the assistant turns, and content kept from forging control tokens when asked.
 
-use super::{Budget, ChatMessage, TextTokenizer, TokenizeError, Tokenized};
+use serde_json::Value;
+
+use super::{Budget, ChatMessage, TemplateKwargs, TextTokenizer, TokenizeError, Tokenized};
 
 impl TextTokenizer {
     /// Renders the chat template as transformers' `apply_chat_template(..., tokenize=False)`.
     pub fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizeError> {
+        self.render_chat_with(messages, &TemplateKwargs::new(), add_generation_prompt)
+    }
+
+    /// [`Self::render_chat`] with extra template variables, as `apply_chat_template(..., **kwargs)`.
+    pub fn render_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &TemplateKwargs,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
+        super::check_template_kwargs(kwargs).map_err(TokenizeError::Invalid)?;
         let template = self.chat_template.as_deref().ok_or_else(no_template)?;
         let mut env = minijinja::Environment::new();
         env.set_trim_blocks(true);
@@ -40,6 +53,7 @@ impl TextTokenizer {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
+            ..minijinja::Value::from_serialize(kwargs)
         };
         let tmpl = env.get_template("chat").map_err(|e| TokenizeError::Invalid(e.to_string()))?;
         tmpl.render(ctx).map_err(|e| TokenizeError::Invalid(format!("chat template: {e}")))
@@ -57,6 +71,19 @@ impl TextTokenizer {
     /// and only rendering tells where a turn begins), so the work grows with messages × assistant
     /// turns: `budget.max_messages` bounds it, and the caller's departure stops it.
     pub fn encode_chat_within(&self, messages: &[ChatMessage], budget: &Budget) -> Result<Tokenized, TokenizeError> {
+        self.encode_chat_with(messages, &TemplateKwargs::new(), budget)
+    }
+
+    /// [`Self::encode_chat_within`] with extra template variables (`kwargs`), as
+    /// `apply_chat_template(..., **kwargs)`. Their strings are caller's content as much as the
+    /// messages are: `split_special_tokens` keeps them from forging control tokens too.
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &TemplateKwargs,
+        budget: &Budget,
+    ) -> Result<Tokenized, TokenizeError> {
+        super::check_template_kwargs(kwargs).map_err(TokenizeError::Invalid)?;
         if messages.is_empty() {
             return Err(TokenizeError::Invalid("\"messages\" must hold at least one message".into()));
         }
@@ -92,12 +119,12 @@ impl TextTokenizer {
                 )));
             }
         }
-        let protected = if budget.split_special_tokens { Some(self.protect(messages)?) } else { None };
-        let (msgs, table): (&[ChatMessage], &[String]) = match &protected {
-            Some((m, t)) => (m, t),
-            None => (messages, &[]),
+        let protected = if budget.split_special_tokens { Some(self.protect(messages, kwargs)?) } else { None };
+        let (msgs, kwargs, table): (&[ChatMessage], &TemplateKwargs, &[String]) = match &protected {
+            Some((m, k, t)) => (m, k, t),
+            None => (messages, kwargs, &[]),
         };
-        let rendered = self.render_chat(msgs, false)?;
+        let rendered = self.render_chat_with(msgs, kwargs, false)?;
         budget.check()?;
         let real = Unprotected::new(&rendered, table);
         // Counted with control tokens as single tokens, which never overcounts.
@@ -110,7 +137,7 @@ impl TextTokenizer {
                 continue;
             }
             budget.check()?;
-            let header = self.render_chat(&msgs[..i], true).unwrap_or_default();
+            let header = self.render_chat_with(&msgs[..i], kwargs, true).unwrap_or_default();
             let floor = spans.last().map_or(0, |&(_, b)| b);
             // Where the template writes this turn's reasoning, the content comes after it: the
             // chat rendered without it tells where the reasoning ends.
@@ -118,7 +145,7 @@ impl TextTokenizer {
             if m.reasoning_content.is_some() {
                 let mut plain = msgs.to_vec();
                 plain[i].reasoning_content = None;
-                let other = self.render_chat(&plain, false)?;
+                let other = self.render_chat_with(&plain, kwargs, false)?;
                 if other != full {
                     after_reasoning = full.len() - common_suffix(full, &other);
                 }
@@ -204,7 +231,7 @@ impl TextTokenizer {
 
     /// The messages with every special-token text in their content replaced by a placeholder
     /// character, and the table of what each placeholder stands for.
-    fn protect(&self, messages: &[ChatMessage]) -> Result<(Vec<ChatMessage>, Vec<String>), TokenizeError> {
+    fn protect(&self, messages: &[ChatMessage], kwargs: &TemplateKwargs) -> Result<Protected, TokenizeError> {
         let mut table: Vec<String> = Vec::new();
         let mut out = Vec::with_capacity(messages.len());
         for m in messages {
@@ -213,7 +240,23 @@ impl TextTokenizer {
                 m.reasoning_content.as_deref().map(|r| self.protect_text(r, &mut table)).transpose()?;
             out.push(ChatMessage { role: m.role.clone(), content, reasoning_content });
         }
-        Ok((out, table))
+        let mut kw = TemplateKwargs::new();
+        for (k, v) in kwargs {
+            kw.insert(k.clone(), self.protect_value(v, &mut table)?);
+        }
+        Ok((out, kw, table))
+    }
+
+    /// A JSON value with every string in it protected as [`Self::protect_text`] does.
+    fn protect_value(&self, v: &Value, table: &mut Vec<String>) -> Result<Value, TokenizeError> {
+        Ok(match v {
+            Value::String(s) => Value::String(self.protect_text(s, table)?),
+            Value::Array(a) => Value::Array(a.iter().map(|x| self.protect_value(x, table)).collect::<Result<_, _>>()?),
+            Value::Object(o) => Value::Object(
+                o.iter().map(|(k, x)| Ok((k.clone(), self.protect_value(x, table)?))).collect::<Result<_, _>>()?,
+            ),
+            other => other.clone(),
+        })
     }
 
     /// `text` with every special-token text (and placeholder character) replaced by the next
@@ -264,6 +307,9 @@ fn common_prefix(a: &str, b: &str) -> usize {
 fn no_template() -> TokenizeError {
     TokenizeError::Unsupported("this model has no chat template; send \"text\" or \"input_ids\" instead".into())
 }
+
+/// Protected messages and template variables, and the table of what each placeholder stands for.
+type Protected = (Vec<ChatMessage>, TemplateKwargs, Vec<String>);
 
 /// Placeholders for protected content: Supplementary Private Use Area-A.
 const PLACEHOLDER_BASE: u32 = 0xF0000;

@@ -1,14 +1,15 @@
 //! One input as a caller gives it (token ids, text or a chat) and its tokenization within a
 //! budget, the same for the service, `layertap extract` and the tests.
 
-use super::{Budget, ChatMessage, TextTokenizer, TokenizeError, Tokenized};
+use super::{Budget, ChatMessage, TemplateKwargs, TextTokenizer, TokenizeError, Tokenized};
 
 /// One input sequence, as the caller gave it.
 #[derive(Clone, Debug)]
 pub enum Input {
     Ids(Vec<u32>),
     Text(String),
-    Messages(Vec<ChatMessage>),
+    /// A chat and the extra variables its template is rendered with.
+    Messages(Vec<ChatMessage>, TemplateKwargs),
 }
 
 fn no_tokenizer() -> TokenizeError {
@@ -35,7 +36,7 @@ impl Input {
             }
             Input::Ids(ids) => ones(ids.clone()),
             Input::Text(text) => ones(tok.ok_or_else(no_tokenizer)?.encode_text_within(text, budget)?),
-            Input::Messages(m) => tok.ok_or_else(no_tokenizer)?.encode_chat_within(m, budget)?,
+            Input::Messages(m, kwargs) => tok.ok_or_else(no_tokenizer)?.encode_chat_with(m, kwargs, budget)?,
         };
         if t.ids.is_empty() {
             return Err(TokenizeError::Invalid("an input produced no tokens; every input needs at least one".into()));

@@ -59,6 +59,23 @@ impl ChatMessage {
     }
 }
 
+/// Extra variables a chat template is rendered with (transformers' `apply_chat_template` kwargs).
+pub type TemplateKwargs = serde_json::Map<String, Value>;
+
+/// Variables the renderer sets itself, which callers may not override.
+const RESERVED_TEMPLATE_VARIABLES: [&str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
+
+/// Checks extra template variables: none of the names the renderer sets itself.
+pub fn check_template_kwargs(kwargs: &TemplateKwargs) -> Result<(), String> {
+    match kwargs.keys().find(|k| RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str())) {
+        Some(k) => Err(format!(
+            "chat_template_kwargs sets {k:?}, which the server sets itself ({})",
+            RESERVED_TEMPLATE_VARIABLES.join(", ")
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Roles every chat template is written for; others are accepted only where the template names them.
 const STANDARD_ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 /// Roles some templates know beside the standard ones.

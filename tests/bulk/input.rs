@@ -55,6 +55,36 @@ async fn sharegpt_conversations_extract_as_the_same_chat_in_roles() {
     assert_eq!(a["hidden_states"].f32, b["hidden_states"].f32);
 }
 
+/// A chat's line carries its template variables and its messages their reasoning to the server,
+/// as the API takes them; a variable the server sets itself fails that sample, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_lines_carry_template_variables_and_reasoning() {
+    let s = fake_server(limits(), vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("chats.jsonl");
+    let chat = serde_json::json!([
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}]);
+    let lines = [
+        serde_json::json!({"id": "plain", "messages": chat}),
+        serde_json::json!({"id": "kw", "messages": chat, "chat_template_kwargs": {"reasoning_effort": "high"}}),
+        serde_json::json!({"id": "bad", "messages": chat, "chat_template_kwargs": {"messages": []}}),
+    ];
+    std::fs::write(&input, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+    let out = dir.path().join("out");
+    let (code, err) = run_extract(&s.base, &input, &out, "2,-1", &[]).await;
+    assert_eq!(code, Some(1), "the bad line fails its sample: {err}");
+    let failures = failures_of(&out, "failures.jsonl");
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0]["id"], "bad");
+    let error = failures[0]["error"].as_str().unwrap();
+    assert!(error.contains("422") && error.contains("chat_template_kwargs sets"), "{error}");
+    let read = |id: &str| read_safetensors_bytes(&std::fs::read(file_path(&out, id)).unwrap()).0;
+    let (a, b) = (read("plain"), read("kw"));
+    assert!(a["loss_mask"].i64.contains(&1));
+    assert_eq!(a["input_ids"].i64, b["input_ids"].i64, "this template reads neither variable");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Parquet
 // ---------------------------------------------------------------------------------------------

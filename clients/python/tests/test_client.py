@@ -151,6 +151,15 @@ def test_split_special_tokens_spells_control_text_out(client):
     assert r.input_ids.tolist() == plain
 
 
+def test_a_chat_carries_its_template_variables_and_reasoning(client):
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "thinking": "Two and two."}]
+    with_kwargs = {"messages": chat, "chat_template_kwargs": {"reasoning_effort": "high"}}
+    a, b = client.tokenize([chat, with_kwargs])
+    assert a == b and 1 in a["loss_mask"]  # the test model's template reads neither
+    with pytest.raises(Exception, match="sets itself"):
+        client.tokenize([{"messages": chat, "chat_template_kwargs": {"bos_token": "x"}}])
+
+
 def test_mixed_inputs_shapes_ids_and_loss_mask(client):
     inputs = [[5, 6, 7, 8], "Hello, world!", CHAT]
     results = client.hidden_states(inputs, layers=[0, 2, -1], dtype="float32")

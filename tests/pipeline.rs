@@ -89,6 +89,10 @@ fn two_and_three_stages_give_the_states_of_one_bitwise() {
         for stages in [2, 3].into_iter().filter(|&k| k <= n) {
             let mut e = staged(model, stages);
             assert_eq!(e.decoder.stages().len(), stages, "{model}");
+            // The three sequences go through the stages as micro-batches, the stages at work at once.
+            let refs: Vec<&layertap::engine::stages::Stage> = e.decoder.stages().iter().collect();
+            assert!(layertap::engine::stages::overlap_between(&refs));
+            assert_eq!(layertap::engine::stages::micro_batches(&batch.cu_seqlens, stages).len(), 3);
             let got = e.forward(&batch).unwrap();
             assert_eq!(got.layers_run, n, "{model} in {stages} stages");
             assert!(answer(&got) == answer(&want), "{model}: {stages} stages differ from one");
@@ -120,8 +124,10 @@ fn early_exit_stops_inside_the_stage_of_the_deepest_tap() {
     }
 }
 
-/// The cancellation check runs before each layer in every stage: a batch cancelled after two
-/// checks stops there, past the first stage's boundary or not.
+/// The cancellation check runs before each layer in every stage: a batch of one sequence
+/// (which crosses the stages in turn) cancelled after k checks stops there, past the first
+/// stage's boundary or not. A batch of several goes through the stages as micro-batches at once:
+/// cancelled, every stage stops at its next check (one more check per stage at most).
 #[test]
 fn cancellation_stops_between_layers_across_stages() {
     let model = "tiny/qwen3_moe";
@@ -133,11 +139,21 @@ fn cancellation_stops_between_layers_across_stages() {
             let checks = Arc::new(AtomicUsize::new(0));
             let c = checks.clone();
             let cancel = Cancel::new(move || c.fetch_add(1, Ordering::SeqCst) >= after);
-            let batch = Batch::pack(seqs.iter().map(Vec::as_slice), [n]);
+            let batch = Batch::pack([seqs[0].as_slice()], [n]);
             match e.launch_cancellable(&batch, &cancel).map(|p| p.wait()) {
                 Err(EngineError::Cancelled { layers_run }) => assert_eq!(layers_run, after, "{stages} stages"),
                 other => panic!("{stages} stages, cancelled after {after}: {:?}", other.map(|_| ())),
             }
+            let checks = Arc::new(AtomicUsize::new(0));
+            let c = checks.clone();
+            let cancel = Cancel::new(move || c.fetch_add(1, Ordering::SeqCst) >= after);
+            let batch = Batch::pack(seqs.iter().map(Vec::as_slice), [n]);
+            match e.launch_cancellable(&batch, &cancel).map(|p| p.wait()) {
+                Err(EngineError::Cancelled { .. }) => {}
+                other => panic!("{stages} stages, 3 sequences, cancelled after {after}: {:?}", other.map(|_| ())),
+            }
+            let seen = checks.load(Ordering::SeqCst);
+            assert!(seen <= after + stages, "{stages} stages: {seen} checks after cancelling at {after}");
         }
     }
 }

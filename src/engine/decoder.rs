@@ -17,7 +17,7 @@ use super::layers::per_layer::{PerLayerEmbeddings, PerLayerInputGate};
 use super::layers::rope::Rope;
 use super::options::EngineOptions;
 use super::profile::Phase;
-use super::stages::{device_of, Stage};
+use super::stages::{device_of, micro_batches, overlap_between, Stage};
 use super::weights::Weights;
 use super::{Cancel, EngineError};
 
@@ -255,6 +255,24 @@ struct Pass<'a> {
     kept_kv: Vec<Option<KeyValues>>,
 }
 
+impl<'a> Pass<'a> {
+    /// A pass for the batch of `cu_seqlens` whose residual stream is `x` (the embeddings).
+    fn new(
+        cu_seqlens: &'a [usize],
+        taps: &'a [usize],
+        deepest: usize,
+        n: usize,
+        x: Tensor,
+        per_layer: Option<Tensor>,
+    ) -> Self {
+        let mut kept = vec![None; n + 2];
+        if taps.contains(&0) {
+            kept[0] = Some(x.clone());
+        }
+        Pass { cu_seqlens, taps, deepest, kept, x, normed: None, ctx: None, per_layer, kept_kv: vec![None; n] }
+    }
+}
+
 impl Decoder {
     /// Loads every tensor the decoder needs and its output head (for next-token
     /// log-probabilities: `lm_head`, or the embeddings where the model ties them; never a vision
@@ -411,7 +429,9 @@ impl Decoder {
     /// run, and stages past it not entered. `layers_run` counts the decoder layers executed.
     /// Before each layer `cancel` is asked whether the batch is still wanted; once it is not, the
     /// loop stops with [`EngineError::Cancelled`] (on a GPU the kernels already queued finish on
-    /// their own and their results are dropped). The stages run one after the other.
+    /// their own and their results are dropped). A batch of several sequences crosses stages on
+    /// devices of their own (or the CPU) as micro-batches, the stages at work at once
+    /// ([`micro_batches`]); otherwise the stages run one after the other.
     pub fn forward_taps(
         &self,
         ids: &Tensor,
@@ -430,38 +450,102 @@ impl Decoder {
         if self.f32_residual {
             x = super::large::map_rows(&x, |x| x.to_dtype(DType::F32))?;
         }
-        let mut pass = Pass {
-            cu_seqlens,
-            taps,
-            // Index n + 1 is the last layer's output before the final norm: every layer runs.
-            deepest: taps.iter().copied().max().unwrap_or(0).min(n),
-            kept: vec![None; n + 2],
-            x,
-            normed: None,
-            ctx: None,
-            per_layer,
-            kept_kv: vec![None; n],
-        };
-        if taps.contains(&0) {
-            pass.kept[0] = Some(pass.x.clone());
-        }
-        let deepest = pass.deepest;
-        for stage in self.stages.iter().take_while(|s| s.layers.start < deepest) {
-            self.forward_stage(stage, &mut pass, layers_run, cancel)?;
-        }
+        // Index n + 1 is the last layer's output before the final norm: every layer runs.
+        let deepest = taps.iter().copied().max().unwrap_or(0).min(n);
+        let stages: Vec<&Stage> = self.stages.iter().take_while(|s| s.layers.start < deepest).collect();
+        let parts = micro_batches(cu_seqlens, stages.len());
+        let out = self.output_device();
         // States are returned in the compute dtype (the f32 stream rounded once, before it moves:
         // fewer bytes to copy), on the output device.
-        let out = self.output_device();
+        let finish = |t: &Tensor| -> Result<Tensor, EngineError> {
+            Ok(super::large::map_rows(t, |t| t.to_dtype(self.dtype()))?.to_device(out)?)
+        };
+        let missing = |i: usize| EngineError::from(candle_core::Error::Msg(format!("layer {i} was not computed")));
+        if parts.len() < 2 || !overlap_between(&stages) {
+            let mut pass = Pass::new(cu_seqlens, taps, deepest, n, x, per_layer);
+            for stage in stages {
+                self.forward_stage(stage, &mut pass, layers_run, cancel)?;
+            }
+            return taps
+                .iter()
+                .map(|&i| finish(pass.kept.get(i).and_then(|k| k.as_ref()).ok_or_else(|| missing(i))?))
+                .collect();
+        }
+        // Micro-batches through the stages at once: stage k runs micro-batch j while stage k + 1
+        // runs j - 1. Each micro-batch holds whole sequences, so its states are those it has in
+        // the whole batch; they are put back in order.
+        let cus: Vec<Vec<usize>> = parts
+            .iter()
+            .map(|r| cu_seqlens[r.start..=r.end].iter().map(|&c| c - cu_seqlens[r.start]).collect())
+            .collect();
+        let mut passes = Vec::with_capacity(parts.len());
+        for (r, cu) in parts.iter().zip(&cus) {
+            let (t0, len) = (cu_seqlens[r.start], cu_seqlens[r.end] - cu_seqlens[r.start]);
+            let pl = per_layer.as_ref().map(|t| t.narrow(0, t0, len)).transpose()?;
+            passes.push(Pass::new(cu, taps, deepest, n, x.narrow(0, t0, len)?, pl));
+        }
+        let done = self.forward_overlapped(&stages, passes, cancel)?;
+        *layers_run += deepest;
         taps.iter()
             .map(|&i| {
-                let t = pass
-                    .kept
-                    .get(i)
-                    .and_then(|k| k.as_ref())
-                    .ok_or_else(|| candle_core::Error::Msg(format!("layer {i} was not computed")))?;
-                Ok(super::large::map_rows(t, |t| t.to_dtype(self.dtype()))?.to_device(out)?)
+                if i == 0 {
+                    return finish(&x);
+                }
+                let rows = done
+                    .iter()
+                    .map(|p| finish(p.kept.get(i).and_then(|k| k.as_ref()).ok_or_else(|| missing(i))?))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(Tensor::cat(&rows, 0)?)
             })
             .collect()
+    }
+
+    /// Runs `passes` through `stages` with one thread per stage, each pass handed on to the next
+    /// stage as soon as its stage is done with it; the passes come back in order. A failure
+    /// (cancellation included) stops every stage after the pass it is on.
+    fn forward_overlapped<'a>(
+        &self,
+        stages: &[&Stage],
+        passes: Vec<Pass<'a>>,
+        cancel: &Cancel,
+    ) -> Result<Vec<Pass<'a>>, EngineError> {
+        use std::sync::mpsc::channel;
+        type Item<'a> = Result<Pass<'a>, EngineError>;
+        let count = passes.len();
+        std::thread::scope(|scope| {
+            let (first_tx, mut rx) = channel::<Item<'a>>();
+            for p in passes {
+                first_tx
+                    .send(Ok(p))
+                    .map_err(|_| EngineError::from(candle_core::Error::Msg("pipeline stopped".into())))?;
+            }
+            drop(first_tx);
+            for &stage in stages {
+                let (tx, next_rx) = channel::<Item<'a>>();
+                let input = std::mem::replace(&mut rx, next_rx);
+                scope.spawn(move || {
+                    let mut run = stage.layers.start;
+                    for item in input {
+                        let item = item.and_then(|mut p| {
+                            self.forward_stage(stage, &mut p, &mut run, cancel)?;
+                            Ok(p)
+                        });
+                        let failed = item.is_err();
+                        if tx.send(item).is_err() || failed {
+                            return;
+                        }
+                    }
+                });
+            }
+            let mut done = Vec::with_capacity(count);
+            for item in rx {
+                done.push(item?);
+            }
+            if done.len() != count {
+                return Err(candle_core::Error::Msg("a pipeline stage stopped early".into()).into());
+            }
+            Ok(done)
+        })
     }
 
     /// Runs `stage`'s layers (those up to the deepest tap) on the pass, keeping the taps they

@@ -128,6 +128,40 @@ pub fn plan(bytes: &StageBytes, devices: &[Device]) -> Result<Vec<Stage>, Engine
         .collect())
 }
 
+/// Whether `stages` may work at once: each on a device of its own (a GPU's work queue is not
+/// shared between stages), or all on the CPU.
+pub fn overlap_between(stages: &[&Stage]) -> bool {
+    stages.len() > 1
+        && (stages.iter().all(|s| s.device.is_cpu())
+            || stages.iter().enumerate().all(|(i, a)| stages[..i].iter().all(|b| !a.device.same_device(&b.device))))
+}
+
+/// The batch of `cu_seqlens` cut, on sequence boundaries, into micro-batches of about equal
+/// tokens for `stages` stages to work on at once: twice as many as stages (so that the stages
+/// idle for a smaller share of the batch while the pipeline fills and drains), at most one per
+/// sequence; ranges of sequence indices. One range when one stage runs.
+pub fn micro_batches(cu_seqlens: &[usize], stages: usize) -> Vec<std::ops::Range<usize>> {
+    let seqs = cu_seqlens.len().saturating_sub(1);
+    let want = if stages > 1 { (2 * stages).min(seqs) } else { 1 };
+    if want < 2 {
+        return std::iter::once(0..seqs).collect();
+    }
+    let mut parts = Vec::with_capacity(want);
+    let mut start = 0;
+    for s in 1..=seqs {
+        let cut = parts.len() + 1;
+        let left = seqs - s;
+        // What is left of the batch, shared evenly by the micro-batches still to cut.
+        let share = (cu_seqlens[seqs] - cu_seqlens[start]) as f64 / (want - parts.len()) as f64;
+        let due = (cu_seqlens[s] - cu_seqlens[start]) as f64 >= share;
+        if s == seqs || (due && cut < want) || left <= want - cut {
+            parts.push(start..s);
+            start = s;
+        }
+    }
+    parts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +236,33 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn micro_batches_cut_on_sequence_boundaries_evenly() {
+        let cu = |lens: &[usize]| {
+            let mut c = vec![0];
+            for l in lens {
+                c.push(c.last().unwrap() + l);
+            }
+            c
+        };
+        // One stage, or one sequence: no cut.
+        let whole = |n: usize| std::iter::once(0..n).collect::<Vec<_>>();
+        assert_eq!(micro_batches(&cu(&[5, 5, 5]), 1), whole(3));
+        assert_eq!(micro_batches(&cu(&[40]), 4), whole(1));
+        // Fewer sequences than twice the stages: one each.
+        assert_eq!(micro_batches(&cu(&[3, 9, 4]), 2), vec![0..1, 1..2, 2..3]);
+        // Twice the stages, of about equal tokens.
+        assert_eq!(micro_batches(&cu(&[1; 12]), 2), vec![0..3, 3..6, 6..9, 9..12]);
+        assert_eq!(micro_batches(&cu(&[8, 1, 1, 1, 1, 1, 1, 2]), 2), vec![0..1, 1..4, 4..7, 7..8]);
+        for (lens, stages) in [(vec![7, 1, 30, 2, 2, 9, 4, 4, 1], 3), (vec![2; 5], 2), (vec![100, 1, 1, 1], 2)] {
+            let parts = micro_batches(&cu(&lens), stages);
+            assert_eq!(parts.len(), (2 * stages).min(lens.len()), "{lens:?}");
+            assert_eq!(parts.first().unwrap().start, 0);
+            assert_eq!(parts.last().unwrap().end, lens.len());
+            assert!(parts.windows(2).all(|w| w[0].end == w[1].start) && parts.iter().all(|r| !r.is_empty()));
         }
     }
 }

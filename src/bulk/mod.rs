@@ -103,6 +103,22 @@ fn retry_after(r: &reqwest::Response) -> Option<Duration> {
     (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(60.0)))
 }
 
+/// A chat input with `--chat-template-kwargs` under its own (its own win, key by key); other
+/// inputs as they are.
+fn with_template_kwargs(input: &Value, kwargs: Option<&crate::tokenizer::TemplateKwargs>) -> Value {
+    let (Some(kwargs), Some(obj)) = (kwargs, input.as_object()) else { return input.clone() };
+    if !obj.contains_key("messages") {
+        return input.clone();
+    }
+    let mut obj = obj.clone();
+    let mut merged = kwargs.clone();
+    if let Some(Value::Object(own)) = obj.get("chat_template_kwargs") {
+        merged.extend(own.clone());
+    }
+    obj.insert("chat_template_kwargs".into(), Value::Object(merged));
+    Value::Object(obj)
+}
+
 async fn fetch(
     client: &reqwest::Client,
     a: &BulkArgs,
@@ -111,7 +127,7 @@ async fn fetch(
     s: &Sample,
 ) -> Result<bytes::Bytes, Trouble> {
     let mut body = sh.body.clone();
-    body["inputs"] = json!([s.input]);
+    body["inputs"] = json!([with_template_kwargs(&s.input, a.chat_template_kwargs.as_ref())]);
     let mut req = client.post(url).header("accept-encoding", "zstd").json(&body);
     if let Some(k) = &a.api_key {
         req = req.bearer_auth(k);
@@ -517,4 +533,26 @@ pub async fn run(a: BulkArgs) -> anyhow::Result<i32> {
     } else {
         1
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_kwargs_go_under_a_chat_s_own() {
+        let flag: crate::tokenizer::TemplateKwargs =
+            serde_json::from_value(json!({"reasoning_effort": "high", "enable_thinking": false})).unwrap();
+        let chat =
+            json!({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": true}});
+        let got = with_template_kwargs(&chat, Some(&flag));
+        assert_eq!(got["chat_template_kwargs"], json!({"reasoning_effort": "high", "enable_thinking": true}));
+        assert_eq!(got["messages"], chat["messages"]);
+        let bare = json!({"messages": []});
+        assert_eq!(with_template_kwargs(&bare, Some(&flag))["chat_template_kwargs"], Value::Object(flag.clone()));
+        for other in [json!({"text": "hi"}), json!({"input_ids": [1]})] {
+            assert_eq!(with_template_kwargs(&other, Some(&flag)), other);
+        }
+        assert_eq!(with_template_kwargs(&chat, None), chat);
+    }
 }

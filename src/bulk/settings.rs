@@ -1,6 +1,6 @@
 //! What a `layertap bulk` folder is made with, pinned in its `bulk.json`: the settings that shape
 //! its files (the layers, resolved for the model; the dtype; the token selection; the
-//! log-probabilities; the layout) and the model that answers, as the servers' `/v1/info`
+//! log-probabilities; the layout; the chat template variables) and the model that answers, as the servers' `/v1/info`
 //! describes it (id, architecture, layer count, hidden size, vocabulary, compute dtype,
 //! quantisation, layer kinds, output head, tokenizer and chat template). `/v1/info` gives no
 //! fingerprint of the weights: two checkpoints of one name and shape pass for the same model.
@@ -43,13 +43,14 @@ const MODEL_KEYS: [&str; 11] = [
 ];
 
 /// The settings recorded, with the flag that sets each.
-const SETTING_FLAGS: [(&str, &str); 6] = [
+const SETTING_FLAGS: [(&str, &str); 7] = [
     ("layers", "--layers"),
     ("dtype", "--dtype"),
     ("tokens", "--tokens"),
     ("top_k", "--top-k"),
     ("target_logprobs", "--target-logprobs"),
     ("layout", "--layout"),
+    ("chat_template_kwargs", "--chat-template-kwargs"),
 ];
 
 /// What a run makes its files with: the settings and the model, as `bulk.json` records them.
@@ -172,6 +173,7 @@ pub(super) async fn pin_servers(client: &reqwest::Client, a: &BulkArgs, servers:
         "top_k": a.top_k,
         "target_logprobs": a.target_logprobs,
         "layout": layout,
+        "chat_template_kwargs": a.chat_template_kwargs,
     });
     let Value::Object(settings) = settings else { unreachable!("a JSON object") };
     Ok(Pinned { settings, model })

@@ -80,6 +80,12 @@ pub struct BulkArgs {
     /// file (plain layout only).
     #[arg(long)]
     pub top_k: Option<usize>,
+    /// Template variables for every chat, a JSON object, as transformers'
+    /// apply_chat_template(**kwargs) takes them (e.g. '{"reasoning_effort": "high"}' for gpt-oss,
+    /// '{"enable_thinking": false}' for Qwen3); a line's own "chat_template_kwargs" override
+    /// them key by key. Recorded in the folder's bulk.json.
+    #[arg(long, value_parser = parse_template_kwargs)]
+    pub chat_template_kwargs: Option<crate::tokenizer::TemplateKwargs>,
     /// With --top-k: also target_logprobs [rows] float32, the log-probability of each row's next
     /// input token (NaN on a sample's last token).
     #[arg(long, requires = "top_k")]
@@ -128,6 +134,16 @@ pub fn parse_shard(s: &str) -> Result<Shard, String> {
 
 /// Parses `--timeout-s`: a number of seconds, more than 0 and finite (under 3e9, some 95 years,
 /// so that the deadline it sets can be reckoned).
+pub fn parse_template_kwargs(s: &str) -> Result<crate::tokenizer::TemplateKwargs, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(s).map_err(|e| format!("--chat-template-kwargs takes a JSON object: {e}"))?;
+    let serde_json::Value::Object(kwargs) = v else {
+        return Err(format!("--chat-template-kwargs takes a JSON object, not {s}"));
+    };
+    crate::tokenizer::check_template_kwargs(&kwargs).map_err(|e| format!("--chat-template-kwargs: {e}"))?;
+    Ok(kwargs)
+}
+
 pub fn parse_timeout(s: &str) -> Result<f64, String> {
     let secs: f64 = s.trim().parse().map_err(|_| format!("{s:?}: --timeout-s takes a number of seconds"))?;
     if !(secs.is_finite() && secs > 0.0 && secs < 3.0e9) {

@@ -57,6 +57,7 @@ async fn sharegpt_conversations_extract_as_the_same_chat_in_roles() {
 
 /// A chat's line carries its template variables and its messages their reasoning to the server,
 /// as the API takes them; a variable the server sets itself fails that sample, naming it.
+/// `--chat-template-kwargs` gives every chat its variables and is pinned in the folder.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_lines_carry_template_variables_and_reasoning() {
     let s = fake_server(limits(), vec![]).await;
@@ -83,6 +84,24 @@ async fn chat_lines_carry_template_variables_and_reasoning() {
     let (a, b) = (read("plain"), read("kw"));
     assert!(a["loss_mask"].i64.contains(&1));
     assert_eq!(a["input_ids"].i64, b["input_ids"].i64, "this template reads neither variable");
+
+    // --chat-template-kwargs for every chat: recorded in bulk.json; a run with others is refused.
+    let out = dir.path().join("out-flag");
+    let flag = ["--chat-template-kwargs", r#"{"enable_thinking": false}"#];
+    let (code, err) = run_extract(&s.base, &input, &out, "2,-1", &flag).await;
+    assert_eq!(code, Some(1), "{err}");
+    let pinned: Value = serde_json::from_str(&std::fs::read_to_string(out.join("bulk.json")).unwrap()).unwrap();
+    assert_eq!(pinned["settings"]["chat_template_kwargs"], serde_json::json!({"enable_thinking": false}));
+    let other = ["--chat-template-kwargs", r#"{"enable_thinking": true}"#];
+    let (code, err) = run_extract(&s.base, &input, &out, "2,-1", &other).await;
+    assert_ne!(code, Some(0));
+    assert!(err.contains("--chat-template-kwargs"), "{err}");
+    for bad in ["[1]", "{not json", r#"{"eos_token": "x"}"#] {
+        let (code, err) =
+            run_extract(&s.base, &input, &dir.path().join("out-bad"), "2,-1", &["--chat-template-kwargs", bad]).await;
+        assert_eq!(code, Some(2), "{bad}: {err}");
+        assert!(err.contains("--chat-template-kwargs"), "{bad}: {err}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -615,6 +615,31 @@ def test_a_refused_sample_raises_naming_it_or_is_replaced_and_counted(srv, refer
 # -- the input, as `layertap bulk` reads it -----------------------------------------------------------
 
 
+def test_chat_template_kwargs_go_to_every_chat_under_its_own(srv):
+    from layertap_client.online import _with_template_kwargs
+
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "thinking": "Two and two."}]
+    samples = [
+        {"id": "a", "messages": chat},
+        {"id": "b", "messages": chat, "chat_template_kwargs": {"enable_thinking": True}},
+        {"id": "c", "text": "plain text"},
+    ]
+    kw = {"reasoning_effort": "high", "enable_thinking": False}
+    merged = _with_template_kwargs({"messages": chat, "chat_template_kwargs": {"enable_thinking": True}}, kw)
+    assert merged["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": True}
+    assert _with_template_kwargs({"text": "x"}, kw) == {"text": "x"}
+    # The server takes them (the test model's template reads neither: the same states as without).
+    plain = {s["id"]: s for s in OnlineSource(samples, srv.url, layers=LAYERS, dtype="float32")}
+    got = {s["id"]: s for s in OnlineSource(samples, srv.url, layers=LAYERS, dtype="float32", chat_template_kwargs=kw)}
+    for k in "abc":
+        assert np.array_equal(got[k]["hidden_states"], plain[k]["hidden_states"])
+        assert np.array_equal(got[k]["loss_mask"], plain[k]["loss_mask"])
+    with pytest.raises(ValueError, match="sets 'messages'"):
+        OnlineSource(samples, srv.url, layers=LAYERS, chat_template_kwargs={"messages": []})
+    with pytest.raises(TypeError, match="mapping"):
+        OnlineSource(samples, srv.url, layers=LAYERS, chat_template_kwargs=["enable_thinking"])
+
+
 def test_jsonl_and_sharegpt_inputs_match_layertap_bulk(srv, tmp_path):
     lines = [json.dumps(s) for s in SAMPLES[:9]] + ["", json.dumps({"text": "no id here"})]
     path = tmp_path / "in.jsonl"

@@ -1372,7 +1372,7 @@ class _Pass:
         (429), ``out`` (selfcheck_failed), ``setup`` (a 4xx that is no sample's fault) or
         ``refused`` (a 4xx)."""
         body = dict(self.src._body)
-        body["inputs"] = [it.input for it in batch]
+        body["inputs"] = [_with_template_kwargs(it.input, self.src.chat_template_kwargs) for it in batch]
         payload = json.dumps(body).encode()
         server.requests += 1
         loop = asyncio.get_running_loop()
@@ -1545,6 +1545,35 @@ def _maybe_unzstd(data: bytes) -> bytes:
 # -- the source -------------------------------------------------------------------------------------
 
 
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _check_template_kwargs(kwargs: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+    """``chat_template_kwargs`` as the server takes them: a JSON object without the names it sets."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"chat_template_kwargs must be a mapping, not {type(kwargs).__name__}")
+    out = dict(kwargs)
+    for k in out:
+        if not isinstance(k, str):
+            raise TypeError(f"chat_template_kwargs: the key {k!r} is not a string")
+        if k in _RESERVED_TEMPLATE_VARIABLES:
+            raise ValueError(f"chat_template_kwargs sets {k!r}, which the server sets itself")
+    json.dumps(out)  # raises on what JSON cannot carry
+    return out
+
+
+def _with_template_kwargs(inp: Dict[str, Any], kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """A chat input with ``kwargs`` under its own ``chat_template_kwargs`` (its own win, key by key),
+    as ``layertap bulk --chat-template-kwargs`` does; other inputs as they are."""
+    if not kwargs or "messages" not in inp:
+        return inp
+    merged = dict(kwargs)
+    merged.update(inp.get("chat_template_kwargs") or {})
+    return {**inp, "chat_template_kwargs": merged}
+
+
 class OnlineSource:
     """Samples with their hidden states, fetched from layertap servers as the consumer goes.
 
@@ -1585,6 +1614,10 @@ class OnlineSource:
     the first to the last), ``on_error`` (``"raise"``, or ``"replace"`` with at most
     ``max_replacements`` replacements per position). ``progress=True`` shows a tqdm bar where
     tqdm is installed.
+
+    ``chat_template_kwargs``: template variables for every chat (``{"reasoning_effort": "high"}``
+    for gpt-oss, ``{"enable_thinking": False}`` for Qwen3), under a sample's own
+    ``chat_template_kwargs``, which win key by key (as ``layertap bulk --chat-template-kwargs``).
     """
 
     def __init__(
@@ -1624,8 +1657,10 @@ class OnlineSource:
         max_replacements: int = 16,
         api_key: Optional[str] = None,
         progress: bool = False,
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
     ):
         self.samples = open_samples(samples, text_column, messages_column, ids_column, id_column)
+        self.chat_template_kwargs = _check_template_kwargs(chat_template_kwargs)
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s.strip()]
         self.servers = [s.strip().rstrip("/") for s in servers]

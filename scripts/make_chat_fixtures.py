@@ -74,6 +74,15 @@ CONVERSATIONS = {
         {"role": "user", "content": "And 3+3?"},
         {"role": "assistant", "content": "6", "reasoning_content": "Three plus three is 6."},
     ],
+    # Reasoning written into the content, as many datasets hold it: Qwen3's and DeepSeek's
+    # templates split it off (and drop it from earlier turns).
+    "reasoning_in_content": [
+        {"role": "system", "content": "Think, then answer."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "<think>\nTwo plus two is 4.\n</think>\n\n4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "<think>\nThree plus three is 6.\n</think>\n\n6"},
+    ],
     "prompt_only": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},

@@ -95,7 +95,9 @@ fn real_tokenizers_give_transformers_ids_for_chats() {
         for conv in c["conversations"].as_array().unwrap() {
             let want: Vec<u32> =
                 conv["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-            let got = tok.encode_chat_with(&messages(&conv["messages"]), &kwargs(conv), &Budget::unlimited()).unwrap();
+            let got = tok
+                .encode_chat_with(&messages(&conv["messages"]), &kwargs(conv), &Budget::unlimited())
+                .unwrap_or_else(|e| panic!("{} / {}: {e}", c["name"], conv["name"]));
             assert_eq!(got.ids, want, "{} / {}", c["name"], conv["name"]);
             assert_eq!(got.loss_mask.len(), want.len());
         }
@@ -178,7 +180,9 @@ fn the_loss_mask_covers_each_assistant_turn_of_real_templates() {
         let tok = tokenizer(c);
         // Template variables may move the generation prompt (Qwen3's `enable_thinking: false`
         // writes the empty thinking block into it): checked on their own below.
-        for conv in c["conversations"].as_array().unwrap().iter().filter(|v| v.get("chat_template_kwargs").is_none()) {
+        // Reasoning written into the content is split off by some: checked on its own below.
+        let plain = |v: &&Value| v.get("chat_template_kwargs").is_none() && v["name"] != "reasoning_in_content";
+        for conv in c["conversations"].as_array().unwrap().iter().filter(plain) {
             let msgs = messages(&conv["messages"]);
             let answers: Vec<&ChatMessage> = msgs.iter().filter(|m| m.role == "assistant").collect();
             let want: Vec<String> = answers
@@ -255,6 +259,74 @@ fn template_variables_render_and_move_the_mask_with_the_prompt() {
     kw.insert("bos_token".into(), Value::String("<x>".into()));
     let e = tok.encode_chat_with(&msgs, &kw, &Budget::unlimited()).unwrap_err();
     assert!(e.to_string().contains("\"bos_token\"") && e.to_string().contains("sets itself"), "{e}");
+}
+
+/// Reasoning written into an answer's content (`<think>…</think>answer`, as datasets hold it):
+/// templates that split it off write only the answer in earlier turns and the reasoning before it
+/// in the last, and the mask follows what they write; the others write it as it is.
+#[test]
+fn reasoning_written_into_the_content_is_masked_as_the_template_writes_it() {
+    let r = reference();
+    let (r4, r6) = ("<think>\nTwo plus two is 4.\n</think>\n\n4", "<think>\nThree plus three is 6.\n</think>\n\n6");
+    let expect: Vec<(&str, [String; 2])> = vec![
+        ("qwen3", ["4<|im_end|>\n".into(), format!("{r6}<|im_end|>\n")]),
+        // The prompt ends with "<think>\n".
+        ("qwen3.5", ["4<|im_end|>\n".into(), "Three plus three is 6.\n</think>\n\n6<|im_end|>\n".into()]),
+        ("glm-4.7-flash", ["</think>4<|user|>".into(), "Three plus three is 6.</think>6".into()]),
+        (
+            "gpt-oss",
+            [format!("<|channel|>final<|message|>{r4}<|end|>"), format!("<|channel|>final<|message|>{r6}<|return|>")],
+        ),
+        ("llama-3.1", [format!("{r4}<|eot_id|>"), format!("{r6}<|eot_id|>")]),
+        ("gemma3", [format!("{r4}<end_of_turn>\n"), format!("{r6}<end_of_turn>\n")]),
+        // Its prompt ends with an empty thought channel, "<|channel>…", which parts from "<think>"
+        // inside the content.
+        ("gemma-4", [format!("{r4}<turn|>\n"), format!("{r6}<turn|>\n")]),
+        ("deepseek-v3", [format!("{r4}<｜end▁of▁sentence｜>"), format!("{r6}<｜end▁of▁sentence｜>")]),
+    ];
+    let mut wrong = Vec::new();
+    for (name, want) in expect {
+        let c = case(&r, name);
+        let conv = c["conversations"].as_array().unwrap().iter().find(|v| v["name"] == "reasoning_in_content").unwrap();
+        let got = masked_runs(&tokenizer(c), &messages(&conv["messages"]), &TemplateKwargs::new());
+        if got != want {
+            wrong.push(format!("{name}: masked {got:?}, expected {want:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// A template that writes an answer twice (so that no marker shows where it is): the answer is
+/// looked for between the header and the next message, the place a control token closes taken;
+/// one found in more places than are looked through is refused, never placed at a guess.
+#[test]
+fn an_answer_the_marker_cannot_place_is_looked_for_within_its_turn() {
+    let r = reference();
+    let dir = tokenizers_dir().join(case(&r, "qwen3")["tokenizer"].as_str().unwrap());
+    let tok = |filler: &str| {
+        let template = format!(
+            "{{% for m in messages %}}<|im_start|>{{{{ m.role }}}}\n{{% if m.role == 'assistant' %}}{{{{ m.content }}}}|\
+             {{{{ m.content }}}}{filler}{{% else %}}{{{{ m.content }}}}{{% endif %}}<|im_end|>\n{{% endfor %}}\
+             {{% if add_generation_prompt %}}<|im_start|>assistant\n{{% endif %}}"
+        );
+        TextTokenizer::new(
+            tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap(),
+            Some(template),
+            None,
+            None,
+        )
+    };
+    let many_a = "a ".repeat(100);
+    let msgs = vec![
+        ChatMessage::new("user", many_a.trim()),
+        ChatMessage::new("assistant", "a"),
+        ChatMessage::new("user", many_a.trim()),
+        ChatMessage::new("assistant", "a"),
+    ];
+    assert_eq!(masked_runs(&tok(""), &msgs, &TemplateKwargs::new()), vec!["a|a<|im_end|>\n".to_string(); 2]);
+    let filler = " a".repeat(70);
+    let e = tok(&filler).encode_chat(&msgs).unwrap_err();
+    assert!(e.to_string().contains("loss mask cannot be placed") && e.to_string().contains("messages[1]"), "{e}");
 }
 
 /// Content that holds a control token's text, tokenized as plain text (`split_special_tokens`),

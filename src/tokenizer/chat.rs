@@ -139,18 +139,28 @@ impl TextTokenizer {
             budget.check()?;
             let header = self.render_chat_with(&msgs[..i], kwargs, true).unwrap_or_default();
             let floor = spans.last().map_or(0, |&(_, b)| b);
-            // Where the template writes this turn's reasoning, the content comes after it: the
-            // chat rendered without it tells where the reasoning ends.
-            let mut after_reasoning = 0;
-            if m.reasoning_content.is_some() {
-                let mut plain = msgs.to_vec();
-                plain[i].reasoning_content = None;
-                let other = self.render_chat_with(&plain, kwargs, false)?;
-                if other != full {
-                    after_reasoning = full.len() - common_suffix(full, &other);
+            // Where the content is: the chat rendered with a marker in its place shows it, where
+            // the template writes the text before it alike (it does unless it reads the content).
+            let at = self.marker_at(msgs, kwargs, i, full).filter(|&p| p >= floor && full[p..].starts_with(&m.content));
+            // Else it is looked for, after the turn's reasoning where the template writes it (the
+            // chat rendered without the reasoning tells where that ends) and before the next
+            // message's content.
+            let (mut after, mut limit) = (0, full.len());
+            if at.is_none() {
+                if m.reasoning_content.is_some() {
+                    let mut plain = msgs.to_vec();
+                    plain[i].reasoning_content = None;
+                    let other = self.render_chat_with(&plain, kwargs, false)?;
+                    if other != full {
+                        after = full.len() - common_suffix(full, &other);
+                    }
+                }
+                if i + 1 < msgs.len() {
+                    limit = self.marker_at(msgs, kwargs, i + 1, full).unwrap_or(full.len());
                 }
             }
-            let (start, end) = self.turn_span(full, &header, &m.content, floor, after_reasoning).ok_or_else(|| {
+            let found = Found { at, after, limit };
+            let (start, end) = self.turn_span(full, &header, &m.content, floor, found).ok_or_else(|| {
                 TokenizeError::Unsupported(format!(
                     "the loss mask cannot be placed: messages[{i}] (assistant) does not appear in the rendered chat \
                      as written (this model's chat template rewrites it); send \"text\" or \"input_ids\" instead"
@@ -195,18 +205,46 @@ impl TextTokenizer {
     /// through the control token that closes the turn when one follows (after whitespace at most)
     /// with the whitespace after it. The end comes from `full` itself, not from rendering the chat
     /// up to this turn: templates write the last turn otherwise (gpt-oss ends it with `<|return|>`,
-    /// the others with `<|end|>`; Qwen3 keeps the empty thinking block only there). The content is
-    /// looked for after `after` (the end of the turn's reasoning, where the template writes it)
-    /// and, of its places, the first that a control token closes (text such as "a" also occurs
-    /// inside "<|channel|>"). None when the content is not in `full` after `floor` as written.
-    fn turn_span(&self, full: &str, header: &str, content: &str, floor: usize, after: usize) -> Option<(usize, usize)> {
+    /// the others with `<|end|>`; Qwen3 keeps the empty thinking block only there).
+    ///
+    /// The content is where a marker rendered in its place showed it (`found.at`). Otherwise it
+    /// is looked for between `found.after` (the end of the turn's reasoning, where the template
+    /// writes it) and `found.limit` (the next message's content), as written, trimmed, or as the
+    /// answer after a reasoning block the content holds (`…</think>answer`, which Qwen3's and
+    /// DeepSeek's templates split off): of its first [`MAX_PLACES`] places, the first that a
+    /// control token closes (text such as "a" also occurs inside "<|channel|>"), or the first where
+    /// none is closed. None when it is not there, or only past those places.
+    fn turn_span(&self, full: &str, header: &str, content: &str, floor: usize, found: Found) -> Option<(usize, usize)> {
         let start = common_prefix(full, header).max(floor);
-        let from = after.max(start);
-        let content = if full[from..].contains(content) { content } else { content.trim() };
-        let places: Vec<usize> = if content.is_empty() {
-            vec![from]
-        } else {
-            full[from..].match_indices(content).map(|(p, _)| from + p).collect()
+        let (start, content, places) = match found.at {
+            // A prompt that parts from the turn inside its content ("<|channel>" against
+            // "<think>": both begin with "<") does not move the turn's start past the content.
+            Some(p) => (start.min(p), content, vec![p]),
+            None => {
+                let from = found.after.max(start);
+                let region = full.get(from..found.limit.max(from))?;
+                let (content, from) = if region.contains(content) {
+                    (content, from)
+                } else if region.contains(content.trim()) {
+                    (content.trim(), from)
+                } else {
+                    // The answer after the reasoning block, after the one the template wrote in
+                    // this turn (where it wrote one).
+                    let (_, answer) = content.rsplit_once(THINK_END)?;
+                    let after = region.find(THINK_END).map_or(from, |p| from + p + THINK_END.len());
+                    (answer.trim(), after)
+                };
+                let region = full.get(from..found.limit.max(from))?;
+                let places: Vec<usize> = if content.is_empty() {
+                    vec![from]
+                } else {
+                    region.match_indices(content).take(MAX_PLACES + 1).map(|(p, _)| from + p).collect()
+                };
+                if places.is_empty() {
+                    return None;
+                }
+                (start, content, places)
+            }
         };
         let closed = |body_end: usize| {
             let rest = &full[body_end..];
@@ -215,10 +253,13 @@ impl TextTokenizer {
                 .filter(|&k| rest.is_char_boundary(k))
                 .find_map(|k| self.specials.iter().find(|t| rest[k..].starts_with(t.as_str())).map(|t| k + t.len()))
         };
-        let (body_end, closing) = places
-            .iter()
-            .find_map(|&p| closed(p + content.len()).map(|k| (p + content.len(), Some(k))))
-            .or_else(|| places.first().map(|&p| (p + content.len(), None)))?;
+        let (body_end, closing) =
+            match places.iter().take(MAX_PLACES).find_map(|&p| closed(p + content.len()).map(|k| (p, k))) {
+                Some((p, k)) => (p + content.len(), Some(k)),
+                // A content found in too many places to tell is not placed at a guess.
+                None if places.len() > MAX_PLACES => return None,
+                None => (places.first()? + content.len(), None),
+            };
         let end = match closing {
             Some(k) => {
                 let after = &full[body_end + k..];
@@ -227,6 +268,19 @@ impl TextTokenizer {
             None => body_end,
         };
         Some((start, end))
+    }
+
+    /// Where `msgs[j]`'s content begins in `full`: the chat rendered with a marker in its place
+    /// holds the marker once, and the text before it is `full`'s.
+    fn marker_at(&self, msgs: &[ChatMessage], kwargs: &TemplateKwargs, j: usize, full: &str) -> Option<usize> {
+        let mut probe = msgs.to_vec();
+        probe[j].content = CONTENT_MARKER.to_string();
+        let text = self.render_chat_with(&probe, kwargs, false).ok()?;
+        let mut places = text.match_indices(CONTENT_MARKER).map(|(p, _)| p);
+        match (places.next(), places.next()) {
+            (Some(p), None) if full.get(..p) == text.get(..p) => Some(p),
+            _ => None,
+        }
     }
 
     /// The messages with every special-token text in their content replaced by a placeholder
@@ -307,6 +361,26 @@ fn common_prefix(a: &str, b: &str) -> usize {
 fn no_template() -> TokenizeError {
     TokenizeError::Unsupported("this model has no chat template; send \"text\" or \"input_ids\" instead".into())
 }
+
+/// What stands in for an assistant's content to find where the template writes it (characters of
+/// the Private Use Area, which no tokenizer's control token holds).
+const CONTENT_MARKER: &str = "\u{E000}\u{E7FF}\u{F8FF}";
+
+/// What is known of where an assistant's content lies in the rendered chat.
+struct Found {
+    /// Where a marker in its place showed it.
+    at: Option<usize>,
+    /// Where the turn's reasoning ends, where the template writes it (else 0).
+    after: usize,
+    /// Where the next message's content begins (else the chat's end).
+    limit: usize,
+}
+
+/// The end of a reasoning block written into an answer's content.
+const THINK_END: &str = "</think>";
+
+/// The places of an assistant's content looked through when the marker cannot show it.
+const MAX_PLACES: usize = 64;
 
 /// Protected messages and template variables, and the table of what each placeholder stands for.
 type Protected = (Vec<ChatMessage>, TemplateKwargs, Vec<String>);

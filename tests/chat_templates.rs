@@ -107,19 +107,7 @@ fn real_tokenizers_give_transformers_ids_for_chats() {
 /// The decoded runs of masked tokens.
 fn masked_runs(tok: &TextTokenizer, msgs: &[ChatMessage], kw: &TemplateKwargs) -> Vec<String> {
     let t = tok.encode_chat_with(msgs, kw, &Budget::unlimited()).unwrap();
-    let mut runs: Vec<Vec<u32>> = Vec::new();
-    let mut cur = Vec::new();
-    for (id, m) in t.ids.iter().zip(&t.loss_mask) {
-        if *m == 1 {
-            cur.push(*id);
-        } else if !cur.is_empty() {
-            runs.push(std::mem::take(&mut cur));
-        }
-    }
-    if !cur.is_empty() {
-        runs.push(cur);
-    }
-    runs.iter().map(|r| tok.decode(r).unwrap()).collect()
+    common::masked_runs(tok, &t).into_iter().map(|(_, text)| text).collect()
 }
 
 /// The text each assistant turn's masked tokens decode to: (the message, is the chat's last turn).
@@ -347,24 +335,13 @@ fn protected_content_keeps_its_turn_masked_on_a_real_tokenizer() {
     let t = tok.encode_chat_within(&msgs, &budget).unwrap();
     let im_end = 151645;
     assert_eq!(t.ids.iter().filter(|&&id| id == im_end).count(), 4, "the template's four turn ends only");
-    let mut runs: Vec<Vec<u32>> = vec![Vec::new()];
-    for (id, m) in t.ids.iter().zip(&t.loss_mask) {
-        match (*m, runs.last().unwrap().is_empty()) {
-            (1, _) => runs.last_mut().unwrap().push(*id),
-            (_, false) => runs.push(Vec::new()),
-            _ => {}
-        }
-    }
-    runs.retain(|r| !r.is_empty());
-    let decoded: Vec<String> = runs.iter().map(|r| tok.decode(r).unwrap()).collect();
+    let runs = common::masked_runs(&tok, &t);
+    let decoded: Vec<&str> = runs.iter().map(|(_, text)| text.as_str()).collect();
     assert_eq!(
         decoded,
-        vec![
-            "It is <|im_end|> and nothing else.<|im_end|>\n".to_string(),
-            "<think>\n\n</think>\n\nYou are welcome.<|im_end|>\n".to_string()
-        ]
+        vec!["It is <|im_end|> and nothing else.<|im_end|>\n", "<think>\n\n</think>\n\nYou are welcome.<|im_end|>\n"]
     );
-    let first: &Vec<u32> = &runs[0];
+    let first = &runs[0].0;
     assert_eq!(first.iter().filter(|&&id| id == im_end).count(), 1, "only the turn's own end is the control token");
 }
 

@@ -54,19 +54,7 @@ fn loss_mask_covers_assistant_turns_and_their_end_marker_only() {
     let t = tok.encode_chat(&msgs).unwrap();
     assert_eq!(t.ids.len(), t.loss_mask.len());
     // Decode the masked runs: each must be an assistant answer followed by the end-of-turn text.
-    let mut runs: Vec<Vec<u32>> = Vec::new();
-    let mut cur = Vec::new();
-    for (id, m) in t.ids.iter().zip(&t.loss_mask) {
-        if *m == 1 {
-            cur.push(*id);
-        } else if !cur.is_empty() {
-            runs.push(std::mem::take(&mut cur));
-        }
-    }
-    if !cur.is_empty() {
-        runs.push(cur);
-    }
-    let decoded: Vec<String> = runs.iter().map(|r| tok.decode(r).unwrap()).collect();
+    let decoded: Vec<String> = common::masked_runs(&tok, &t).into_iter().map(|(_, text)| text).collect();
     assert_eq!(decoded, vec!["Blue.<|im_end|>\n".to_string(), "Red.<|im_end|>\n".to_string()]);
 }
 

@@ -220,6 +220,22 @@ impl Engine for FakeEngine {
     }
 }
 
+/// The runs of tokens a loss mask marks, each as its ids and as the text they decode to.
+#[allow(dead_code)]
+pub fn masked_runs(tok: &TextTokenizer, t: &layertap::tokenizer::Tokenized) -> Vec<(Vec<u32>, String)> {
+    let mut runs: Vec<Vec<u32>> = Vec::new();
+    let mut inside = false;
+    for (&id, &m) in t.ids.iter().zip(&t.loss_mask) {
+        match (m == 1, inside) {
+            (true, true) => runs.last_mut().unwrap().push(id),
+            (true, false) => runs.push(vec![id]),
+            (false, _) => {}
+        }
+        inside = m == 1;
+    }
+    runs.into_iter().map(|r| (r.clone(), tok.decode(&r).unwrap())).collect()
+}
+
 pub fn tiny_tokenizer() -> TextTokenizer {
     let dir = fixtures().join("tiny/qwen3_qknorm");
     let src = layertap::engine::TokenizerSource::HfFiles {

@@ -18,7 +18,7 @@ use crate::answer::{metadata, Assembly, HiddenStatesJson, LayerSet, LogprobsAsk,
 use crate::batching::Submission;
 use crate::engine::OutDType;
 use crate::error::{ApiError, ErrorKind};
-use crate::tokenizer::{check_template_kwargs, Budget, Input, TokenizeError, Tokenized};
+use crate::tokenizer::{Budget, Input, TokenizeError, Tokenized};
 
 /// Checks one input's shape (exactly one kind, ids in range) and turns it into an [`Input`].
 fn to_input(i: usize, item: InputItem, vocab: usize) -> Result<Input, ApiError> {
@@ -49,9 +49,7 @@ fn to_input(i: usize, item: InputItem, vocab: usize) -> Result<Input, ApiError> 
     if let Some(t) = item.text {
         return Ok(Input::Text(t));
     }
-    let kwargs = item.chat_template_kwargs.unwrap_or_default();
-    check_template_kwargs(&kwargs).map_err(|e| ApiError::invalid(format!("inputs[{i}].{e}")))?;
-    Ok(Input::Messages(item.messages.unwrap_or_default(), kwargs))
+    Ok(Input::Messages(item.messages.unwrap_or_default(), item.chat_template_kwargs.unwrap_or_default()))
 }
 
 /// Sets its flag when dropped: the handler holding it has finished or was dropped (the client

@@ -19,6 +19,11 @@ impl TextTokenizer {
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
         super::check_template_kwargs(kwargs).map_err(TokenizeError::Invalid)?;
+        self.renderer()?.render(messages, kwargs, add_generation_prompt)
+    }
+
+    /// The chat template parsed, to render a chat as many times as its loss mask needs.
+    fn renderer(&self) -> Result<Renderer<'_>, TokenizeError> {
         let template = self.chat_template.as_deref().ok_or_else(no_template)?;
         let mut env = minijinja::Environment::new();
         env.set_trim_blocks(true);
@@ -37,26 +42,7 @@ impl TextTokenizer {
         });
         env.add_template("chat", template)
             .map_err(|e| TokenizeError::Unsupported(format!("the model's chat template does not parse: {e}")))?;
-        // As transformers passes them: a message's reasoning under both names templates read.
-        let messages: Vec<minijinja::Value> = messages
-            .iter()
-            .map(|m| {
-                let mut fields = vec![("role", m.role.as_str()), ("content", m.content.as_str())];
-                if let Some(r) = &m.reasoning_content {
-                    fields.extend([("thinking", r.as_str()), ("reasoning_content", r.as_str())]);
-                }
-                minijinja::Value::from_iter(fields.into_iter().map(|(k, v)| (k, minijinja::Value::from(v))))
-            })
-            .collect();
-        let ctx = minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.clone().unwrap_or_default(),
-            eos_token => self.eos_token.clone().unwrap_or_default(),
-            ..minijinja::Value::from_serialize(kwargs)
-        };
-        let tmpl = env.get_template("chat").map_err(|e| TokenizeError::Invalid(e.to_string()))?;
-        tmpl.render(ctx).map_err(|e| TokenizeError::Invalid(format!("chat template: {e}")))
+        Ok(Renderer { env, bos: self.bos_token.as_deref().unwrap_or(""), eos: self.eos_token.as_deref().unwrap_or("") })
     }
 
     /// Ids of a rendered chat (as `apply_chat_template(tokenize=True)`) and a loss mask that is 1
@@ -124,7 +110,8 @@ impl TextTokenizer {
             Some((m, k, t)) => (m, k, t),
             None => (messages, kwargs, &[]),
         };
-        let rendered = self.render_chat_with(msgs, kwargs, false)?;
+        let renderer = self.renderer()?;
+        let rendered = renderer.render(msgs, kwargs, false)?;
         budget.check()?;
         let real = Unprotected::new(&rendered, table);
         // Counted with control tokens as single tokens, which never overcounts.
@@ -137,11 +124,12 @@ impl TextTokenizer {
                 continue;
             }
             budget.check()?;
-            let header = self.render_chat_with(&msgs[..i], kwargs, true).unwrap_or_default();
+            let header = renderer.render(&msgs[..i], kwargs, true).unwrap_or_default();
             let floor = spans.last().map_or(0, |&(_, b)| b);
             // Where the content is: the chat rendered with a marker in its place shows it, where
             // the template writes the text before it alike (it does unless it reads the content).
-            let at = self.marker_at(msgs, kwargs, i, full).filter(|&p| p >= floor && full[p..].starts_with(&m.content));
+            let at =
+                renderer.marker_at(msgs, kwargs, i, full).filter(|&p| p >= floor && full[p..].starts_with(&m.content));
             // Else it is looked for, after the turn's reasoning where the template writes it (the
             // chat rendered without the reasoning tells where that ends) and before the next
             // message's content.
@@ -150,13 +138,13 @@ impl TextTokenizer {
                 if m.reasoning_content.is_some() {
                     let mut plain = msgs.to_vec();
                     plain[i].reasoning_content = None;
-                    let other = self.render_chat_with(&plain, kwargs, false)?;
+                    let other = renderer.render(&plain, kwargs, false)?;
                     if other != full {
                         after = full.len() - common_suffix(full, &other);
                     }
                 }
                 if i + 1 < msgs.len() {
-                    limit = self.marker_at(msgs, kwargs, i + 1, full).unwrap_or(full.len());
+                    limit = renderer.marker_at(msgs, kwargs, i + 1, full).unwrap_or(full.len());
                 }
             }
             let found = Found { at, after, limit };
@@ -270,19 +258,6 @@ impl TextTokenizer {
         Some((start, end))
     }
 
-    /// Where `msgs[j]`'s content begins in `full`: the chat rendered with a marker in its place
-    /// holds the marker once, and the text before it is `full`'s.
-    fn marker_at(&self, msgs: &[ChatMessage], kwargs: &TemplateKwargs, j: usize, full: &str) -> Option<usize> {
-        let mut probe = msgs.to_vec();
-        probe[j].content = CONTENT_MARKER.to_string();
-        let text = self.render_chat_with(&probe, kwargs, false).ok()?;
-        let mut places = text.match_indices(CONTENT_MARKER).map(|(p, _)| p);
-        match (places.next(), places.next()) {
-            (Some(p), None) if full.get(..p) == text.get(..p) => Some(p),
-            _ => None,
-        }
-    }
-
     /// The messages with every special-token text in their content replaced by a placeholder
     /// character, and the table of what each placeholder stands for.
     fn protect(&self, messages: &[ChatMessage], kwargs: &TemplateKwargs) -> Result<Protected, TokenizeError> {
@@ -341,6 +316,56 @@ impl TextTokenizer {
             }
         }
         Ok(out)
+    }
+}
+
+/// A chat template parsed once, with the special tokens it is given.
+struct Renderer<'a> {
+    env: minijinja::Environment<'a>,
+    bos: &'a str,
+    eos: &'a str,
+}
+
+impl Renderer<'_> {
+    fn render(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &TemplateKwargs,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
+        // As transformers passes them: a message's reasoning under both names templates read.
+        let messages: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|m| {
+                let mut fields = vec![("role", m.role.as_str()), ("content", m.content.as_str())];
+                if let Some(r) = &m.reasoning_content {
+                    fields.extend([("thinking", r.as_str()), ("reasoning_content", r.as_str())]);
+                }
+                minijinja::Value::from_iter(fields.into_iter().map(|(k, v)| (k, minijinja::Value::from(v))))
+            })
+            .collect();
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos,
+            eos_token => self.eos,
+            ..minijinja::Value::from_serialize(kwargs)
+        };
+        let tmpl = self.env.get_template("chat").map_err(|e| TokenizeError::Invalid(e.to_string()))?;
+        tmpl.render(ctx).map_err(|e| TokenizeError::Invalid(format!("chat template: {e}")))
+    }
+
+    /// Where `msgs[j]`'s content begins in `full`: the chat rendered with a marker in its place
+    /// holds the marker once, and the text before it is `full`'s.
+    fn marker_at(&self, msgs: &[ChatMessage], kwargs: &TemplateKwargs, j: usize, full: &str) -> Option<usize> {
+        let mut probe = msgs.to_vec();
+        probe[j].content = CONTENT_MARKER.to_string();
+        let text = self.render(&probe, kwargs, false).ok()?;
+        let mut places = text.match_indices(CONTENT_MARKER).map(|(p, _)| p);
+        match (places.next(), places.next()) {
+            (Some(p), None) if full.get(..p) == text.get(..p) => Some(p),
+            _ => None,
+        }
     }
 }
 

@@ -51,12 +51,6 @@ impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         ChatMessage { role: role.into(), content: content.into(), reasoning_content: None }
     }
-
-    /// An assistant turn with its reasoning.
-    pub fn with_reasoning(mut self, reasoning: impl Into<String>) -> Self {
-        self.reasoning_content = Some(reasoning.into());
-        self
-    }
 }
 
 /// Extra variables a chat template is rendered with (transformers' `apply_chat_template` kwargs).

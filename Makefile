@@ -45,7 +45,7 @@ fmt:
 # the binary), the Python client against a live server, and the deployment files (Kubernetes
 # schemas, Dockerfiles, the Grafana dashboard's metrics, a real Prometheus scraping layertap), the
 # CUDA kernels compiled for every GPU generation, the documentation check, and the soak test.
-test: model tokenizers lint test-rust test-python test-deploy test-docs test-cuda-archs soak
+test: model lint test-rust test-python test-deploy test-docs test-cuda-archs soak
 
 test-rust: tokenizers
 	$(CARGO) test --all-targets

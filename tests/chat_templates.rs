@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use common::fixtures;
@@ -33,10 +34,21 @@ fn case<'a>(r: &'a Value, name: &str) -> &'a Value {
     r["cases"].as_array().unwrap().iter().find(|c| c["name"] == name).unwrap_or_else(|| panic!("no case {name}"))
 }
 
+/// The tokenizer of `dir`, its file parsed once for all the tests.
+fn parsed(dir: &std::path::Path) -> tokenizers::Tokenizer {
+    static PARSED: std::sync::OnceLock<std::sync::Mutex<HashMap<PathBuf, tokenizers::Tokenizer>>> =
+        std::sync::OnceLock::new();
+    let mut cache = PARSED.get_or_init(Default::default).lock().unwrap();
+    cache
+        .entry(dir.to_path_buf())
+        .or_insert_with(|| tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap())
+        .clone()
+}
+
 /// The case's tokenizer (with the control tokens the reference added) and template.
 fn tokenizer(c: &Value) -> TextTokenizer {
     let dir = tokenizers_dir().join(c["tokenizer"].as_str().unwrap());
-    let mut tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let mut tok = parsed(&dir);
     let added: Vec<tokenizers::AddedToken> = c["added_special_tokens"]
         .as_array()
         .unwrap()
@@ -297,12 +309,7 @@ fn an_answer_the_marker_cannot_place_is_looked_for_within_its_turn() {
              {{{{ m.content }}}}{filler}{{% else %}}{{{{ m.content }}}}{{% endif %}}<|im_end|>\n{{% endfor %}}\
              {{% if add_generation_prompt %}}<|im_start|>assistant\n{{% endif %}}"
         );
-        TextTokenizer::new(
-            tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap(),
-            Some(template),
-            None,
-            None,
-        )
+        TextTokenizer::new(parsed(&dir), Some(template), None, None)
     };
     let many_a = "a ".repeat(100);
     let msgs = vec![
@@ -351,7 +358,7 @@ fn protected_content_keeps_its_turn_masked_on_a_real_tokenizer() {
 fn a_template_that_rewrites_the_answer_is_refused_not_masked_at_a_guess() {
     let r = reference();
     let dir = tokenizers_dir().join(case(&r, "qwen3")["tokenizer"].as_str().unwrap());
-    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let tok = parsed(&dir);
     let template =
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{{ m.content | upper }}\
                     {% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}\
@@ -361,11 +368,7 @@ fn a_template_that_rewrites_the_answer_is_refused_not_masked_at_a_guess() {
     let e = tok.encode_chat(&msgs).unwrap_err();
     assert!(e.to_string().contains("loss mask cannot be placed") && e.to_string().contains("messages[1]"), "{e}");
     // The same template with the answer as written is masked.
-    let plain = TextTokenizer::new(
-        tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap(),
-        Some(template.replace(" | upper", "")),
-        None,
-        Some("<|im_end|>".into()),
-    );
+    let plain =
+        TextTokenizer::new(parsed(&dir), Some(template.replace(" | upper", "")), None, Some("<|im_end|>".into()));
     assert_eq!(masked_runs(&plain, &msgs, &TemplateKwargs::new()), vec!["hello there<|im_end|>\n".to_string()]);
 }

@@ -1,8 +1,8 @@
 //! What a `layertap bulk` folder is made with, pinned in its `bulk.json`: the settings that shape
 //! its files (the layers, resolved for the model; the dtype; the token selection; the
-//! log-probabilities; the layout; the chat template variables) and the model that answers, as the servers' `/v1/info`
-//! describes it (id, architecture, layer count, hidden size, vocabulary, compute dtype,
-//! quantisation, layer kinds, output head, tokenizer and chat template). `/v1/info` gives no
+//! log-probabilities; the layout; the chat template variables) and the model that answers, as
+//! the servers' `/v1/info` describes it (id, architecture, layer count, hidden size, vocabulary,
+//! compute dtype, quantisation, layer kinds, output head, tokenizer and chat template). `/v1/info` gives no
 //! fingerprint of the weights: two checkpoints of one name and shape pass for the same model.
 //!
 //! Before anything is written, every server must describe the same model, and a folder that holds

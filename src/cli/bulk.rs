@@ -132,8 +132,7 @@ pub fn parse_shard(s: &str) -> Result<Shard, String> {
     Ok(Shard { index, count })
 }
 
-/// Parses `--timeout-s`: a number of seconds, more than 0 and finite (under 3e9, some 95 years,
-/// so that the deadline it sets can be reckoned).
+/// Parses `--chat-template-kwargs`: a JSON object, without the variables the server sets itself.
 pub fn parse_template_kwargs(s: &str) -> Result<crate::tokenizer::TemplateKwargs, String> {
     let v: serde_json::Value =
         serde_json::from_str(s).map_err(|e| format!("--chat-template-kwargs takes a JSON object: {e}"))?;
@@ -144,6 +143,8 @@ pub fn parse_template_kwargs(s: &str) -> Result<crate::tokenizer::TemplateKwargs
     Ok(kwargs)
 }
 
+/// Parses `--timeout-s`: a number of seconds, more than 0 and finite (under 3e9, some 95 years,
+/// so that the deadline it sets can be reckoned).
 pub fn parse_timeout(s: &str) -> Result<f64, String> {
     let secs: f64 = s.trim().parse().map_err(|_| format!("{s:?}: --timeout-s takes a number of seconds"))?;
     if !(secs.is_finite() && secs > 0.0 && secs < 3.0e9) {

@@ -19,7 +19,11 @@ impl TextTokenizer {
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
         super::check_template_kwargs(kwargs).map_err(TokenizeError::Invalid)?;
-        self.renderer()?.render(messages, kwargs, add_generation_prompt)
+        self.renderer()?.render(
+            &message_values(messages),
+            &minijinja::Value::from_serialize(kwargs),
+            add_generation_prompt,
+        )
     }
 
     /// The chat template parsed, to render a chat as many times as its loss mask needs.
@@ -111,7 +115,10 @@ impl TextTokenizer {
             None => (messages, kwargs, &[]),
         };
         let renderer = self.renderer()?;
-        let rendered = renderer.render(msgs, kwargs, false)?;
+        // The chat as the template's values, once: each render below takes them, or a copy with one
+        // message changed (the values are shared, not copied).
+        let (values, kwargs) = (message_values(msgs), minijinja::Value::from_serialize(kwargs));
+        let rendered = renderer.render(&values, &kwargs, false)?;
         budget.check()?;
         let real = Unprotected::new(&rendered, table);
         // Counted with control tokens as single tokens, which never overcounts.
@@ -124,27 +131,31 @@ impl TextTokenizer {
                 continue;
             }
             budget.check()?;
-            let header = renderer.render(&msgs[..i], kwargs, true).unwrap_or_default();
+            let header = renderer.render(&values[..i], &kwargs, true).unwrap_or_default();
             let floor = spans.last().map_or(0, |&(_, b)| b);
             // Where the content is: the chat rendered with a marker in its place shows it, where
             // the template writes the text before it alike (it does unless it reads the content).
-            let at =
-                renderer.marker_at(msgs, kwargs, i, full).filter(|&p| p >= floor && full[p..].starts_with(&m.content));
+            let marked = |j: usize| {
+                let mut probe = values.clone();
+                probe[j] = message_value(&msgs[j].role, CONTENT_MARKER, msgs[j].reasoning_content.as_deref());
+                renderer.marker_at(&probe, &kwargs, full)
+            };
+            let at = marked(i).filter(|&p| p >= floor && full[p..].starts_with(&m.content));
             // Else it is looked for, after the turn's reasoning where the template writes it (the
             // chat rendered without the reasoning tells where that ends) and before the next
             // message's content.
             let (mut after, mut limit) = (0, full.len());
             if at.is_none() {
                 if m.reasoning_content.is_some() {
-                    let mut plain = msgs.to_vec();
-                    plain[i].reasoning_content = None;
-                    let other = renderer.render(&plain, kwargs, false)?;
+                    let mut plain = values.clone();
+                    plain[i] = message_value(&m.role, &m.content, None);
+                    let other = renderer.render(&plain, &kwargs, false)?;
                     if other != full {
                         after = full.len() - common_suffix(full, &other);
                     }
                 }
                 if i + 1 < msgs.len() {
-                    limit = renderer.marker_at(msgs, kwargs, i + 1, full).unwrap_or(full.len());
+                    limit = marked(i + 1).unwrap_or(full.len());
                 }
             }
             let found = Found { at, after, limit };
@@ -327,46 +338,48 @@ struct Renderer<'a> {
 }
 
 impl Renderer<'_> {
+    /// The chat of `messages` (as [`message_values`] gives them) with the variables `kwargs`.
     fn render(
         &self,
-        messages: &[ChatMessage],
-        kwargs: &TemplateKwargs,
+        messages: &[minijinja::Value],
+        kwargs: &minijinja::Value,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
-        // As transformers passes them: a message's reasoning under both names templates read.
-        let messages: Vec<minijinja::Value> = messages
-            .iter()
-            .map(|m| {
-                let mut fields = vec![("role", m.role.as_str()), ("content", m.content.as_str())];
-                if let Some(r) = &m.reasoning_content {
-                    fields.extend([("thinking", r.as_str()), ("reasoning_content", r.as_str())]);
-                }
-                minijinja::Value::from_iter(fields.into_iter().map(|(k, v)| (k, minijinja::Value::from(v))))
-            })
-            .collect();
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
-            ..minijinja::Value::from_serialize(kwargs)
+            ..kwargs.clone()
         };
         let tmpl = self.env.get_template("chat").map_err(|e| TokenizeError::Invalid(e.to_string()))?;
         tmpl.render(ctx).map_err(|e| TokenizeError::Invalid(format!("chat template: {e}")))
     }
 
-    /// Where `msgs[j]`'s content begins in `full`: the chat rendered with a marker in its place
-    /// holds the marker once, and the text before it is `full`'s.
-    fn marker_at(&self, msgs: &[ChatMessage], kwargs: &TemplateKwargs, j: usize, full: &str) -> Option<usize> {
-        let mut probe = msgs.to_vec();
-        probe[j].content = CONTENT_MARKER.to_string();
-        let text = self.render(&probe, kwargs, false).ok()?;
+    /// Where the marker begins in `full`: `probe` (the chat with [`CONTENT_MARKER`] as one
+    /// message's content) renders it once, and the text before it is `full`'s.
+    fn marker_at(&self, probe: &[minijinja::Value], kwargs: &minijinja::Value, full: &str) -> Option<usize> {
+        let text = self.render(probe, kwargs, false).ok()?;
         let mut places = text.match_indices(CONTENT_MARKER).map(|(p, _)| p);
         match (places.next(), places.next()) {
             (Some(p), None) if full.get(..p) == text.get(..p) => Some(p),
             _ => None,
         }
     }
+}
+
+/// The messages as the template sees them, as transformers passes them: a message's reasoning
+/// under both names templates read.
+fn message_values(messages: &[ChatMessage]) -> Vec<minijinja::Value> {
+    messages.iter().map(|m| message_value(&m.role, &m.content, m.reasoning_content.as_deref())).collect()
+}
+
+fn message_value(role: &str, content: &str, reasoning: Option<&str>) -> minijinja::Value {
+    let mut fields = vec![("role", role), ("content", content)];
+    if let Some(r) = reasoning {
+        fields.extend([("thinking", r), ("reasoning_content", r)]);
+    }
+    minijinja::Value::from_iter(fields.into_iter().map(|(k, v)| (k, minijinja::Value::from(v))))
 }
 
 /// The length of the longest common suffix of `a` and `b`, on a character boundary.

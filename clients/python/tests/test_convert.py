@@ -299,7 +299,9 @@ def test_manifest_lines_leaving_the_folder_or_recording_no_file_are_listed_and_n
     moved["chat-c"].write_bytes((bulk["prenorm"] / prenorm).read_bytes())
     os.symlink(moved["chat-c"], src / by_id["chat-c"]["file"])
     del by_id["text-b"]["file"]
-    lines = [json.dumps(e) for e in entries] + [json.dumps({"file": entries[-1]["file"]})]
+    # (the manifest's order is the order the samples finished: the last line may be text-b's)
+    last_file = next(e["file"] for e in reversed(entries) if "file" in e)
+    lines = [json.dumps(e) for e in entries] + [json.dumps({"file": last_file})]
     (src / "manifest.jsonl").write_text("".join(line + "\n" for line in lines))
 
     p = _run("specforge-eagle3", src, out, "--quiet")

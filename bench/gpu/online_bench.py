@@ -8,14 +8,21 @@ against the bound it was given.
 
     python3 bench/gpu/online_bench.py --url http://127.0.0.1:18080 --workload W/workload.json \
         [--workers 0|1|4] [--step-ms 0] [--max-requests 32] [--request-tokens 16384] \
-        [--max-buffered-mb 2048] [--encoding zstd|identity] [--device cuda:0] [--touch sum|none]
+        [--max-buffered-mb 2048] [--encoding zstd|identity] [--device cuda:0] [--touch sum|sum-once|none]
 
 --workers 0 iterates the source in this process; N > 0 runs N torch DataLoader workers over
 OnlineIterableDataset (each with its share and its own requests: --max-requests each; with
 --device the DataLoader pins memory and the step copies each sample to the GPU, as a trainer
 does). --step-ms adds that much sleep to each step (a consumer slower than the server).
 --touch none: the step takes the sample and does nothing with it (the copy to the GPU, where
-there is one, still happens: the source's own work).
+there is one, still happens: the source's own work). --touch sum reads every tensor and waits for
+each sum (one device sync per tensor); --touch sum-once adds the sums up on the device and waits
+once per sample, as a training step that reads its loss once does.
+
+With --device, the CUDA context is made before the clock starts: a trainer has one before its
+data source starts (bench_http's clock likewise starts after its untimed warm-up request). The
+clock then covers everything the source does, its pinned memory and first requests included;
+first_sample_s is the wait for the first sample, tokens_per_s_after_first the rate from then on.
 """
 
 from __future__ import annotations
@@ -48,6 +55,12 @@ def touch(sample) -> float:
         elif isinstance(v, np.ndarray) and v.dtype.kind in "fiub":
             total += float(v.sum(dtype=np.float64))
     return total
+
+
+def touch_once(sample) -> float:
+    """The same reads as :func:`touch`, summed on the sample's device: one wait per sample."""
+    parts = [v.sum(dtype=_F32) if v.is_floating_point() else v.sum().to(_F32) for v in sample.values() if hasattr(v, "is_floating_point")]
+    return float(_torch.stack(parts).sum()) if parts else 0.0
 
 
 def _worker_stats_dataset(dir_: str):
@@ -107,7 +120,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="the answer dtype (default: the workload's)")
     ap.add_argument("--encoding", default="zstd", choices=["zstd", "identity"], help="the answers' encoding")
     ap.add_argument("--device", default=None, help="cuda:N: the samples copied to that GPU (by the source; with workers by the step)")
-    ap.add_argument("--touch", default="sum", choices=["sum", "none"], help="what the stand-in step does with a sample")
+    ap.add_argument("--touch", default="sum", choices=["sum", "sum-once", "none"], help="what the stand-in step does with a sample")
     a = ap.parse_args()
 
     from layertap_client.online import OnlineSource
@@ -125,8 +138,12 @@ def main() -> None:
     )
     if a.device and a.workers == 0:
         kw["device"] = a.device
+    if a.device:  # the trainer's CUDA context exists before its source starts
+        _torch.zeros(1, device=a.device)
+        _torch.cuda.synchronize(a.device)
     cpu0, own0, t0 = cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     waited = first_wait = 0.0
+    first_tokens = 0
     tokens = nbytes = n = 0
     src = None
     if _torch is not None:  # torch tensors, as a trainer takes them, where torch is installed
@@ -150,10 +167,13 @@ def main() -> None:
         waited += time.perf_counter() - w
         if n == 0:
             first_wait = waited
+            first_tokens = len(s["input_ids"])
         if to_device:
             s = {k: v.to(a.device, non_blocking=True) if hasattr(v, "to") else v for k, v in s.items()}
         if a.touch == "sum":
             touch(s)
+        elif a.touch == "sum-once":
+            touch_once(s)
         if a.step_ms:
             time.sleep(a.step_ms / 1000)
         tokens += len(s["input_ids"])
@@ -171,8 +191,10 @@ def main() -> None:
     cpu = cpu_seconds() - cpu0
     own = own_cpu_seconds() - own0
     print(json.dumps({
-        "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else "") + (", step does nothing" if a.touch == "none" else ""),
+        "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else "") + (", step does nothing" if a.touch == "none" else ", one sync a sample" if a.touch == "sum-once" else ""),
         "samples": n, "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+        "first_sample_s": round(first_wait, 3),
+        "tokens_per_s_after_first": round((tokens - first_tokens) / max(wall - first_wait, 1e-9), 1),
         "consumer_waited_s": round(waited, 3), "waited_share": round(waited / wall, 4),
         # after the first sample: the steady state, without the wait for the first answers
         "waited_after_first_share": round((waited - first_wait) / max(wall - first_wait, 1e-9), 4),

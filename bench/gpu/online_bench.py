@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--encoding", default="zstd", choices=["zstd", "identity"], help="the answers' encoding")
     ap.add_argument("--device", default=None, help="cuda:N: the samples copied to that GPU (by the source; with workers by the step)")
     ap.add_argument("--touch", default="sum", choices=["sum", "sum-once", "none"], help="what the stand-in step does with a sample")
+    ap.add_argument("--pin-memory", type=int, default=1, choices=[0, 1], help="with --device: the host buffers pinned (1) or pageable (0)")
+    ap.add_argument("--warm-mb", type=int, default=None, help="with --device: host memory made ready when the pass starts (default: the bound)")
     a = ap.parse_args()
 
     from layertap_client.online import OnlineSource
@@ -138,6 +140,7 @@ def main() -> None:
     )
     if a.device and a.workers == 0:
         kw["device"] = a.device
+        kw["pin_memory"] = bool(a.pin_memory)
     if a.device:  # the trainer's CUDA context exists before its source starts
         _torch.zeros(1, device=a.device)
         _torch.cuda.synchronize(a.device)
@@ -150,6 +153,8 @@ def main() -> None:
         kw["as_torch"] = True
     if a.workers == 0:
         src = OnlineSource(samples, a.url, **kw)
+        if a.warm_mb is not None:
+            src._warm_bytes = a.warm_mb << 20
         it = iter(src)
     else:
         stats_dir = tempfile.mkdtemp(prefix="online-bench-")
@@ -191,7 +196,7 @@ def main() -> None:
     cpu = cpu_seconds() - cpu0
     own = own_cpu_seconds() - own0
     print(json.dumps({
-        "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else "") + (", step does nothing" if a.touch == "none" else ", one sync a sample" if a.touch == "sum-once" else ""),
+        "contender": f"online source, {a.encoding}, {a.workers} workers" + (f", step {a.step_ms} ms" if a.step_ms else "") + (f", to {a.device}" if a.device else "") + (", pageable host buffers" if a.device and not a.pin_memory else "") + (f", {a.warm_mb} MB made ready at the start" if a.warm_mb is not None else "") + (", step does nothing" if a.touch == "none" else ", one sync a sample" if a.touch == "sum-once" else ""),
         "samples": n, "tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
         "first_sample_s": round(first_wait, 3),
         "tokens_per_s_after_first": round((tokens - first_tokens) / max(wall - first_wait, 1e-9), 1),

@@ -600,9 +600,10 @@ class _PinnedArena:
 
     ALIGN = 4096
 
-    def __init__(self, torch: Any, slab_bytes: int):
+    def __init__(self, torch: Any, slab_bytes: int, pinned: bool = True):
         self.torch = torch
         self.slab_bytes = slab_bytes
+        self.pinned = pinned  # False: plain pageable memory (the copies then go through the driver's staging)
         self.slabs: List[Any] = []
         self.free: List[List[Tuple[int, int]]] = []  # per slab: (offset, size), sorted, coalesced
         self.large: Dict[int, List[Any]] = collections.defaultdict(list)
@@ -616,7 +617,7 @@ class _PinnedArena:
 
     def _pinned(self, nbytes: int) -> Any:
         t0 = time.monotonic()
-        t = self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+        t = self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=self.pinned)
         with self.lock:
             self.buffers += 1
             self.bytes += nbytes
@@ -1649,6 +1650,7 @@ class OnlineSource:
         max_buffered_bytes: int = 2 << 30,
         encoding: str = "zstd",
         device: Any = None,
+        pin_memory: bool = True,
         retries: int = 8,
         timeout: float = 600.0,
         backoff: float = 1.0,
@@ -1713,7 +1715,9 @@ class OnlineSource:
             raise ValueError(f'encoding={encoding!r}: use "zstd" or "identity"')
         self.encoding = encoding
         self.device = device
+        self.pin_memory = bool(pin_memory)
         self._pinned: Optional[_PinnedArena] = None
+        self._warm_bytes: Optional[int] = None  # host memory made ready when a pass starts (None: max_buffered_bytes)
         if device is not None:
             import torch
 
@@ -1975,8 +1979,8 @@ class OnlineSource:
             return None
         if self._pinned is None:
             slab = min(256 << 20, max(32 << 20, self.max_buffered_bytes // 8))
-            self._pinned = _PinnedArena(torch, -(-slab // _PinnedArena.ALIGN) * _PinnedArena.ALIGN)
-        self._pinned.warm(self.max_buffered_bytes)
+            self._pinned = _PinnedArena(torch, -(-slab // _PinnedArena.ALIGN) * _PinnedArena.ALIGN, self.pin_memory)
+        self._pinned.warm(self.max_buffered_bytes if self._warm_bytes is None else self._warm_bytes)
         return self._pinned
 
     def __getstate__(self) -> Dict[str, Any]:  # to DataLoader workers: no thread, no pass

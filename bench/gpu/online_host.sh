@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The online source's host buffers on the way to a GPU consumer, on one server of the dense
+# Qwen3-8B shape (the model of load_check.sh in WORK; the workloads of online_8b.sh: the default
+# 300 sequences and SEQUENCES, default 900): pinned, the whole bound made ready when the pass
+# starts (the default until this benchmark), pinned with one 256 MB slab made ready and the rest
+# on demand, and pageable buffers (the copies then go through the driver's staging); each against
+# bench_http in the same command, and bench_http beside a process whose kernels match the step's.
+#
+#   source bench/gpu/cuda-libs.sh && PYTHONPATH=<layertap_client> bench/gpu/online_host.sh
+#
+# One JSON line per contender on stdout.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+WORK=${WORK:-/dev/shm/load-check}
+SEQUENCES=${SEQUENCES:-900}
+# shellcheck source=bench/gpu/serve.sh
+source bench/gpu/serve.sh
+SEQUENCES=300 WORKLOAD_ONLY=1 bench/gpu/online_8b.sh
+SEQUENCES=$SEQUENCES WORKLOAD_ONLY=1 bench/gpu/online_8b.sh
+w="$WORK/workload.json"
+long="$WORK/workload-$SEQUENCES.json"
+start_server "$WORK" cuda:0 "$WORK.serve.log"
+url="http://127.0.0.1:$PORT"
+b=(timeout 200 python3 bench/gpu/online_bench.py --url "$url" --device cuda:0)
+label() { sed "s|^{|{\"contender\":\"$1\",|"; }
+clients "$w" 64 zstd | label "bench_http zstd, 64 in flight"
+for wl in "$w" "$long"; do
+  "${b[@]}" --workload "$wl"
+  "${b[@]}" --workload "$wl" --warm-mb 256
+  "${b[@]}" --workload "$wl" --pin-memory 0
+  "${b[@]}" --workload "$wl" --pin-memory 0 --touch sum-once
+done
+clients "$long" 64 zstd | label "bench_http zstd, 64 in flight, $SEQUENCES sequences"
+for k in 1 5; do
+  python3 bench/gpu/gpu_neighbour.py --device cuda:0 --gb-per-s 1.0 --seconds 120 --kernels "$k" > "$WORK.neighbour.json" &
+  nb=$!
+  sleep 3
+  clients "$long" 64 zstd | label "bench_http zstd, 64 in flight, $SEQUENCES sequences, beside a process copying 1 GB/s to the GPU with $k waited-for kernels a chunk"
+  kill -TERM $nb; wait $nb || true
+  cat "$WORK.neighbour.json"
+done
+clients "$long" 64 zstd | label "bench_http zstd, 64 in flight, $SEQUENCES sequences (again)"
+clients "$w" 64 zstd | label "bench_http zstd, 64 in flight (again)"
+kill -TERM "$server"
+wait "$server" || true
+trap - EXIT

@@ -135,15 +135,29 @@ struct RowState {
         }
     }
 
-    // Row sums across the four threads of each group, then normalise and store.
-    __device__ __forceinline__ void store(T* out, int seq_start, int seq_len, int head, int q_stride, int lane) {
+    // The factor that normalises a row whose sum is `l` relative to the maximum `m` (log2
+    // domain): 1 / l, or with a sink logit `sink` (log2 domain; -inf: none) in the softmax, the
+    // row's probabilities over the sum of its keys' terms and the sink's, both taken relative
+    // to the larger of `m` and `sink` (the sink's probability is dropped, as the reference does).
+    static __device__ __forceinline__ float normaliser(float l, float m, float sink) {
+        if (!(l > 0.f)) return 0.f;
+        if (sink == -INFINITY) return 1.f / l;
+        const float top = fmaxf(m, sink);
+        const float keys = exp2f(m - top);
+        return keys / (l * keys + exp2f(sink - top));
+    }
+
+    // Row sums across the four threads of each group, then normalise and store. `sink`: the
+    // head's sink logit in the log2 domain, -inf where there is none.
+    __device__ __forceinline__ void store(T* out, int seq_start, int seq_len, int head, int q_stride, int lane,
+                                          float sink) {
         const int t = lane % 4;
         l_a += __shfl_xor_sync(0xffffffff, l_a, 1);
         l_a += __shfl_xor_sync(0xffffffff, l_a, 2);
         l_b += __shfl_xor_sync(0xffffffff, l_b, 1);
         l_b += __shfl_xor_sync(0xffffffff, l_b, 2);
-        const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f;
-        const float inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+        const float inv_a = normaliser(l_a, m_a, sink);
+        const float inv_b = normaliser(l_b, m_b, sink);
         T* oa = out + (size_t)(seq_start + row_a) * q_stride + head * D;
         T* ob = out + (size_t)(seq_start + row_b) * q_stride + head * D;
 #pragma unroll
@@ -154,6 +168,12 @@ struct RowState {
         }
     }
 };
+
+// Head `head`'s sink logit in the log2 domain (the scores' domain: they are scaled by
+// scale * log2 e, the sinks are in the scaled scores' units), -inf where the model has none.
+__device__ __forceinline__ float sink_log2(const float* sinks, int head) {
+    return sinks == nullptr ? -INFINITY : sinks[head] * 1.4426950408889634f;
+}
 
 // Whether every key of tile k0..k0+BN-1 is visible to every one of the 16 rows starting at `w0`
 // (then no mask is needed).
@@ -196,7 +216,7 @@ struct Work {
 template <typename T, int D, int BN>
 __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads, int kv_heads,
-                               float scale_log2, int window) {
+                               float scale_log2, int window, const float* __restrict__ sinks) {
     constexpr int BM = 64, WARPS = 4;
     // K tile row-major [key][dim]; V tile transposed [dim][key], so both feed mma from 32-bit loads.
     __shared__ __align__(16) T ks[BN][D + PAD];
@@ -265,7 +285,7 @@ __device__ void attention_tile(const T* __restrict__ q, const T* __restrict__ k,
             }
         }
     }
-    st.store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);
+    st.store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane, sink_log2(sinks, w.head));
 }
 
 // Rows `r0`..`r0 + rows - 1` of the sequence (positions), columns of head `head`, from a packed
@@ -320,7 +340,7 @@ __device__ __forceinline__ void pv_product(RowState<T, D>* st, const uint32_t (*
 template <typename T, int D, int BN, int WARPS>
 __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                          T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads,
-                                         int kv_heads, float scale_log2, int window) {
+                                         int kv_heads, float scale_log2, int window, const float* __restrict__ sinks) {
     constexpr int BM = 16 * WARPS;
     constexpr int LD = D + PAD;  // row stride in elements: rows 16 bytes apart in banks, no conflicts
     constexpr int STAGE = 2 * BN * LD;
@@ -375,7 +395,7 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
 
         pv_product<T, D, BN, 1>(&st, &pf, vs, lane);
     }
-    st.store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);
+    st.store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane, sink_log2(sinks, w.head));
 }
 
 // The wide kernel: 128 query rows; each warp owns MT groups of 16 consecutive rows, so every K
@@ -388,7 +408,7 @@ __device__ void attention_tile_pipelined(const T* __restrict__ q, const T* __res
 template <typename T, int D, int BN, int WARPS, int MT>
 __device__ void attention_tile_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                     T* __restrict__ out, const uint32_t* __restrict__ tiles, int heads, int kv_heads,
-                                    float scale_log2, int window) {
+                                    float scale_log2, int window, const float* __restrict__ sinks) {
     constexpr int BM = 16 * MT * WARPS;
     constexpr int LD = D + PAD;
     constexpr int STAGE = 2 * BN * LD;
@@ -466,28 +486,30 @@ __device__ void attention_tile_wide(const T* __restrict__ q, const T* __restrict
         pv_product<T, D, BN, MT>(st, pf, vs, lane);
     }
 #pragma unroll
-    for (int j = 0; j < MT; ++j) st[j].store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane);
+    for (int j = 0; j < MT; ++j) st[j].store(out, w.seq_start, w.seq_len, w.head, w.q_stride, lane, sink_log2(sinks, w.head));
 }
 
 #define ATTENTION_KERNEL(NAME, T, D, BN)                                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                                         \
         NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
-             float scale_log2, int window) {                                                                   \
-        attention_tile<T, D, BN>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window);                 \
+             float scale_log2, int window, const float* sinks) {                                               \
+        attention_tile<T, D, BN>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window, sinks);          \
     }
 
 #define PIPELINED_KERNEL(NAME, T, D, BN, WARPS)                                                               \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
         NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
-             float scale_log2, int window) {                                                                   \
-        attention_tile_pipelined<T, D, BN, WARPS>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window); \
+             float scale_log2, int window, const float* sinks) {                                               \
+        attention_tile_pipelined<T, D, BN, WARPS>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window,  \
+                                                  sinks);                                                      \
     }
 
 #define WIDE_KERNEL(NAME, T, D, BN, WARPS, MT)                                                                \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                  \
         NAME(const T* q, const T* k, const T* v, T* out, const uint32_t* tiles, int heads, int kv_heads,      \
-             float scale_log2, int window) {                                                                   \
-        attention_tile_wide<T, D, BN, WARPS, MT>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window);  \
+             float scale_log2, int window, const float* sinks) {                                               \
+        attention_tile_wide<T, D, BN, WARPS, MT>(q, k, v, out, tiles, heads, kv_heads, scale_log2, window,   \
+                                                 sinks);                                                       \
     }
 
 // Keys per tile: 64, and 32 for head dimension 256 (Qwen3.5's full-attention layers), where a

@@ -25,10 +25,17 @@ fn rel(a: &Tensor, b: &Tensor) -> f32 {
     num / den
 }
 
+/// One sink logit per head, some far above any score (every row's weight mostly on the sink),
+/// some far below (no effect), the rest near the scores.
+fn sinks(heads: usize, dev: &candle_core::Device) -> Tensor {
+    let v: Vec<f32> = (0..heads).map(|h| [12.0, -30.0, 0.5, -1.25, 3.0][h % 5] + 0.1 * h as f32).collect();
+    Tensor::new(v.as_slice(), dev).unwrap()
+}
+
 /// Kernel output for packed sequences equals, per sequence, the portable path in f32 on the same
 /// (rounded) inputs, within the rounding of the probabilities to 16 bits; with GQA, head
-/// dimensions 64, 128 and 256, bf16 and f16, with and without a sliding window, and lengths that
-/// straddle the 64-query tiles.
+/// dimensions 64, 128 and 256, bf16 and f16, with and without a sliding window, with and without
+/// attention sinks, and lengths that straddle the 64-query tiles.
 #[test]
 fn kernel_matches_portable_attention() {
     let Some(dev) = device() else { return };
@@ -37,7 +44,7 @@ fn kernel_matches_portable_attention() {
     let seqs = packed(&lens);
     for dtype in [DType::BF16, DType::F16] {
         for (heads, kv, d) in [(8, 2, 128), (6, 6, 64), (9, 3, 64), (6, 1, 256)] {
-            for window in [None, Some(37)] {
+            for (window, sink) in [(None, None), (Some(37), None), (None, Some(sinks(heads, &dev))), (Some(37), Some(sinks(heads, &dev)))] {
                 let q = Tensor::randn(0f32, 1.0, (total, heads, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
@@ -46,7 +53,7 @@ fn kernel_matches_portable_attention() {
                     (q.to_dtype(DType::F32).unwrap(), k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
                 for variant in AttentionKernel::ALL {
                     let t = tiles_for(&seqs, &dev, variant).unwrap();
-                    let out = packed_attention(&q, &k, &v, &t, scale, window).unwrap();
+                    let out = packed_attention(&q, &k, &v, &t, scale, window, sink.as_ref()).unwrap();
                     assert_eq!(out.dims(), &[total, heads, d]);
                     for &(s, l) in &seqs {
                         let masks = chunk_masks(l, window, 1024, &dev).unwrap();
@@ -56,14 +63,15 @@ fn kernel_matches_portable_attention() {
                             &vf.narrow(0, s, l).unwrap(),
                             scale,
                             &masks,
-                            None,
+                            sink.as_ref(),
                         )
                         .unwrap();
                         let got = out.narrow(0, s, l).unwrap().reshape((l, heads * d)).unwrap();
                         let e = rel(&got, &want);
+                        let with = sink.is_some();
                         assert!(
                             e < 1e-2,
-                            "{variant:?} {dtype:?} h{heads}/{kv} d{d} window {window:?} len {l}: rel err {e}"
+                            "{variant:?} {dtype:?} h{heads}/{kv} d{d} window {window:?} sinks {with} len {l}: rel err {e}"
                         );
                     }
                 }
@@ -84,7 +92,8 @@ fn kernel_is_batch_invariant() {
         let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let seqs = [(0, 300), (300, 77), (377, 1200)];
         for variant in AttentionKernel::ALL {
-            let packed = packed_attention(&q, &k, &v, &tiles_for(&seqs, &dev, variant).unwrap(), 0.1, None).unwrap();
+            let packed =
+                packed_attention(&q, &k, &v, &tiles_for(&seqs, &dev, variant).unwrap(), 0.1, None, None).unwrap();
             for &(s, l) in &seqs {
                 let alone = packed_attention(
                     &q.narrow(0, s, l).unwrap(),
@@ -92,6 +101,7 @@ fn kernel_is_batch_invariant() {
                     &v.narrow(0, s, l).unwrap(),
                     &tiles_for(&[(0, l)], &dev, variant).unwrap(),
                     0.1,
+                    None,
                     None,
                 )
                 .unwrap();
@@ -104,7 +114,7 @@ fn kernel_is_batch_invariant() {
 
 /// The kernel's variants give bitwise the same output (each query row meets the same key tiles
 /// in the same order), with GQA, every head dimension, both 16-bit types, with and without a
-/// sliding window, on lengths that straddle both tile heights.
+/// sliding window and sinks, on lengths that straddle both tile heights.
 #[test]
 fn kernel_variants_agree_bitwise() {
     let Some(dev) = device() else { return };
@@ -113,13 +123,13 @@ fn kernel_variants_agree_bitwise() {
     let seqs = packed(&lens);
     for dtype in [DType::BF16, DType::F16] {
         for (heads, kv, d) in [(8, 2, 128), (9, 3, 64), (6, 1, 256)] {
-            for window in [None, Some(37), Some(200)] {
+            for (window, sink) in [(None, None), (Some(37), None), (Some(200), Some(sinks(heads, &dev)))] {
                 let q = Tensor::randn(0f32, 1.0, (total, heads, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let run = |variant| {
                     let t = tiles_for(&seqs, &dev, variant).unwrap();
-                    packed_attention(&q, &k, &v, &t, 0.08, window).unwrap()
+                    packed_attention(&q, &k, &v, &t, 0.08, window, sink.as_ref()).unwrap()
                 };
                 let first = run(AttentionKernel::Simple);
                 for &variant in &AttentionKernel::ALL[1..] {

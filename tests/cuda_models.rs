@@ -71,6 +71,21 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
     }
 }
 
+/// gpt-oss on the GPU (sinks in the attention kernel, YaRN's factor on the rotary tables, its
+/// routing, biases and clamped experts one chain per expert, the MXFP4 experts dequantised at
+/// load): in f32 every index within the CPU's bound of transformers-f32 (1e-5, or twice
+/// transformers-f32's own distance from float64), and in bf16 as close to the f32 reference as
+/// transformers' own bf16 run, for the MXFP4 release and its bf16 twin.
+#[test]
+fn gpt_oss_matches_transformers_on_the_gpu() {
+    let Some(dev) = common::cuda_device() else { return };
+    for name in ["gpt_oss_mxfp4", "gpt_oss_bf16"] {
+        let dir = common::fixtures().join("gpt_oss").join(name);
+        common::every_index_within_tolerance_on(&dir, name, &dev);
+        common::bf16_close_to_reference(&dir, name, &dev);
+    }
+}
+
 /// The copy of the taps to the host runs on its own stream: it must wait for the kernels that
 /// wrote them. Asking a subset of layers of a large batch (the batch's own work still running
 /// when it is launched, its pinned buffer reused on the later runs) gives exactly the bits the

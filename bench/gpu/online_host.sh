@@ -24,7 +24,9 @@ url="http://127.0.0.1:$PORT"
 b=(timeout 200 python3 bench/gpu/online_bench.py --url "$url" --device cuda:0)
 label() { sed "s|^{|{\"contender\":\"$1\",|"; }
 clients "$w" 64 zstd | label "bench_http zstd, 64 in flight"
-for wl in "$w" "$long"; do
+"${b[@]}" --workload "$w"
+"${b[@]}" --workload "$w" --pin-memory 0
+for wl in "$long"; do
   "${b[@]}" --workload "$wl"
   "${b[@]}" --workload "$wl" --warm-mb 256
   "${b[@]}" --workload "$wl" --pin-memory 0

@@ -91,7 +91,8 @@ pub fn tiles_for(seqs: &[(usize, usize)], device: &Device, variant: AttentionKer
 }
 
 /// `q`: `[T, heads, d]`, `k`, `v`: `[T, kv_heads, d]`, contiguous; `tiles` from [`tiles`].
-/// Returns `[T, heads, d]`.
+/// `sinks`: one f32 logit per query head on q's device, joining every row's softmax and dropped
+/// after it (gpt-oss). Returns `[T, heads, d]`.
 pub fn packed_attention(
     q: &Tensor,
     k: &Tensor,
@@ -99,13 +100,25 @@ pub fn packed_attention(
     tiles: &Tiles,
     scale: f64,
     window: Option<usize>,
+    sinks: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
+    if let Some(s) = sinks {
+        if s.dtype() != DType::F32 || s.dims() != [q.dim(1)?] || !s.device().same_device(q.device()) {
+            candle_core::bail!(
+                "packed attention: sinks {:?} {:?} for {} heads (one f32 per head on q's device)",
+                s.dtype(),
+                s.dims(),
+                q.dim(1)?
+            );
+        }
+    }
     let op = PackedAttention {
         tiles: tiles.list.clone(),
         n_tiles: tiles.n,
         variant: tiles.variant,
         scale: scale as f32,
         window,
+        sinks: sinks.map(Tensor::contiguous).transpose()?,
     };
     q.contiguous()?.apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)
 }
@@ -116,6 +129,7 @@ struct PackedAttention {
     variant: AttentionKernel,
     scale: f32,
     window: Option<usize>,
+    sinks: Option<Tensor>,
 }
 
 impl PackedAttention {
@@ -164,6 +178,16 @@ impl PackedAttention {
         b.arg(&kvh);
         b.arg(&scale_log2);
         b.arg(&window);
+        let sinks_storage = self.sinks.as_ref().map(Tensor::storage_and_layout);
+        let sinks = match &sinks_storage {
+            Some((storage, layout)) => Some(cuda_view::<f32>(storage, layout, "packed attention: the sinks")?),
+            None => None,
+        };
+        let no_sinks: u64 = 0; // a null pointer: no sink in any row
+        match &sinks {
+            Some(view) => b.arg(view),
+            None => b.arg(&no_sinks),
+        };
         let cfg = LaunchConfig {
             grid_dim: (self.n_tiles as u32, heads as u32, 1),
             block_dim: (self.variant.threads(d), 1, 1),

@@ -46,6 +46,9 @@ pub struct Attention {
     window: Option<usize>,
     /// One logit per query head that joins each row's softmax and is dropped after it (f32).
     sinks: Option<Vec<f32>>,
+    /// The same logits on the layer's CUDA device, for the attention kernel.
+    #[cfg(feature = "cuda")]
+    sinks_on_device: Option<Tensor>,
     /// The split, q/k norms and rotary embedding in one kernel, where it serves and
     /// `EngineOptions::fused_rope` leaves it on (chosen at load).
     #[cfg(feature = "cuda")]
@@ -119,6 +122,11 @@ impl Attention {
         #[cfg(not(feature = "cuda"))]
         let _ = o;
         #[cfg(feature = "cuda")]
+        let sinks_on_device = match &sinks {
+            Some(s) if w.device.is_cuda() => Some(Tensor::new(s.as_slice(), &w.device)?),
+            _ => None,
+        };
+        #[cfg(feature = "cuda")]
         let fused = if o.fused_rope
             && !reuses_kv
             && v_norm.is_none()
@@ -162,6 +170,8 @@ impl Attention {
             gated: c.attn_output_gate,
             window,
             sinks,
+            #[cfg(feature = "cuda")]
+            sinks_on_device,
             #[cfg(feature = "cuda")]
             fused,
         })
@@ -283,10 +293,11 @@ impl Attention {
         let t = q.dim(0)?;
         #[cfg(feature = "cuda")]
         if let Some(tiles) = &ctx.tiles {
-            if self.sinks.is_some() {
-                candle_core::bail!("attention sinks are not computed by the CUDA attention kernel");
+            if self.sinks.is_some() && self.sinks_on_device.is_none() {
+                candle_core::bail!("attention: the sinks are not on the attention kernel's device");
             }
-            return crate::engine::cuda::attention::packed_attention(q, k, v, tiles, scale, self.window)?
+            let sinks = self.sinks_on_device.as_ref();
+            return crate::engine::cuda::attention::packed_attention(q, k, v, tiles, scale, self.window, sinks)?
                 .reshape((t, self.heads * self.head_dim));
         }
         let sinks = self.sinks.as_deref();

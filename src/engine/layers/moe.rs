@@ -8,7 +8,9 @@ use candle_core::{DType, Tensor, D};
 
 use super::linear::Linear;
 use super::mlp::GatedMlp;
-use crate::engine::config::{DeepseekRouting, ExpertsLayout, GroupScore, MoeConfig, Routing, ScoreFunction};
+use crate::engine::config::{
+    DeepseekRouting, ExpertActivation, ExpertsLayout, GroupScore, MoeConfig, Routing, ScoreFunction,
+};
 use crate::engine::options::EngineOptions;
 use crate::engine::profile::Profiler;
 use crate::engine::weights::Weights;
@@ -78,6 +80,9 @@ fn load_experts(
     if m.layout == ExpertsLayout::Interleaved {
         return Ok(Experts::PerExpert(load_interleaved(w, prefix, m, hidden)?));
     }
+    if !grouped_kernels_compute(m) {
+        return Ok(Experts::PerExpert(load_per_expert(w, prefix, m, hidden)?));
+    }
     // FP8 experts (stored so, or quantised at load by `--quantize fp8`, fused ones included) run
     // in the grouped FP8 kernel where it serves (whole 128-blocks, a GPU with FP8 tensor cores,
     // the FP8 GEMMs on); otherwise one FP8 projection chain per expert.
@@ -117,6 +122,17 @@ fn load_experts(
         }
     }
     Ok(Experts::PerExpert(load_per_expert(w, prefix, m, hidden)?))
+}
+
+/// Whether the experts' grouped CUDA kernels compute this block as the reference does: they route
+/// by a softmax over every expert then the top k, without biases, and join gate and up by SiLU.
+/// Other blocks run one matmul chain per expert, whose ops compute every variant.
+fn grouped_kernels_compute(m: &MoeConfig) -> bool {
+    m.routing == Routing::SoftmaxTopK
+        && !m.router_bias
+        && !m.expert_bias
+        && !m.router_norm
+        && m.activation == ExpertActivation::Silu
 }
 
 /// How `/v1/info` and the start-up log name the grouped FP8 experts' path.

@@ -5,6 +5,8 @@
 # of the process to /ready answering 200.
 #
 #   source bench/gpu/cuda-libs.sh && BIN=.gpu/layertap bench/gpu/load_check.sh
+#
+# CHECKPOINT_ONLY=1: only write the checkpoint (for the benchmarks that serve it themselves).
 set -euo pipefail
 BIN=${BIN:-.gpu/layertap}
 WORK=${WORK:-/dev/shm/load-check}
@@ -25,6 +27,7 @@ print(f"checkpoint written in {time.time() - t:.1f} s", flush=True)
 EOF
 fi
 du -sh "$WORK"
+[[ -z "${CHECKPOINT_ONLY:-}" ]] || exit 0
 start=$(date +%s.%N)
 LAYERTAP_LOG=info "$BIN" serve --model "$WORK" --device cuda:0 --host 127.0.0.1 --port "$PORT" >"$WORK.log" 2>&1 &
 pid=$!

@@ -487,10 +487,11 @@ class _HostTorch:
 
     def __init__(self):
         self.allocated = []
+        self.pinned = []
 
     def empty(self, n, dtype, pin_memory):
-        assert pin_memory
         self.allocated.append(n)
+        self.pinned.append(pin_memory)
         return np.zeros(n, dtype=dtype)
 
 
@@ -507,6 +508,7 @@ def test_the_pinned_arena_cuts_buffers_from_slabs_and_takes_them_back():
     arena.warm(2 * slab)
     arena._warming.join()
     assert fake.allocated == [slab, slab] and arena.bytes == 2 * slab and arena.buffers == 2
+    assert fake.pinned == [True, True]
     rng = np.random.default_rng(0)
     held = []
     for _ in range(400):

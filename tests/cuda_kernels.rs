@@ -44,7 +44,9 @@ fn kernel_matches_portable_attention() {
     let seqs = packed(&lens);
     for dtype in [DType::BF16, DType::F16] {
         for (heads, kv, d) in [(8, 2, 128), (6, 6, 64), (9, 3, 64), (6, 1, 256)] {
-            for (window, sink) in [(None, None), (Some(37), None), (None, Some(sinks(heads, &dev))), (Some(37), Some(sinks(heads, &dev)))] {
+            for (window, sink) in
+                [(None, None), (Some(37), None), (None, Some(sinks(heads, &dev))), (Some(37), Some(sinks(heads, &dev)))]
+            {
                 let q = Tensor::randn(0f32, 1.0, (total, heads, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let k = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();
                 let v = Tensor::randn(0f32, 1.0, (total, kv, d), &dev).unwrap().to_dtype(dtype).unwrap();

@@ -509,6 +509,12 @@ def test_the_pinned_arena_cuts_buffers_from_slabs_and_takes_them_back():
     arena._warming.join()
     assert fake.allocated == [slab, slab] and arena.bytes == 2 * slab and arena.buffers == 2
     assert fake.pinned == [True, True]
+    pageable = _HostTorch()  # pin_memory=False: the same slabs, in pageable memory
+    other = _PinnedArena(pageable, slab, pinned=False)
+    other.warm(2 * slab)
+    other._warming.join()
+    other.give(other.take(slab + 1)[1])
+    assert pageable.allocated == [slab, slab, 2 * slab] and pageable.pinned == [False, False, False]
     rng = np.random.default_rng(0)
     held = []
     for _ in range(400):

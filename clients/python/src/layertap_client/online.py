@@ -1608,7 +1608,9 @@ class OnlineSource:
     in flight has a thread that reads its answer straight into the samples' buffers, so no
     answer is held whole. ``device="cuda:N"`` (torch) copies every sample to
     the GPU from reused pinned buffers without blocking (in the main process only: under
-    DataLoader workers use the DataLoader's ``pin_memory`` instead).
+    DataLoader workers use the DataLoader's ``pin_memory`` instead); ``pin_memory=False`` keeps
+    those host buffers pageable (nothing to pin when a pass starts; each copy then goes through
+    the CUDA driver's staging buffer and holds its decoding thread until it is staged).
 
     Failures: ``retries`` (attempts of a sample beyond its first), ``timeout`` (seconds per
     request), ``backoff``/``max_backoff`` (how long a failed server is left alone: doubling from

@@ -8,6 +8,7 @@
 #
 #   source bench/gpu/cuda-libs.sh && PYTHONPATH=<layertap_client> bench/gpu/online_host.sh
 #
+# SHORT=1: the longer workload only, without the one-sync step and the one-kernel neighbour.
 # One JSON line per contender on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,17 +24,19 @@ start_server "$WORK" cuda:0 "$WORK.serve.log"
 url="http://127.0.0.1:$PORT"
 b=(timeout 200 python3 bench/gpu/online_bench.py --url "$url" --device cuda:0)
 label() { sed "s|^{|{\"contender\":\"$1\",|"; }
-clients "$w" 64 zstd | label "bench_http zstd, 64 in flight"
-"${b[@]}" --workload "$w"
-"${b[@]}" --workload "$w" --pin-memory 0
-for wl in "$long"; do
-  "${b[@]}" --workload "$wl"
-  "${b[@]}" --workload "$wl" --warm-mb 256
-  "${b[@]}" --workload "$wl" --pin-memory 0
-  "${b[@]}" --workload "$wl" --pin-memory 0 --touch sum-once
-done
+if [[ -z "${SHORT:-}" ]]; then
+  clients "$w" 64 zstd | label "bench_http zstd, 64 in flight"
+  "${b[@]}" --workload "$w"
+  "${b[@]}" --workload "$w" --pin-memory 0
+fi
 clients "$long" 64 zstd | label "bench_http zstd, 64 in flight, $SEQUENCES sequences"
-for k in 1 5; do
+"${b[@]}" --workload "$long"
+"${b[@]}" --workload "$long" --warm-mb 256
+"${b[@]}" --workload "$long" --pin-memory 0
+[[ -n "${SHORT:-}" ]] || "${b[@]}" --workload "$long" --pin-memory 0 --touch sum-once
+kernels=(5)
+[[ -n "${SHORT:-}" ]] || kernels=(1 5)
+for k in "${kernels[@]}"; do
   python3 bench/gpu/gpu_neighbour.py --device cuda:0 --gb-per-s 1.0 --seconds 120 --kernels "$k" > "$WORK.neighbour.json" &
   nb=$!
   sleep 3
@@ -42,7 +45,7 @@ for k in 1 5; do
   cat "$WORK.neighbour.json"
 done
 clients "$long" 64 zstd | label "bench_http zstd, 64 in flight, $SEQUENCES sequences (again)"
-clients "$w" 64 zstd | label "bench_http zstd, 64 in flight (again)"
+[[ -n "${SHORT:-}" ]] || clients "$w" 64 zstd | label "bench_http zstd, 64 in flight (again)"
 kill -TERM "$server"
 wait "$server" || true
 trap - EXIT

@@ -76,6 +76,9 @@ pub fn sequence_attention(
             }
         }
         .to_dtype(dtype)?;
+        // Without the sinks' column the rows are k_len apart again: cuBLAS takes no other stride
+        // (in f32 the cast above is no copy).
+        let probs = if sinks.is_some() { probs.contiguous()? } else { probs };
         outs.push(matmul(&probs, &v.narrow(1, 0, k_len)?)?);
         q0 += q_len;
     }

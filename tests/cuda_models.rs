@@ -77,6 +77,7 @@ fn every_fixture_family_matches_transformers_on_the_gpu() {
 /// transformers-f32's own distance from float64), and in bf16 as close to the f32 reference as
 /// transformers' own bf16 run, for the MXFP4 release and its bf16 twin.
 #[test]
+#[ignore = "gpt-oss is still refused on a CUDA device (needs_beyond_cuda): lift that and run this with --include-ignored"]
 fn gpt_oss_matches_transformers_on_the_gpu() {
     let Some(dev) = common::cuda_device() else { return };
     for name in ["gpt_oss_mxfp4", "gpt_oss_bf16"] {

@@ -794,6 +794,12 @@ impl ModelConfig {
     /// it out.
     pub fn needs_beyond_cuda(&self) -> Vec<&'static str> {
         let mut needs = Vec::new();
+        if self.attention_sinks {
+            needs.push("attention sinks");
+        }
+        if self.rope_scaling.as_ref().is_some_and(|s| s.attention_factor() != 1.0) {
+            needs.push("YaRN's attention factor on the rotary tables");
+        }
         if self.full_attention.is_some() {
             needs.push("full-attention layers with their own head size, key-value heads and proportional rotary");
         }
@@ -822,8 +828,20 @@ impl ModelConfig {
             if m.router_norm {
                 needs.push("the normed, scaled router with per-expert scales");
             }
+            if m.routing == Routing::TopKSoftmax {
+                needs.push("top-k-then-softmax routing");
+            }
+            if m.router_bias || m.expert_bias {
+                needs.push("router and expert biases");
+            }
+            if matches!(m.activation, ExpertActivation::ClampedSwiglu { .. }) {
+                needs.push("the clamped SwiGLU experts");
+            }
             if m.activation == ExpertActivation::GeluTanh {
                 needs.push("GELU-tanh experts");
+            }
+            if m.layout == ExpertsLayout::Interleaved {
+                needs.push("interleaved gate/up experts (MXFP4 or float)");
             }
             if m.routing == Routing::Deepseek {
                 needs.push("DeepSeek's routing (sigmoid or softmax scores, correction bias, expert groups, scaling)");

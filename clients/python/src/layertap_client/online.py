@@ -1194,6 +1194,7 @@ class _Pass:
 
     def stats(self) -> Dict[str, Any]:
         arena = self.decoder.arena
+        pinned = arena is not None and arena.pinned
         with self.lock:
             elapsed = max(time.monotonic() - self.started, 1e-9)
             return {
@@ -1209,9 +1210,10 @@ class _Pass:
                 "failures": self.failures,
                 "replacements": len(self.replacements),
                 "replaced": list(self.replacements),
-                "pinned_buffers": arena.buffers if arena is not None else 0,
-                "pinned_bytes": arena.bytes if arena is not None else 0,
-                "pinning_s": arena.seconds if arena is not None else 0.0,
+                "pinned_buffers": arena.buffers if pinned else 0,
+                "pinned_bytes": arena.bytes if pinned else 0,
+                "pinning_s": arena.seconds if pinned else 0.0,
+                "host_buffer_bytes": arena.bytes if arena is not None else 0,
                 "servers": {
                     s.url: {
                         "state": "out" if s.out else ("down" if s.down_until > time.monotonic() else "up"),
@@ -1951,7 +1953,8 @@ class OnlineSource:
         (samples that failed for good), ``replacements`` and ``replaced`` (which, by what, why),
         ``pinned_buffers``, ``pinned_bytes`` and ``pinning_s`` (with ``device``: the pinned host
         memory allocated, kept and reused for the source's life, and the time its allocation
-        took), and per server: ``state`` (up, down for a backoff, out for good), ``requests``,
+        took; zero with ``pin_memory=False``), ``host_buffer_bytes`` (with ``device``: those
+        buffers' bytes, pinned or not), and per server: ``state`` (up, down for a backoff, out for good), ``requests``,
         ``samples``, ``tokens`` (rows answered), ``tokens_per_s`` (since the pass started),
         ``bytes`` (as sent), ``failures``, ``throttled`` (429s), ``last_error``."""
         if self._pass is not None:

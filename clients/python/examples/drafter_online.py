@@ -104,7 +104,7 @@ class TinyEagle3(torch.nn.Module):
         fused = self.fc(self.norm_aux(aux.float()).flatten(2))  # [B, T, d]
         x = self.inp(torch.cat([self.embed(next_ids), fused], dim=-1))
         t = x.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool).triu(1)  # True: not attended
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)  # True: not attended
         x = self.layer(x, src_mask=causal, src_key_padding_mask=pad, is_causal=True)
         return self.head(self.norm(x))
 
@@ -144,9 +144,14 @@ def main() -> int:
     ap.add_argument("--buffer-mib", type=int, default=256, help="answers buffered ahead of the loop")
     ap.add_argument("--request-tokens", type=int, default=512, help="tokens per request (several samples each)")
     ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--device", default="cpu", help="where the head trains: cpu, or cuda:N (batches pinned, copied without blocking)")
     a = ap.parse_args()
     servers = a.server or ["http://127.0.0.1:8080"]
     torch.manual_seed(a.seed)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"--device {a.device}: torch sees no CUDA device", file=sys.stderr)
+        return 2
 
     with Client(servers[0]) as c:
         info = c.info()
@@ -162,6 +167,7 @@ def main() -> int:
     kept = [t for t, _ in counts.most_common(a.draft_vocab)] or list(range(a.draft_vocab))
     to_draft = torch.full((vocab,), -1, dtype=torch.long)
     to_draft[torch.tensor(kept)] = torch.arange(len(kept))
+    to_draft = to_draft.to(device)
 
     ds = OnlineIterableDataset(
         samples, servers, layers=layers, dtype="bfloat16", logprobs={"top_k": a.top_k},
@@ -172,8 +178,8 @@ def main() -> int:
     n = len(ds.source.samples)
     print(f"{n} samples; layers {layers} of {L}, hidden {hidden}; draft vocabulary {len(kept)} of {vocab}; "
           f"servers {', '.join(servers)}")
-    loader = DataLoader(ds, batch_size=a.batch_size, num_workers=0, collate_fn=collate)
-    model = TinyEagle3(hidden, len(layers), vocab, len(kept))
+    loader = DataLoader(ds, batch_size=a.batch_size, num_workers=0, collate_fn=collate, pin_memory=device.type == "cuda")
+    model = TinyEagle3(hidden, len(layers), vocab, len(kept)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     losses: List[float] = []
@@ -183,6 +189,7 @@ def main() -> int:
     for epoch in itertools.count():
         ds.set_epoch(epoch)
         for batch in loader:
+            batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             loss, agree, rows = step_loss(model, batch, to_draft)
             opt.zero_grad()
             loss.backward()

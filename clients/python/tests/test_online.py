@@ -781,6 +781,9 @@ def test_the_online_drafter_example_runs(srv):
         return
     assert p.returncode == 0, p.stdout + p.stderr
     assert "done: 4 steps" in p.stdout and "layers [2, 1, 0] of 3" in p.stdout, p.stdout
+    if not torch.cuda.is_available():  # --device names a GPU torch does not see: said, not a traceback
+        p = subprocess.run(cmd + ["--device", "cuda:0"], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and "torch sees no CUDA device" in p.stderr, p.stderr
 
 
 class _FakeDataset:

@@ -381,3 +381,55 @@ __device__ void nonfinite_rows(const T* __restrict__ x, uint8_t* __restrict__ ou
 NONFINITE_ROWS(nonfinite_rows_bf16, __nv_bfloat16)
 NONFINITE_ROWS(nonfinite_rows_f16, __half)
 NONFINITE_ROWS(nonfinite_rows_f32, float)
+
+// MXFP4 (gpt-oss's experts as released) to a 16-bit type or f32: `blocks` [rows, in / 2] holds two
+// e2m1 values a byte, the low nibble first; each 32 values of a row share one E8M0 scale
+// 2^(s - 127) from `scales` [rows, in / 32]. An e2m1 value has at most two significant bits, so
+// value * scale is exact in f32 and in bf16 (the same exponent range): the dequantised weights are
+// the released ones, as on the CPU. The f32 bits are built from the nibble and the scale's
+// exponent with integer operations (a float product would be flushed to zero below 2^-126, the
+// kernels being built with fast math). Written transposed, [in, rows], the layout float
+// projections are held in, so the product that follows is the one a bf16 release of the same
+// weights runs. A scale byte of 0xFF (NaN) is refused at load, before this runs.
+__device__ __forceinline__ uint32_t mxfp4_f32_bits(uint32_t nibble, uint32_t scale) {
+    const uint32_t sign = (nibble & 8u) << 28, m = nibble & 7u;
+    if (m == 0) return sign;
+    // |value| = (1 or 1.5) * 2^x: 0.5 = 2^-1, then 1, 1.5, 2, 3, 4, 6.
+    const int x = (m == 1 ? -1 : (int)(m >> 1) - 1) + (int)scale - 127;
+    const uint32_t half = (m >= 2 && (m & 1u)) ? 1u : 0u;  // the 1.5s
+    if (x > 127) return sign | 0x7f800000u;  // past f32's range: infinity, as the CPU's product
+    if (x >= -126) return sign | ((uint32_t)(x + 127) << 23) | (half << 22);
+    // A subnormal: (2 or 3) * 2^(x - 1) in units of 2^-149 (x >= -128 here, so the shift is >= 20).
+    return sign | ((2u + half) << (x - 1 + 149));
+}
+
+template <typename T> __device__ __forceinline__ T from_f32_bits(uint32_t bits);
+template <> __device__ __forceinline__ float from_f32_bits<float>(uint32_t bits) { return __uint_as_float(bits); }
+// Exact: the value's significant bits all lie in the upper 16.
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32_bits<__nv_bfloat16>(uint32_t bits) {
+    return __ushort_as_bfloat16((unsigned short)(bits >> 16));
+}
+template <> __device__ __forceinline__ __half from_f32_bits<__half>(uint32_t bits) {
+    return __float2half_rn(__uint_as_float(bits));
+}
+
+template <typename T>
+__device__ void mxfp4_to(const uint8_t* __restrict__ blocks, const uint8_t* __restrict__ scales, T* __restrict__ out,
+                         size_t rows, size_t in) {
+    const size_t n = rows * in;
+    for (size_t j = blockIdx.x * (size_t)blockDim.x + threadIdx.x; j < n; j += (size_t)gridDim.x * blockDim.x) {
+        const size_t c = j / rows, r = j - c * rows;  // out[c][r] = w[r][c]
+        const uint32_t byte = blocks[r * (in / 2) + c / 2];
+        const uint32_t nibble = (c & 1) ? byte >> 4 : byte & 0x0Fu;
+        out[j] = from_f32_bits<T>(mxfp4_f32_bits(nibble, scales[r * (in / 32) + c / 32]));
+    }
+}
+
+#define MXFP4_KERNEL(SUFFIX, T)                                                                               \
+    extern "C" __global__ void mxfp4_to_##SUFFIX(const uint8_t* blocks, const uint8_t* scales, T* out,      \
+                                                  size_t rows, size_t in) {                                  \
+        mxfp4_to<T>(blocks, scales, out, rows, in);                                                           \
+    }
+MXFP4_KERNEL(bf16, __nv_bfloat16)
+MXFP4_KERNEL(f16, __half)
+MXFP4_KERNEL(f32, float)

@@ -991,3 +991,34 @@ fn long_gather_cast_and_norm_past_2_pow_32() {
         assert_same(&normed.narrow(0, r, 1).unwrap(), &want, &format!("normed row {r}"));
     }
 }
+
+/// MXFP4 weights dequantised on the GPU, written transposed (`[in, rows]`), give exactly the CPU's
+/// values ([`layertap::engine::layers::mxfp4::dequantise`]) in f32 and bf16 (every e2m1 value
+/// times a power of two is exact in both), for every nibble and scales from 2^-127 to 2^127.
+#[test]
+fn mxfp4_dequantises_on_the_gpu_as_on_the_cpu() {
+    use layertap::engine::cuda::ops::mxfp4_dequantise;
+    use layertap::engine::layers::mxfp4::dequantise;
+    let Some(dev) = device() else { return };
+    let (rows, inp) = (37usize, 96usize);
+    let blocks: Vec<u8> = (0..rows * inp / 2).map(|i| (i * 37 + i / 7) as u8).collect();
+    let scales: Vec<u8> = (0..rows * inp / 32).map(|i| [0u8, 1, 100, 127, 128, 200, 254][i % 7]).collect();
+    let cpu = dequantise(&blocks, &scales).unwrap(); // [rows, in]
+    let b = Tensor::from_slice(&blocks, (rows, inp / 2), &dev).unwrap();
+    let s = Tensor::from_slice(&scales, (rows, inp / 32), &dev).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let gpu = mxfp4_dequantise(&b, &s, dtype).unwrap();
+        assert_eq!(gpu.dims(), &[inp, rows]);
+        let gpu = gpu.to_dtype(DType::F32).unwrap().t().unwrap().contiguous().unwrap().flatten_all().unwrap();
+        let gpu = gpu.to_vec1::<f32>().unwrap();
+        for (j, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                c.to_bits(),
+                "{dtype:?}: element {j} ({} of row {}): {g:e} vs {c:e}",
+                j % inp,
+                j / inp
+            );
+        }
+    }
+}

@@ -254,6 +254,12 @@ fn quantise_float(data: &[u8], dtype: DType, at: usize, n: usize, k: usize) -> O
     }
 }
 
+/// A tensor of the checkpoint as stored: its full name and bytes.
+struct RawPart<'a> {
+    name: String,
+    data: &'a [u8],
+}
+
 /// A float tensor of the checkpoint: its full name, little-endian bytes and dtype.
 struct FloatTensor<'a> {
     full: String,
@@ -733,7 +739,45 @@ impl Weights {
     /// compute dtype, from its `{name}_blocks` `[E, out, in / 32, 16]` and `{name}_scales`
     /// `[E, out, in / 32]`; `None` where the checkpoint stores no `{name}_blocks`.
     pub fn get_mxfp4(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, EngineError> {
-        use crate::engine::layers::mxfp4::{dequantise, BLOCK, BLOCK_BYTES};
+        let Some((blocks, scales)) = self.mxfp4_parts(name, shape)? else { return Ok(None) };
+        let values = crate::engine::layers::mxfp4::dequantise(blocks.data, scales.data).map_err(|why| {
+            EngineError::Load(format!("{:?} in {}: {why}; the checkpoint is damaged", scales.name, self.where_from()))
+        })?;
+        self.mark_read(&blocks.name);
+        self.mark_read(&scales.name);
+        let t = Tensor::from_vec(values, shape, &Device::Cpu)?;
+        Ok(Some(t.to_dtype(self.dtype)?.to_device(&self.device)?))
+    }
+
+    /// The same MXFP4 experts kept 4-bit, as stored: the blocks `[E, out, in / 2]` and the scales
+    /// `[E, out, in / 32]`, u8, on the weights' device (a scale that is NaN refused as
+    /// [`Weights::get_mxfp4`] refuses it); `None` where the checkpoint stores no `{name}_blocks`.
+    pub fn get_mxfp4_packed(&self, name: &str, shape: &[usize]) -> Result<Option<(Tensor, Tensor)>, EngineError> {
+        use crate::engine::layers::mxfp4::{BLOCK, BLOCK_BYTES, NAN_SCALE};
+        let Some((blocks, scales)) = self.mxfp4_parts(name, shape)? else { return Ok(None) };
+        if let Some(at) = scales.data.iter().position(|&x| x == NAN_SCALE) {
+            return Err(EngineError::Load(format!(
+                "{:?} in {}: scale {at} is 0xFF, which E8M0 defines as NaN; the checkpoint is damaged",
+                scales.name,
+                self.where_from()
+            )));
+        }
+        let &[e, out, inp] = shape else { unreachable!("checked by mxfp4_parts") };
+        let b = Tensor::from_slice(blocks.data, (e, out, inp / BLOCK * BLOCK_BYTES), &self.device)?;
+        let sc = Tensor::from_slice(scales.data, (e, out, inp / BLOCK), &self.device)?;
+        self.mark_read(&blocks.name);
+        self.mark_read(&scales.name);
+        Ok(Some((b, sc)))
+    }
+
+    /// `{name}_blocks` and `{name}_scales` of an MXFP4 experts tensor of `shape` `[E, out, in]`,
+    /// their names, shapes and dtypes checked; `None` where the checkpoint stores no blocks.
+    fn mxfp4_parts<'t>(
+        &'t self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<(RawPart<'t>, RawPart<'t>)>, EngineError> {
+        use crate::engine::layers::mxfp4::{BLOCK, BLOCK_BYTES};
         let TensorSource::Safetensors { tensors, .. } = &self.source else { return Ok(None) };
         let (blocks, scales) = (self.full_name(&format!("{name}_blocks")), self.full_name(&format!("{name}_scales")));
         if !tensors.has(&blocks) {
@@ -752,17 +796,12 @@ impl Weights {
         }
         self.check_shape(tensors, &blocks, &[e, out, inp / BLOCK, BLOCK_BYTES])?;
         self.check_shape(tensors, &scales, &[e, out, inp / BLOCK])?;
-        let (b, sc) = match (tensors.get(&blocks), tensors.get(&scales)) {
-            (Some(b), Some(sc)) if b.dtype == Some(DType::U8) && sc.dtype == Some(DType::U8) => (b, sc),
-            _ => return Err(self.unreadable(&blocks, "not uint8 blocks with uint8 scales")),
-        };
-        let values = dequantise(b.data, sc.data).map_err(|why| {
-            EngineError::Load(format!("{scales:?} in {}: {why}; the checkpoint is damaged", self.where_from()))
-        })?;
-        self.mark_read(&blocks);
-        self.mark_read(&scales);
-        let t = Tensor::from_vec(values, shape, &Device::Cpu)?;
-        Ok(Some(t.to_dtype(self.dtype)?.to_device(&self.device)?))
+        match (tensors.get(&blocks), tensors.get(&scales)) {
+            (Some(b), Some(sc)) if b.dtype == Some(DType::U8) && sc.dtype == Some(DType::U8) => {
+                Ok(Some((RawPart { name: blocks, data: b.data }, RawPart { name: scales, data: sc.data })))
+            }
+            _ => Err(self.unreadable(&blocks, "not uint8 blocks with uint8 scales")),
+        }
     }
 
     /// With an FP8 scheme declared: whether `full` is half of an FP8 projection, an `F8_E4M3`

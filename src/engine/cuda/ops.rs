@@ -530,3 +530,94 @@ fn copy_rows_into<T: CudaDType + DeviceRepr>(
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }
+
+/// MXFP4 weights dequantised to `dtype` (bf16, f16 or f32) on the GPU: `blocks` `[rows, in / 2]`
+/// u8 (two e2m1 values a byte, the low nibble first), `scales` `[rows, in / 32]` u8 (E8M0, one
+/// per 32 values; none may be 0xFF, which the loader refuses). Returns the weight transposed,
+/// `[in, rows]` (as float projections are held): the values
+/// [`crate::engine::layers::mxfp4::dequantise`] gives on the CPU, exactly (in bf16 and f32).
+pub fn mxfp4_dequantise(blocks: &Tensor, scales: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    let (rows, half) = blocks.dims2()?;
+    if blocks.dtype() != DType::U8
+        || scales.dtype() != DType::U8
+        || scales.dims2()? != (rows, half / 16)
+        || half % 16 != 0
+    {
+        candle_core::bail!(
+            "mxfp4_dequantise: blocks {:?} {:?} and scales {:?} {:?} (u8, [rows, in/2] and [rows, in/32])",
+            blocks.dtype(),
+            blocks.dims(),
+            scales.dtype(),
+            scales.dims()
+        );
+    }
+    blocks.contiguous()?.apply_op2_no_bwd(&scales.contiguous()?, &Mxfp4Dequantise { dtype })
+}
+
+struct Mxfp4Dequantise {
+    dtype: DType,
+}
+
+impl Mxfp4Dequantise {
+    fn launch<T: KernelType>(
+        dev: &CudaDevice,
+        blocks: &CudaSlice<u8>,
+        bl: &Layout,
+        scales: &CudaSlice<u8>,
+        sl: &Layout,
+    ) -> candle_core::Result<CudaSlice<T>> {
+        let (rows, half) = bl.shape().dims2()?;
+        let (n, inp) = (2 * rows * half, 2 * half);
+        let bv = contiguous_view(blocks, bl, "mxfp4_dequantise: blocks")?;
+        let sv = contiguous_view(scales, sl, "mxfp4_dequantise: scales")?;
+        // SAFETY: the kernel writes every element of the [in, rows] output.
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let func = kernel(dev, OPS, &kernel_name::<T>("mxfp4_to"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&bv);
+        b.arg(&sv);
+        b.arg(&out);
+        b.arg(&rows);
+        b.arg(&inp);
+        if n > 0 {
+            // SAFETY: two u8 pointers, the output pointer and two size_t, as the kernel takes
+            // them; the shapes were checked against each other, so every index is inside.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(out)
+    }
+}
+
+impl candle_core::CustomOp2 for Mxfp4Dequantise {
+    fn name(&self) -> &'static str {
+        "mxfp4-dequantise"
+    }
+
+    cpu_fwd_cuda_only!(2);
+
+    fn cuda_fwd(
+        &self,
+        bs: &CudaStorage,
+        bl: &Layout,
+        ss: &CudaStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = bs.device();
+        let (CudaStorageSlice::U8(b), CudaStorageSlice::U8(s)) = (&bs.slice, &ss.slice) else {
+            candle_core::bail!("mxfp4_dequantise: blocks and scales must be u8");
+        };
+        let slice = match self.dtype {
+            DType::BF16 => CudaStorageSlice::BF16(Self::launch(dev, b, bl, s, sl)?),
+            DType::F16 => CudaStorageSlice::F16(Self::launch(dev, b, bl, s, sl)?),
+            DType::F32 => CudaStorageSlice::F32(Self::launch(dev, b, bl, s, sl)?),
+            d => candle_core::bail!("mxfp4_dequantise: to {d:?}: bf16, f16 or f32 only"),
+        };
+        let (rows, half) = bl.shape().dims2()?;
+        Ok((CudaStorage { slice, device: dev.clone() }, Shape::from((2 * half, rows))))
+    }
+}

@@ -27,6 +27,11 @@ enum Kind {
     /// (`cuda::fp8`).
     #[cfg(feature = "cuda")]
     Fp8(crate::engine::cuda::fp8::Fp8Weight),
+    /// An MXFP4 projection (gpt-oss's experts) kept 4-bit on the GPU: `blocks` `[out, in / 2]` and
+    /// `scales` `[out, in / 32]` (u8), dequantised into the compute dtype for each product (the
+    /// released values exactly), then multiplied as a float projection.
+    #[cfg(feature = "cuda")]
+    Mxfp4 { blocks: Tensor, scales: Tensor },
 }
 
 impl Linear {
@@ -75,6 +80,13 @@ impl Linear {
         Ok(Kind::Fp8Dequantised(Tensor::from_vec(t, (fp8.k, fp8.n), &candle_core::Device::Cpu)?.to_device(&w.device)?))
     }
 
+    /// An MXFP4 projection kept 4-bit on its GPU ([`Kind::Mxfp4`]): `blocks` `[out, in / 2]` and
+    /// `scales` `[out, in / 32]`, u8, on the device.
+    #[cfg(feature = "cuda")]
+    pub fn from_mxfp4(blocks: Tensor, scales: Tensor, bias: Option<Tensor>) -> Self {
+        Linear { kind: Kind::Mxfp4 { blocks, scales }, bias }
+    }
+
     /// From an `[out, in]` weight, stored transposed once so every forward is a plain
     /// `[T, in] x [in, out]` matmul.
     pub fn from_weight(weight: Tensor, bias: Option<Tensor>) -> candle_core::Result<Self> {
@@ -93,7 +105,7 @@ impl Linear {
         let blocks = parts.iter().rev().skip(1).all(|p| match &p.kind {
             Kind::Fp8(w) => w.out_dim().is_multiple_of(super::fp8::FP8_BLOCK),
             _ => true,
-        });
+        }) && !parts.iter().any(|p| matches!(p.kind, Kind::Mxfp4 { .. }));
         #[cfg(not(feature = "cuda"))]
         let blocks = true;
         same && blocks
@@ -101,7 +113,14 @@ impl Linear {
 
     /// Whether this is an FP8 projection (its input quantised before the product).
     pub fn is_fp8(&self) -> bool {
-        !matches!(self.kind, Kind::Float(_))
+        match self.kind {
+            Kind::Float(_) => false,
+            Kind::Fp8Dequantised(_) => true,
+            #[cfg(feature = "cuda")]
+            Kind::Fp8(_) => true,
+            #[cfg(feature = "cuda")]
+            Kind::Mxfp4 { .. } => false,
+        }
     }
 
     /// Output features.
@@ -110,6 +129,8 @@ impl Linear {
             Kind::Float(t) | Kind::Fp8Dequantised(t) => t.dim(1),
             #[cfg(feature = "cuda")]
             Kind::Fp8(w) => Ok(w.out_dim()),
+            #[cfg(feature = "cuda")]
+            Kind::Mxfp4 { blocks, .. } => blocks.dim(0),
         }
     }
 
@@ -126,7 +147,9 @@ impl Linear {
                     .map(|p| match &p.kind {
                         Kind::Float(t) | Kind::Fp8Dequantised(t) => Ok(t),
                         #[cfg(feature = "cuda")]
-                        Kind::Fp8(_) => Err(EngineError::Load("cannot fuse FP8 and float projections".into())),
+                        Kind::Fp8(_) | Kind::Mxfp4 { .. } => {
+                            Err(EngineError::Load("cannot fuse projections held in different forms".into()))
+                        }
                     })
                     .collect::<Result<Vec<_>, EngineError>>()?;
                 let t = Tensor::cat(&weights, 1)?;
@@ -146,6 +169,8 @@ impl Linear {
                     .collect::<Result<Vec<_>, EngineError>>()?;
                 Kind::Fp8(crate::engine::cuda::fp8::Fp8Weight::cat(&weights)?)
             }
+            #[cfg(feature = "cuda")]
+            Kind::Mxfp4 { .. } => return Err(EngineError::Load("MXFP4 projections are not fused".into())),
         };
         let bias = if let Some(dt) = parts.iter().find_map(|p| p.bias.as_ref().map(Tensor::dtype)) {
             let b = parts
@@ -167,6 +192,8 @@ impl Linear {
             Kind::Float(t) | Kind::Fp8Dequantised(t) => t.device(),
             #[cfg(feature = "cuda")]
             Kind::Fp8(w) => w.q.device(),
+            #[cfg(feature = "cuda")]
+            Kind::Mxfp4 { blocks, .. } => blocks.device(),
         }
     }
 
@@ -197,6 +224,10 @@ impl Linear {
             }
             #[cfg(feature = "cuda")]
             Kind::Fp8(w) => crate::engine::cuda::fp8::matmul(x, w)?,
+            #[cfg(feature = "cuda")]
+            Kind::Mxfp4 { blocks, scales } => {
+                matmul(x, &crate::engine::cuda::ops::mxfp4_dequantise(blocks, scales, x.dtype())?)?
+            }
         };
         self.add_bias(y)
     }

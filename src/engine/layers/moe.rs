@@ -211,6 +211,41 @@ fn load_per_expert(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> R
 fn load_interleaved(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> Result<Vec<GatedMlp>, EngineError> {
     let (e, i) = (m.num_experts, m.expert_intermediate_size);
     let p = format!("{prefix}.experts");
+    let bias = |name: &str, n: usize| w.get_opt(&format!("{p}.{name}"), &[e, n], m.expert_bias);
+    // On a GPU, MXFP4 experts stay 4-bit (a quarter of their bf16 bytes: gpt-oss-120b's fit one
+    // 80 GB card) and are dequantised into the compute dtype for each product.
+    #[cfg(feature = "cuda")]
+    if w.device.is_cuda() {
+        if let Some((gu_blocks, gu_scales)) = w.get_mxfp4_packed(&format!("{p}.gate_up_proj"), &[e, 2 * i, hidden])? {
+            let Some((d_blocks, d_scales)) = w.get_mxfp4_packed(&format!("{p}.down_proj"), &[e, hidden, i])? else {
+                return Err(EngineError::Load(format!(
+                    "{}: gate_up_proj is stored in MXFP4 and down_proj is not; both or neither",
+                    w.full_name(&p)
+                )));
+            };
+            let (gate_up_bias, down_bias) = (bias("gate_up_proj_bias", 2 * i)?, bias("down_proj_bias", hidden)?);
+            // Row (or bias entry) `2j + part` of `[2I, ..]` as `[I, ..]`.
+            let half = |t: Tensor, part: usize| -> candle_core::Result<Tensor> {
+                let mut dims = t.dims().to_vec();
+                dims[0] = i;
+                dims.insert(1, 2);
+                t.contiguous()?.reshape(dims)?.narrow(1, part, 1)?.squeeze(1)?.contiguous()
+            };
+            return (0..e)
+                .map(|x| {
+                    let gu_bias = gate_up_bias.as_ref().map(|b| b.get(x)).transpose()?;
+                    let part = |k: usize| -> Result<Linear, EngineError> {
+                        let b = gu_bias.clone().map(|b| half(b, k)).transpose()?;
+                        Ok(Linear::from_mxfp4(half(gu_blocks.get(x)?, k)?, half(gu_scales.get(x)?, k)?, b))
+                    };
+                    let d_bias = down_bias.as_ref().map(|b| b.get(x)).transpose()?;
+                    let down =
+                        Linear::from_mxfp4(d_blocks.get(x)?.contiguous()?, d_scales.get(x)?.contiguous()?, d_bias);
+                    Ok(GatedMlp::with_activation(part(0)?, part(1)?, down, m.activation))
+                })
+                .collect();
+        }
+    }
     // Both as `[E, out, in]` (a transposed view of the float tensors).
     let rows = |name: &str, out: usize, inp: usize| -> Result<Tensor, EngineError> {
         let name = format!("{p}.{name}");
@@ -221,7 +256,6 @@ fn load_interleaved(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> 
     };
     let gate_up = rows("gate_up_proj", 2 * i, hidden)?;
     let down = rows("down_proj", hidden, i)?;
-    let bias = |name: &str, n: usize| w.get_opt(&format!("{p}.{name}"), &[e, n], m.expert_bias);
     let (gate_up_bias, down_bias) = (bias("gate_up_proj_bias", 2 * i)?, bias("down_proj_bias", hidden)?);
     // Row (or bias entry) `2j + part` of `[2I, ..]` as `[I, ..]`.
     let half = |t: Tensor, part: usize| -> candle_core::Result<Tensor> {

@@ -20,10 +20,7 @@ SEQUENCES=${SEQUENCES:-900}
 KERNELS=${KERNELS:-5}
 # shellcheck source=bench/gpu/serve.sh
 source bench/gpu/serve.sh
-SEQUENCES=300 WORKLOAD_ONLY=1 bench/gpu/online_8b.sh
-SEQUENCES=$SEQUENCES WORKLOAD_ONLY=1 bench/gpu/online_8b.sh
-w="$WORK/workload.json"
-long="$WORK/workload-$SEQUENCES.json"
+online_workloads "$SEQUENCES"
 start_server "$WORK" cuda:0 "$WORK.serve.log"
 url="http://127.0.0.1:$PORT"
 b=(timeout 200 python3 bench/gpu/online_bench.py --url "$url" --device cuda:0)

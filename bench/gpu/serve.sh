@@ -25,3 +25,12 @@ clients() {
   python3 bench/gpu/thread_cpu.py --pid "$server" -- "$CLIENT" --url "http://127.0.0.1:$PORT" --workload "$1" \
     --dtype "${ANSWER_DTYPE:-bfloat16}" --concurrency "$2" --encoding "$3"
 }
+
+# online_workloads SEQUENCES: online_8b.sh's default workload (300 sequences) and one of
+# SEQUENCES in WORK; sets $w and $long to their descriptions.
+online_workloads() {
+  SEQUENCES=300 WORKLOAD_ONLY=1 bench/gpu/online_8b.sh
+  SEQUENCES=$1 WORKLOAD_ONLY=1 bench/gpu/online_8b.sh
+  w="$WORK/workload.json"
+  long="$WORK/workload-$1.json"
+}

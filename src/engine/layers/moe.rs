@@ -212,6 +212,14 @@ fn load_interleaved(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> 
     let (e, i) = (m.num_experts, m.expert_intermediate_size);
     let p = format!("{prefix}.experts");
     let bias = |name: &str, n: usize| w.get_opt(&format!("{p}.{name}"), &[e, n], m.expert_bias);
+    let (gate_up_bias, down_bias) = (bias("gate_up_proj_bias", 2 * i)?, bias("down_proj_bias", hidden)?);
+    // Row (or bias entry) `2j + part` of `[2I, ..]` as `[I, ..]`.
+    let half = |t: Tensor, part: usize| -> candle_core::Result<Tensor> {
+        let mut dims = t.dims().to_vec();
+        dims[0] = i;
+        dims.insert(1, 2);
+        t.contiguous()?.reshape(dims)?.narrow(1, part, 1)?.squeeze(1)?.contiguous()
+    };
     // On a GPU, MXFP4 experts stay 4-bit (a quarter of their bf16 bytes: gpt-oss-120b's fit one
     // 80 GB card) and are dequantised into the compute dtype for each product.
     #[cfg(feature = "cuda")]
@@ -222,14 +230,6 @@ fn load_interleaved(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> 
                     "{}: gate_up_proj is stored in MXFP4 and down_proj is not; both or neither",
                     w.full_name(&p)
                 )));
-            };
-            let (gate_up_bias, down_bias) = (bias("gate_up_proj_bias", 2 * i)?, bias("down_proj_bias", hidden)?);
-            // Row (or bias entry) `2j + part` of `[2I, ..]` as `[I, ..]`.
-            let half = |t: Tensor, part: usize| -> candle_core::Result<Tensor> {
-                let mut dims = t.dims().to_vec();
-                dims[0] = i;
-                dims.insert(1, 2);
-                t.contiguous()?.reshape(dims)?.narrow(1, part, 1)?.squeeze(1)?.contiguous()
             };
             return (0..e)
                 .map(|x| {
@@ -256,14 +256,6 @@ fn load_interleaved(w: &Weights, prefix: &str, m: &MoeConfig, hidden: usize) -> 
     };
     let gate_up = rows("gate_up_proj", 2 * i, hidden)?;
     let down = rows("down_proj", hidden, i)?;
-    let (gate_up_bias, down_bias) = (bias("gate_up_proj_bias", 2 * i)?, bias("down_proj_bias", hidden)?);
-    // Row (or bias entry) `2j + part` of `[2I, ..]` as `[I, ..]`.
-    let half = |t: Tensor, part: usize| -> candle_core::Result<Tensor> {
-        let mut dims = t.dims().to_vec();
-        dims[0] = i;
-        dims.insert(1, 2);
-        t.contiguous()?.reshape(dims)?.narrow(1, part, 1)?.squeeze(1)?.contiguous()
-    };
     (0..e)
         .map(|x| {
             let gu = gate_up.get(x)?;

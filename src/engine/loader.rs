@@ -315,7 +315,8 @@ impl ModelFiles {
         let needs = self.config().needs_beyond_cuda();
         if devices.iter().any(Device::is_cuda) && !needs.is_empty() {
             return Err(err(format!(
-                "{} ({}) needs {}, which layertap's GPU kernels do not compute yet; it runs exactly on the CPU \
+                "{} ({}) needs {}, which layertap's GPU paths do not compute yet (or not yet checked against transformers \
+                 on a GPU); it runs exactly on the CPU \
                  (--device cpu). layertap refuses it on a CUDA device rather than return wrong hidden states",
                 self.id,
                 self.config().architecture,

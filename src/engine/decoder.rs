@@ -630,10 +630,20 @@ fn batch_kernels(cfg: &ModelConfig, device: &candle_core::Device, dtype: DType, 
     if cfg.layers.iter().any(|l| l.mixer.is_attention()) {
         use super::cuda::{attention, rope::QkvRope};
         let hd = cfg.head_dim;
+        // The batch's tile list serves every softmax-attention layer, so the kernel runs only
+        // where it takes each of their head sizes (full-attention layers may have their own).
+        let every_head_size = cfg
+            .layers
+            .iter()
+            .filter(|l| l.mixer.is_attention() && l.mixer != MixerKind::LatentAttention)
+            .all(|l| attention::supported(device, dtype, cfg.attention_shape(l.mixer).1));
+        // The fused rotation replaces the rotary tables for the whole batch: only where no layer
+        // rotating by them takes the other path (a value norm, or keys and values of another layer).
+        let every_layer_fuses = !cfg.v_norm && cfg.kv_sources.iter().all(Option::is_none);
         return BatchKernels {
-            attention: (o.cuda_attention && attention::supported(device, dtype, hd))
+            attention: (o.cuda_attention && every_head_size)
                 .then(|| o.attention_kernel.unwrap_or(super::AttentionKernel::default_for(hd))),
-            fused_rope: o.fused_rope && QkvRope::supported(device, dtype, hd, cfg.rotary_dim),
+            fused_rope: o.fused_rope && every_layer_fuses && QkvRope::supported(device, dtype, hd, cfg.rotary_dim),
         };
     }
     let _ = (cfg, device, dtype, o);

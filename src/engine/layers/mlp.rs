@@ -80,19 +80,23 @@ impl GatedMlp {
         if let (GateUp::Fused(l), ExpertActivation::Silu) = (&self.gate_up, self.activation) {
             return self.down.forward_silu_mul(&l.forward(h)?, self.fp8_fused);
         }
-        let act = match &self.gate_up {
-            GateUp::Separate { gate, up } => {
-                let (g, u) = (gate.forward(h)?, up.forward(h)?);
-                match self.activation {
-                    ExpertActivation::Silu => match super::cpu_ops::silu_mul(&g, &u)? {
-                        Some(act) => act,
-                        None => (candle_nn::ops::silu(&g)? * u)?,
-                    },
-                    ExpertActivation::ClampedSwiglu { limit, alpha } => clamped_swiglu(&g, &u, limit, alpha)?,
-                    ExpertActivation::GeluTanh => (g.gelu()? * u)?,
-                }
+        let (g, u) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(h)?, up.forward(h)?),
+            // The fused projection's gate then up outputs, for an activation the fused kernel
+            // does not compute.
+            GateUp::Fused(l) => {
+                let gu = l.forward(h)?;
+                let inter = gu.dim(1)? / 2;
+                (gu.narrow(1, 0, inter)?.contiguous()?, gu.narrow(1, inter, inter)?.contiguous()?)
             }
-            GateUp::Fused(_) => candle_core::bail!("fused gate/up needs the cuda feature"),
+        };
+        let act = match self.activation {
+            ExpertActivation::Silu => match super::cpu_ops::silu_mul(&g, &u)? {
+                Some(act) => act,
+                None => (candle_nn::ops::silu(&g)? * u)?,
+            },
+            ExpertActivation::ClampedSwiglu { limit, alpha } => clamped_swiglu(&g, &u, limit, alpha)?,
+            ExpertActivation::GeluTanh => (g.gelu()? * u)?,
         };
         self.down.forward(&act)
     }

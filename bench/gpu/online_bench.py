@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda:N: the samples copied to that GPU (by the source; with workers by the step)")
     ap.add_argument("--touch", default="sum", choices=["sum", "sum-once", "none"], help="what the stand-in step does with a sample")
     ap.add_argument("--pin-memory", type=int, default=1, choices=[0, 1], help="with --device: the host buffers pinned (1) or pageable (0)")
-    ap.add_argument("--warm-mb", type=int, default=None, help="with --device: host memory made ready when the pass starts (default: the bound)")
+    ap.add_argument("--warm-mb", type=int, default=None, help="with --device: host memory made ready when the pass starts (default: one slab)")
     a = ap.parse_args()
 
     from layertap_client.online import OnlineSource

@@ -20,7 +20,6 @@ online_workloads "$SEQUENCES"
 start_server "$WORK" cuda:0 "$WORK.serve.log"
 url="http://127.0.0.1:$PORT"
 b=(timeout 200 python3 bench/gpu/online_bench.py --url "$url" --device cuda:0)
-label() { sed "s|^{|{\"contender\":\"$1\",|"; }
 if [[ -z "${SHORT:-}" ]]; then
   clients "$w" 64 zstd | label "bench_http zstd, 64 in flight"
   "${b[@]}" --workload "$w"

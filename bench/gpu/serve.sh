@@ -34,3 +34,6 @@ online_workloads() {
   w="$WORK/workload.json"
   long="$WORK/workload-$1.json"
 }
+
+# label TEXT: a JSON line on stdin with "contender": TEXT first.
+label() { sed "s|^{|{\"contender\":\"$1\",|"; }

@@ -145,7 +145,7 @@ impl BatchCtx {
         #[cfg(not(feature = "cuda"))]
         let _ = kernels;
         #[cfg(feature = "cuda")]
-        let rope_inputs = if kernels.fused_rope && !rope.scales_tables() {
+        let rope_inputs = if kernels.fused_rope {
             Some((Tensor::new(positions.as_slice(), device)?, Tensor::new(rope.inv_freq(), device)?))
         } else {
             None

@@ -638,8 +638,12 @@ fn batch_kernels(cfg: &ModelConfig, device: &candle_core::Device, dtype: DType, 
             .filter(|l| l.mixer.is_attention() && l.mixer != MixerKind::LatentAttention)
             .all(|l| attention::supported(device, dtype, cfg.attention_shape(l.mixer).1));
         // The fused rotation replaces the rotary tables for the whole batch: only where no layer
-        // rotating by them takes the other path (a value norm, or keys and values of another layer).
-        let every_layer_fuses = !cfg.v_norm && cfg.kv_sources.iter().all(Option::is_none);
+        // rotating by them takes the other path (a value norm, or keys and values of another
+        // layer), and where the tables are not scaled (YaRN's attention factor: the fused
+        // rotation computes the unscaled angles from the inverse frequencies alone).
+        let every_layer_fuses = !cfg.v_norm
+            && cfg.kv_sources.iter().all(Option::is_none)
+            && cfg.rope_scaling.as_ref().is_none_or(|s| s.attention_factor() == 1.0);
         return BatchKernels {
             attention: (o.cuda_attention && every_head_size)
                 .then(|| o.attention_kernel.unwrap_or(super::AttentionKernel::default_for(hd))),

@@ -740,9 +740,8 @@ impl Weights {
     /// `[E, out, in / 32]`; `None` where the checkpoint stores no `{name}_blocks`.
     pub fn get_mxfp4(&self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, EngineError> {
         let Some((blocks, scales)) = self.mxfp4_parts(name, shape)? else { return Ok(None) };
-        let values = crate::engine::layers::mxfp4::dequantise(blocks.data, scales.data).map_err(|why| {
-            EngineError::Load(format!("{:?} in {}: {why}; the checkpoint is damaged", scales.name, self.where_from()))
-        })?;
+        let values = crate::engine::layers::mxfp4::dequantise(blocks.data, scales.data)
+            .map_err(|why| self.damaged_mxfp4(&scales.name, &why))?;
         self.mark_read(&blocks.name);
         self.mark_read(&scales.name);
         let t = Tensor::from_vec(values, shape, &Device::Cpu)?;
@@ -753,21 +752,19 @@ impl Weights {
     /// `[E, out, in / 32]`, u8, on the weights' device (a scale that is NaN refused as
     /// [`Weights::get_mxfp4`] refuses it); `None` where the checkpoint stores no `{name}_blocks`.
     pub fn get_mxfp4_packed(&self, name: &str, shape: &[usize]) -> Result<Option<(Tensor, Tensor)>, EngineError> {
-        use crate::engine::layers::mxfp4::{BLOCK, BLOCK_BYTES, NAN_SCALE};
+        use crate::engine::layers::mxfp4::{check_scales, BLOCK, BLOCK_BYTES};
         let Some((blocks, scales)) = self.mxfp4_parts(name, shape)? else { return Ok(None) };
-        if let Some(at) = scales.data.iter().position(|&x| x == NAN_SCALE) {
-            return Err(EngineError::Load(format!(
-                "{:?} in {}: scale {at} is 0xFF, which E8M0 defines as NaN; the checkpoint is damaged",
-                scales.name,
-                self.where_from()
-            )));
-        }
+        check_scales(scales.data).map_err(|why| self.damaged_mxfp4(&scales.name, &why))?;
         let &[e, out, inp] = shape else { unreachable!("checked by mxfp4_parts") };
         let b = Tensor::from_slice(blocks.data, (e, out, inp / BLOCK * BLOCK_BYTES), &self.device)?;
         let sc = Tensor::from_slice(scales.data, (e, out, inp / BLOCK), &self.device)?;
         self.mark_read(&blocks.name);
         self.mark_read(&scales.name);
         Ok(Some((b, sc)))
+    }
+
+    fn damaged_mxfp4(&self, scales: &str, why: &str) -> EngineError {
+        EngineError::Load(format!("{scales:?} in {}: {why}; the checkpoint is damaged", self.where_from()))
     }
 
     /// `{name}_blocks` and `{name}_scales` of an MXFP4 experts tensor of `shape` `[E, out, in]`,

@@ -44,11 +44,9 @@ pub struct Attention {
     gated: bool,
     /// Keys this many positions back or further are masked (a sliding-attention layer).
     window: Option<usize>,
-    /// One logit per query head that joins each row's softmax and is dropped after it (f32).
-    sinks: Option<Vec<f32>>,
-    /// The same logits on the layer's CUDA device, for the attention kernel.
-    #[cfg(feature = "cuda")]
-    sinks_on_device: Option<Tensor>,
+    /// One logit per query head that joins each row's softmax and is dropped after it (f32): for
+    /// the CPU's fused kernel, and as a tensor on the layer's device for the others.
+    sinks: Option<(Vec<f32>, Tensor)>,
     /// The split, q/k norms and rotary embedding in one kernel, where it serves and
     /// `EngineOptions::fused_rope` leaves it on (chosen at load).
     #[cfg(feature = "cuda")]
@@ -115,17 +113,13 @@ impl Attention {
         let v_norm = (c.v_norm && !reuses_kv).then(|| RmsNorm::scale_free(w, hd, c.rms_norm_eps)).transpose()?;
         let sinks = match c.attention_sinks {
             true => {
-                Some(w.get_f32(&format!("{prefix}.sinks"), &[nq])?.to_device(&candle_core::Device::Cpu)?.to_vec1()?)
+                let t = w.get_f32(&format!("{prefix}.sinks"), &[nq])?;
+                Some((t.to_device(&candle_core::Device::Cpu)?.to_vec1()?, t))
             }
             false => None,
         };
         #[cfg(not(feature = "cuda"))]
         let _ = o;
-        #[cfg(feature = "cuda")]
-        let sinks_on_device = match &sinks {
-            Some(s) if w.device.is_cuda() => Some(Tensor::new(s.as_slice(), &w.device)?),
-            _ => None,
-        };
         #[cfg(feature = "cuda")]
         let fused = if o.fused_rope
             && !reuses_kv
@@ -170,8 +164,6 @@ impl Attention {
             gated: c.attn_output_gate,
             window,
             sinks,
-            #[cfg(feature = "cuda")]
-            sinks_on_device,
             #[cfg(feature = "cuda")]
             fused,
         })
@@ -293,18 +285,15 @@ impl Attention {
         let t = q.dim(0)?;
         #[cfg(feature = "cuda")]
         if let Some(tiles) = &ctx.tiles {
-            if self.sinks.is_some() && self.sinks_on_device.is_none() {
-                candle_core::bail!("attention: the sinks are not on the attention kernel's device");
-            }
-            let sinks = self.sinks_on_device.as_ref();
+            let sinks = self.sinks.as_ref().map(|(_, t)| t);
             return crate::engine::cuda::attention::packed_attention(q, k, v, tiles, scale, self.window, sinks)?
                 .reshape((t, self.heads * self.head_dim));
         }
-        let sinks = self.sinks.as_deref();
         if super::cpu_attention::supported(q) {
+            let sinks = self.sinks.as_ref().map(|(s, _)| s.as_slice());
             return super::cpu_attention::packed_attention(q, k, v, &ctx.seqs, scale as f32, self.window, sinks);
         }
-        let sinks = sinks.map(|s| Tensor::new(s, q.device())).transpose()?;
+        let sinks = self.sinks.as_ref().map(|(_, t)| t);
         let mut outs = Vec::with_capacity(ctx.seqs.len());
         for &(start, len) in &ctx.seqs {
             let masks = ctx.masks.get(&(len, self.window)).ok_or_else(|| {
@@ -316,7 +305,7 @@ impl Attention {
                 &v.narrow(0, start, len)?,
                 scale,
                 masks,
-                sinks.as_ref(),
+                sinks,
             )?);
         }
         let out = if outs.len() == 1 { outs.swap_remove(0) } else { Tensor::cat(&outs, 0)? };

@@ -87,7 +87,7 @@ impl GatedMlp {
             GateUp::Fused(l) => {
                 let gu = l.forward(h)?;
                 let inter = gu.dim(1)? / 2;
-                (gu.narrow(1, 0, inter)?.contiguous()?, gu.narrow(1, inter, inter)?.contiguous()?)
+                (gu.narrow(1, 0, inter)?, gu.narrow(1, inter, inter)?)
             }
         };
         let act = match self.activation {

@@ -21,6 +21,14 @@ fn scale_value(s: u8) -> f32 {
     (2f64).powi(s as i32 - 127) as f32
 }
 
+/// `Err` naming the first scale that is NaN ([`NAN_SCALE`]).
+pub fn check_scales(scales: &[u8]) -> Result<(), String> {
+    match scales.iter().position(|&s| s == NAN_SCALE) {
+        Some(at) => Err(format!("scale {at} is 0xFF, which E8M0 defines as NaN")),
+        None => Ok(()),
+    }
+}
+
 /// The f32 values of `blocks` (`rows * groups` blocks of [`BLOCK_BYTES`] bytes, row-major) with
 /// their `scales` (`rows * groups` bytes): `[rows, groups * 32]` row-major. `Err` with the index
 /// of the first scale that is NaN ([`NAN_SCALE`]), or where the lengths do not match.
@@ -28,9 +36,7 @@ pub fn dequantise(blocks: &[u8], scales: &[u8]) -> Result<Vec<f32>, String> {
     if blocks.len() != scales.len() * BLOCK_BYTES {
         return Err(format!("{} bytes of blocks for {} scales (16 bytes a block)", blocks.len(), scales.len()));
     }
-    if let Some(at) = scales.iter().position(|&s| s == NAN_SCALE) {
-        return Err(format!("scale {at} is 0xFF, which E8M0 defines as NaN"));
-    }
+    check_scales(scales)?;
     let mut out = vec![0f32; scales.len() * BLOCK];
     out.par_chunks_mut(BLOCK).zip(blocks.par_chunks(BLOCK_BYTES)).zip(scales.par_iter()).for_each(|((o, b), &s)| {
         let scale = scale_value(s);

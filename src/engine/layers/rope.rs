@@ -88,12 +88,6 @@ impl Rope {
         Some(Rope { inv_freq, attention_factor: 1.0 })
     }
 
-    /// Whether the tables are scaled (YaRN's attention factor): the fused CUDA rotation computes
-    /// unscaled angles from [`Rope::inv_freq`] alone, so such a model takes the tables.
-    pub fn scales_tables(&self) -> bool {
-        self.attention_factor != 1.0
-    }
-
     /// The inverse frequencies, scaling applied: angle `i` of position `p` is `p * inv_freq[i]`.
     pub fn inv_freq(&self) -> &[f32] {
         &self.inv_freq

@@ -593,10 +593,11 @@ class _PinnedArena:
     """Pinned host memory for the samples on their way to a GPU. Allocating pinned memory
     (cudaHostAlloc) is slow, and it waits behind the process's own GPU work: allocated per
     sample it stalled the decoding threads for most of a pass whenever the consumer kept the
-    GPU busy. So it is allocated here in a few large slabs, once for the source's life (from a
-    background thread when a pass starts, up to the bytes a pass keeps in flight), and cut into
-    the samples' buffers first-fit; a buffer goes back when the copy from it is done. A sample
-    larger than a slab gets a buffer of its own, kept for reuse by size."""
+    GPU busy. So it is allocated here in a few large slabs, kept for the source's life (the first
+    from a background thread when a pass starts, the others when the buffers in use fill those
+    there are), and cut into the samples' buffers first-fit; a buffer goes back when the copy from
+    it is done. A sample larger than a slab gets a buffer of its own, kept for reuse by size.
+    With ``pinned=False`` the slabs are plain pageable memory (``pin_memory=False``)."""
 
     ALIGN = 4096
 

@@ -60,16 +60,15 @@ pub fn quantise_activations(x: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// The e4m3 byte of `v`, a value of the e4m3 grid ([`round_e4m3`]'s result, `|v| <= 448`):
-/// the conversion is exact, so it only encodes (the general conversion [`e4m3_byte`] is checked
-/// against).
+/// the conversion is exact, so it only encodes (what [`e4m3_byte`] is checked against).
 #[cfg(test)]
 fn e4m3_bits(v: f32) -> u8 {
     float8::F8E4M3::from_f32(v).to_bits()
 }
 
 /// The e4m3 byte of `x` rounded to the nearest e4m3 value, ties to even: what
-/// `e4m3_bits(round_e4m3(x))` gives, for finite `|x| <= 448`, in integer operations on the bits
-/// (no division, no rounding call, no general conversion: the weights of a whole model go
+/// `e4m3_bits(round_e4m3(x))` gives, for finite `|x| <= 448`, from the bits (no division, no
+/// rounding call, no general conversion: the weights of a whole model go
 /// through this at load under `--quantize fp8`). Normal values keep 3 of the 23 fraction bits,
 /// rounded to nearest even on the bits themselves (a carry moves into the exponent as it should);
 /// below `2^-6` the step is `2^-9`, so `|x| * 512`, exact, rounded to a whole number is the
